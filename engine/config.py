@@ -1,0 +1,78 @@
+"""The engine's frozen configuration: what to load, how to cache, how to schedule.
+
+Every leaf is a flag (`--block-size`), an env var (`KVHARBOR_BLOCK_SIZE`) and a YAML key
+(`block_size`): see kvharbor.config. Values computed at start-up (number of KV blocks, bytes per
+token) live in `engine.capacity.KVCapacity`, never here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvharbor.common.config import opt, parse_bytes
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Device = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = opt(None, "HF folder or .gguf file; empty means the bundled SmolLM2-135M-Instruct")
+    served_model_name: str | None = opt(None, "model id in the API and in block hashes (default: file stem)")
+    dtype: Dtype = opt("auto", "weights/activations dtype; auto = bfloat16 on CPUs with AMX/AVX512, else float32")
+    max_model_len: int | None = opt(None, "longest prompt + output in tokens (default: the model's limit)")
+    device: Device = opt("auto", "where to run: cuda when available, else cpu")
+    engine_seed: int = opt(0, "seed of the engine RNG that seeds requests without a seed of their own")
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = opt(16, "tokens per KV block (the prefix-cache and hashing granularity)")
+    kv_cache_memory: str | None = opt(None, "KV pool size, e.g. 2GiB (default: a share of free memory)")
+    kv_memory_fraction: float = opt(0.9, "share of free accelerator memory for KV when kv_cache_memory is unset")
+    num_kv_blocks: int | None = opt(None, "exact number of KV blocks; overrides the memory budget")
+    enable_prefix_caching: bool = opt(True, "reuse KV blocks of identical prefixes")
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            parse_bytes(self.kv_cache_memory)
+        if not 0.0 < self.kv_memory_fraction <= 1.0:
+            raise ValueError(f"kv_memory_fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = opt(64, "most requests in one batch")
+    max_num_batched_tokens: int = opt(1024, "token budget of one step (prefill chunks + decodes)")
+    max_n: int = opt(16, "largest n (parallel samples) one request may ask for")
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    threads: int | None = opt(None, "CPU threads for torch (default: one per physical core)")
+    attention_backend: Literal["auto", "torch"] = opt("auto", "attention implementation")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)

@@ -1,0 +1,63 @@
+"""Incremental detokenization with stop strings, for one sample of one request.
+
+Text is decoded token by token (multi-byte characters wait for their last byte). When stop strings
+exist, the last `max(len(stop)) - 1` characters are held back from the stream until they cannot
+be the start of a stop string, so a client never sees half of one.
+"""
+
+from __future__ import annotations
+
+from kvharbor.engine.sampling_params import SamplingParams
+from kvharbor.engine.tokenizer import Tokenizer
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Tokenizer | None, params: SamplingParams) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self._stream = tokenizer.decode_stream(params.skip_special_tokens) if tokenizer else None
+        self.text = ""  # everything decoded so far, cut at a stop string once one is found
+        self._emitted = 0  # characters of `text` already handed out as deltas
+        self._searched = 0  # characters of `text` already searched for stop strings
+        self._hold = max((len(s) for s in params.stop), default=1) - 1
+        self.stop_string: str | None = None
+        self.num_tokens = 0  # output tokens decoded so far
+
+    def update(self, output_token_ids: list[int]) -> str | None:
+        """Decode the tokens appended since the last call; return the stop string they completed,
+        if any (the text is then cut there and later tokens are ignored)."""
+        new = output_token_ids[self.num_tokens :]
+        self.num_tokens = len(output_token_ids)
+        if self._stream is None or self.stop_string is not None:
+            return None
+        for token in new:
+            piece = self._stream.step(self.tokenizer.backend, token)
+            if piece:
+                self.text += piece
+                if self.params.stop and self._find_stop():
+                    return self.stop_string
+        return None
+
+    def _find_stop(self) -> bool:
+        start = max(0, self._searched - self._hold)
+        best = None
+        for stop in self.params.stop:
+            idx = self.text.find(stop, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, stop)
+        self._searched = len(self.text)
+        if best is None:
+            return False
+        idx, stop = best
+        self.text = self.text[: idx + (len(stop) if self.params.include_stop_str_in_output else 0)]
+        self.stop_string = stop
+        return True
+
+    def delta(self, final: bool) -> str:
+        """Text not handed out yet; while unfinished, keep back what may start a stop string."""
+        end = (
+            len(self.text) if final or self.stop_string is not None else max(self._emitted, len(self.text) - self._hold)
+        )
+        out = self.text[self._emitted : end]
+        self._emitted = end
+        return out

@@ -1,0 +1,146 @@
+"""KVCacheManager: each request's block table, prefix-cache lookups, allocation and copy-on-write."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from typing import NamedTuple
+
+from kvharbor.engine.block_pool import Block, BlockPool
+from kvharbor.engine.request import Request
+
+
+class PrefixHit(NamedTuple):
+    blocks: list[Block]
+    num_tokens: int
+
+
+class KVCacheManager:
+    """Maps request ids to block tables over one BlockPool.
+
+    Tables are append-only while a request runs; `free` releases a whole table tail first, so a
+    request's last blocks are evicted before its prefix (which other requests are likelier to share).
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.tables: dict[str, list[Block]] = {}
+        self._num_hashed: dict[str, int] = {}  # table entries already offered to the hash map
+        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_hits = 0  # of those, tokens found cached
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
+        """The longest cached prefix of `request`, capped so its last token is always computed
+        (the model must run on it to produce logits). Mutates nothing but the hit counters."""
+        if not self.pool.enable_caching:
+            return PrefixHit([], 0)
+        hashes = request.full_block_hashes(self.block_size)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[Block] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(blocks) * self.block_size
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
+        """New blocks `allocate_slots` would take for these tokens (copy-on-write included)."""
+        table = self.tables.get(request.request_id, [])
+        total = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
+        needed = -(-total // self.block_size) - len(table) - num_hit_blocks
+        return max(0, needed) + int(self._needs_copy(request, table))
+
+    def _needs_copy(self, request: Request, table: list[Block]) -> bool:
+        # Writing into a partially filled last block that a sibling sample also uses.
+        return bool(table) and request.num_computed_tokens % self.block_size != 0 and table[-1].ref_cnt > 1
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None
+    ) -> list[tuple[int, int]] | None:
+        """Give `request` room for `num_new_tokens` more tokens after its computed ones (and after
+        the prefix `hit`, which it adopts). Registers the full blocks these tokens complete.
+
+        Returns the (src, dst) block copies the runner must do first (copy-on-write), or None
+        when the pool is too short; then nothing was changed and the caller may preempt.
+        """
+        hit_blocks = hit.blocks if hit else []
+        table = self.tables.get(request.request_id, [])
+        # Reviving a free cached block takes it out of the free list, so it counts against it.
+        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        if self.blocks_needed(request, num_new_tokens, len(hit_blocks)) + revived > self.pool.num_free:
+            return None
+        table = self.tables.setdefault(request.request_id, table)
+        if hit_blocks:
+            self.pool.touch(hit_blocks)
+            table.extend(hit_blocks)
+            self._num_hashed[request.request_id] = len(table)
+        copies = []
+        if self._needs_copy(request, table):
+            shared = table[-1]
+            (fresh,) = self.pool.get_new_blocks(1)
+            self.pool.free_blocks([shared])
+            table[-1] = fresh
+            copies.append((shared.block_id, fresh.block_id))
+        total = request.num_computed_tokens + (hit.num_tokens if hit else 0) + num_new_tokens
+        missing = -(-total // self.block_size) - len(table)
+        if missing > 0:
+            table.extend(self.pool.get_new_blocks(missing))
+        self._cache_full_blocks(request, table, total)
+        return copies
+
+    def _cache_full_blocks(self, request: Request, table: list[Block], num_tokens: int) -> None:
+        if not self.pool.enable_caching:
+            return
+        done = self._num_hashed.get(request.request_id, 0)
+        hashes = request.full_block_hashes(self.block_size)
+        upto = min(num_tokens // self.block_size, len(hashes))
+        if upto <= done:
+            return
+        parent = hashes[done - 1] if done > 0 else None
+        self.pool.cache_blocks(table[done:upto], hashes[done:upto], parent)
+        self._num_hashed[request.request_id] = upto
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Let `child` share every block of `parent` (one more reference each)."""
+        table = self.tables[parent.request_id]
+        self.pool.touch(table)
+        self.tables[child.request_id] = list(table)
+        self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
+
+    def free(self, request: Request) -> None:
+        """Release the request's whole table, tail first. Safe to call twice."""
+        table = self.tables.pop(request.request_id, None)
+        self._num_hashed.pop(request.request_id, None)
+        if table:
+            self.pool.free_blocks(reversed(table))
+
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.tables.get(request.request_id, [])]
+
+    def uncache_blocks(self, requests: Iterable[Request]) -> None:
+        """Forget cached hashes of these requests' blocks (after a failed step wrote garbage)."""
+        for request in requests:
+            self.pool.uncache(self.tables.get(request.request_id, []))
+            self._num_hashed[request.request_id] = 0
+
+    @property
+    def usage(self) -> float:
+        """Share of blocks in use by requests (cached free blocks count as free)."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    def check_integrity(self) -> None:
+        """The pool's own checks, plus: every refcount equals the number of tables holding it."""
+        self.pool.check_integrity()
+        holders = Counter(b.block_id for table in self.tables.values() for b in table)
+        for block in self.pool.blocks:
+            assert block.ref_cnt == holders.get(block.block_id, 0), (
+                f"{block} is held by {holders.get(block.block_id, 0)} tables"
+            )

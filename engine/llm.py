@@ -1,0 +1,111 @@
+"""LLM: offline batch generation in the shape vLLM users know."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from kvharbor.common.config import load_config
+from kvharbor.engine.config import EngineConfig
+from kvharbor.engine.llm_engine import LLMEngine, Progress
+from kvharbor.engine.outputs import RequestOutput
+from kvharbor.engine.sampling_params import SamplingParams
+from kvharbor.engine.tokenizer import Tokenizer
+
+PromptInput = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """`LLM(model=None | path, dtype='auto' | 'float32' | 'bfloat16', **engine_options)`.
+
+    `engine_options` are EngineConfig leaves by name (block_size=16, num_kv_blocks=64, ...).
+    The Python API reads no environment or file: what you pass is what runs.
+    """
+
+    def __init__(
+        self, model: str | None = None, dtype: str = "auto", *, progress: Progress | None = None, **engine_options: Any
+    ) -> None:
+        config = load_config(EngineConfig, env={}, overrides={"model": model, "dtype": dtype, **engine_options})
+        self.engine = LLMEngine(config, progress=progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Sequence[PromptInput],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """One finished RequestOutput per prompt, in order. A prompt is text, a list of token ids,
+        or {"prompt_token_ids": [...]}. If any prompt is invalid, ValueError is raised and
+        nothing runs."""
+        batch = _as_batch(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(batch), "sampling_params")
+        prios = _per_prompt(list(priority) if priority is not None else 0, len(batch), "priority")
+        ids = [f"gen-{next(self._ids)}" for _ in batch]
+        added: list[str] = []
+        try:
+            for rid, prompt, p, prio in zip(ids, batch, params, prios, strict=True):
+                self._add(rid, prompt, p, prio)
+                added.append(rid)
+        except ValueError:
+            self.engine.abort(added)
+            while self.engine.has_unfinished():
+                self.engine.step()
+            raise
+        return self._run(ids)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to one conversation or a list of them, then generate."""
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot render chats")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [
+            {"prompt_token_ids": tokenizer.encode(tokenizer.apply_chat_template(c), add_special_tokens=False)}
+            for c in convs
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def _add(self, rid: str, prompt: PromptInput, params: SamplingParams, priority: int) -> None:
+        if isinstance(prompt, str):
+            self.engine.add_request(rid, prompt, params, priority=priority)
+        elif isinstance(prompt, dict):
+            self.engine.add_request(
+                rid, prompt.get("prompt"), params, priority=priority, prompt_token_ids=prompt.get("prompt_token_ids")
+            )
+        else:
+            self.engine.add_request(rid, None, params, priority=priority, prompt_token_ids=list(prompt))
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[rid] for rid in ids]
+
+
+def _as_batch(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    return prompts
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n

@@ -1,0 +1,368 @@
+"""LLMEngine: the loop a server drives. `add_request`, then `step()` until done; `abort` any time.
+
+plan = scheduler.schedule()        # who runs, how many tokens, which blocks
+out = runner.execute(plan)         # one forward pass + sampling
+scheduler.update(plan, out)        # advance, fork n > 1, token-level stops
+detokenize, stop strings, build RequestOutputs
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from kvharbor.common.block_hash import namespace_hash
+from kvharbor.engine.block_pool import BlockPool
+from kvharbor.engine.capacity import KVCapacity, plan_capacity
+from kvharbor.engine.config import EngineConfig
+from kvharbor.engine.detokenizer import Detokenizer
+from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.loader import load_model
+from kvharbor.engine.model import LlamaModel
+from kvharbor.engine.outputs import CompletionOutput, RequestOutput
+from kvharbor.engine.request import FinishReason, Request
+from kvharbor.engine.runner import ModelRunner
+from kvharbor.engine.sampler import Sampler
+from kvharbor.engine.sampling_params import SamplingParams
+from kvharbor.engine.scheduler import Scheduler, SchedulerPlan
+from kvharbor.engine.tokenizer import Tokenizer
+
+log = logging.getLogger("kvharbor.engine")
+Progress = Callable[[str], None]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda was asked for but torch sees no CUDA device; use --device cpu")
+    return torch.device(name)
+
+
+def _cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 where matmuls are fast in it (CUDA, CPUs with AMX/AVX512-BF16), else float32."""
+    if name == "auto":
+        fast = device.type == "cuda" or _cpu_has_fast_bf16()
+        return torch.bfloat16 if fast else torch.float32
+    return getattr(torch, name)
+
+
+@dataclass
+class _Group:
+    """One user request: n samples that share a prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: dict[int, Request] = field(default_factory=dict)
+    detoks: dict[int, Detokenizer] = field(default_factory=dict)
+    reported: dict[int, int] = field(default_factory=dict)  # tokens already in a delta
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.params.n and all(r.is_finished for r in self.samples.values())
+
+
+@dataclass
+class EngineStats:
+    """Measured speed, as EWMAs (alpha 0.2): the load report's 'prefill tok/s' and 'decode step'."""
+
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
+    steps: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+    def record(self, plan: SchedulerPlan, seconds: float) -> None:
+        prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        self.steps += 1
+        if prefill:
+            rate = prefill / max(seconds, 1e-9)
+            self.prefill_tokens_per_s = (
+                rate if not self.prefill_tokens_per_s else 0.8 * self.prefill_tokens_per_s + 0.2 * rate
+            )
+        else:
+            self.decode_step_s = seconds if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * seconds
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: Progress | None = None) -> None:
+        say = progress or (lambda msg: log.info(msg))
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self._set_threads()
+        t0 = time.monotonic()
+        say(f"loading model {config.model.model or '(bundled SmolLM2-135M-Instruct)'} ...")
+        loaded = load_model(config.model.model, config.model.served_model_name)
+        self.model_name = loaded.name
+        self.arch = loaded.arch
+        self.tokenizer: Tokenizer | None = loaded.tokenizer
+        self.max_model_len = self._max_model_len()
+        say(
+            f"building {self.arch.architecture} ({self.arch.num_parameters / 1e6:.1f}M parameters) "
+            f"in {str(self.dtype).removeprefix('torch.')} on {self.device} ..."
+        )
+        self.model = LlamaModel(self.arch, self.dtype, self.device)
+        self.model.load_hf_state_dict({k: v.to(self.dtype) for k, v in loaded.state_dict.items()})
+        del loaded
+        self.capacity: KVCapacity = plan_capacity(self.arch, config.cache, self.dtype, self.device, self.max_model_len)
+        say(
+            f"KV pool: {self.capacity.num_blocks} blocks x {self.capacity.block_size} tokens = "
+            f"{self.capacity.capacity_tokens} tokens ({self.capacity.total_bytes / 2**20:.0f} MiB, "
+            f"{self.capacity.bytes_per_token} bytes/token)"
+        )
+        self.pool = BlockPool(self.capacity.num_blocks, self.capacity.block_size, config.cache.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool)
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids) | frozenset(
+            self.tokenizer.eos_token_ids if self.tokenizer else ()
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.eos_token_ids)
+        self.sampler = Sampler(self.arch.vocab_size, self.eos_token_ids, config.model.engine_seed)
+        self.runner = ModelRunner(self.model, self.kv, self.sampler, self.dtype, self.device)
+        self.stats = EngineStats()
+        self._groups: dict[str, _Group] = {}
+        self._touched: set[str] = set()
+        say("warming up ...")
+        self._warm_up()
+        say(f"ready in {time.monotonic() - t0:.1f}s")
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def _set_threads(self) -> None:
+        if self.device.type != "cpu":
+            return
+        threads = self.config.runtime.threads or len(os.sched_getaffinity(0))
+        torch.set_num_threads(threads)
+
+    def _max_model_len(self) -> int:
+        limit = self.arch.max_position_embeddings
+        asked = self.config.model.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(f"max_model_len {asked} exceeds what {self.model_name} supports ({limit})")
+        return asked or limit
+
+    def _warm_up(self) -> None:
+        # One short request through the whole path, so the first user does not pay for lazy
+        # initialization (oneDNN kernels, allocator). Its blocks are dropped from the cache.
+        warm = "warmup-" + os.urandom(4).hex()
+        self.add_request(
+            warm,
+            prompt_token_ids=[0] * min(8, self.max_model_len - 2),
+            params=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+        )
+        while self.has_unfinished():
+            self.step()
+        self.pool.reset_prefix_cache()
+        self.pool.take_events()
+        self.stats = EngineStats()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        params: SamplingParams | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        priority: int = 0,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (and queues nothing) for bad input."""
+        params = params or SamplingParams()
+        params.validate()
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self._prompt_ids(prompt, prompt_token_ids)
+        if params.n > self.config.scheduler.max_n:
+            raise ValueError(f"n={params.n} exceeds the engine's limit of {self.config.scheduler.max_n} (--max-n)")
+        params.check_vocab(self.arch.vocab_size)
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but this model's context is {self.max_model_len}: "
+                "shorten the prompt (at least one token must be generated)"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the {len(ids)}-token prompt exceeds the model's context "
+                f"of {self.max_model_len} tokens: ask for at most {room}"
+            )
+        request = Request(
+            request_id,
+            ids,
+            params,
+            params.max_tokens or room,
+            namespace_hash(self.model_name, cache_salt),
+            priority=priority,
+            tenant=tenant,
+            arrival_time=arrival_time,
+        )
+        self.scheduler.add(request)
+        group = _Group(request_id, prompt, ids, params)
+        self._groups[request_id] = group
+        self._register(group, request)
+
+    def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.arch.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.arch.vocab_size})")
+        elif prompt is not None:
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer.json: send prompt_token_ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            raise ValueError("a request needs a prompt or prompt_token_ids")
+        if not ids:
+            raise ValueError("the prompt is empty: send at least one token")
+        return ids
+
+    def _register(self, group: _Group, request: Request) -> None:
+        group.samples[request.index] = request
+        group.detoks[request.index] = Detokenizer(self.tokenizer, group.params)
+        group.reported[request.index] = 0
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Cancel requests (all their samples); their blocks go back to the pool at once. Unknown
+        or finished ids are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            for request in group.samples.values():
+                self.scheduler.finish(request, FinishReason.ABORT)
+            self._touched.add(rid)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._touched)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration. Returns an output for every request that progressed or finished."""
+        plan = self.scheduler.schedule()
+        if plan.is_empty and self.scheduler.num_unfinished and not self.scheduler.running:
+            raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_unfinished} requests waiting")
+        if not plan.is_empty:
+            self._run(plan)
+        outputs = [self._output(self._groups[g]) for g in sorted(self._touched) if g in self._groups]
+        for rid in list(self._touched):
+            group = self._groups.get(rid)
+            if group is not None and group.finished:
+                for request in group.samples.values():
+                    self.sampler.forget(request)
+                del self._groups[rid]
+        self._touched.clear()
+        return outputs
+
+    def _run(self, plan: SchedulerPlan) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = self.runner.execute(plan)
+        except Exception as exc:
+            self._fail(plan, exc)
+            return
+        self.stats.record(plan, time.perf_counter() - t0)
+        forked = self.scheduler.update(plan, out)
+        for child in forked:
+            self._register(self._groups[child.group_id], child)
+        for request in [c.request for c in plan.chunks] + forked:
+            group = self._groups[request.group_id]
+            self._touched.add(group.request_id)
+            self._detokenize(group, request)
+
+    def _detokenize(self, group: _Group, request: Request) -> None:
+        stop = group.detoks[request.index].update(request.output_token_ids)
+        if stop is None:
+            return
+        if request.is_finished:  # the same token also hit a length limit: the stop string wins
+            request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+        else:
+            self.scheduler.finish(request, FinishReason.STOP, stop_reason=stop)
+
+    def _fail(self, plan: SchedulerPlan, exc: Exception) -> None:
+        log.exception("engine step failed; failing its %d requests", len(plan.chunks))
+        requests = [c.request for c in plan.chunks]
+        self.kv.uncache_blocks(requests)  # their KV may be half-written: nobody may hit it
+        for request in requests:
+            self.scheduler.finish(request, FinishReason.ERROR)
+            group = self._groups[request.group_id]
+            group.error = f"{type(exc).__name__}: {exc}"
+            self._touched.add(group.request_id)
+
+    def _output(self, group: _Group) -> RequestOutput:
+        outs = []
+        first = group.samples[0]
+        for index in range(group.params.n):
+            request = group.samples.get(index)
+            if request is None:  # not forked yet: report an empty, unfinished sample
+                reason = first.finish_reason.value if first.is_finished else None
+                outs.append(CompletionOutput(index, finish_reason=reason))
+                continue
+            detok = group.detoks[index]
+            done = group.reported[index]
+            group.reported[index] = len(request.output_token_ids)
+            reason = request.finish_reason.value if request.finish_reason else None
+            outs.append(
+                CompletionOutput(
+                    index=index,
+                    text=detok.text,
+                    token_ids=list(request.output_token_ids),
+                    logprobs=list(request.logprobs) if group.params.logprobs is not None else None,
+                    finish_reason=reason,
+                    stop_reason=request.stop_reason,
+                    delta_text=detok.delta(final=request.is_finished),
+                    delta_token_ids=request.output_token_ids[done:],
+                    delta_logprobs=request.logprobs[done:],
+                )
+            )
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=outs,
+            finished=group.finished,
+            num_cached_tokens=max(0, first.num_cached_tokens),
+            error=group.error,
+        )
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def load(self) -> dict:
+        """The engine load report (DESIGN §2)."""
+        waiting = self.scheduler.waiting
+        return {
+            "model": self.model_name,
+            "running": len(self.scheduler.running),
+            "waiting": len(waiting),
+            "waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+            "kv_blocks_total": self.pool.num_blocks,
+            "kv_blocks_free": self.pool.num_free,
+            "kv_blocks_cached": self.pool.num_cached,
+            "prefill_tokens_per_s": round(self.stats.prefill_tokens_per_s, 1),
+            "decode_step_ms": round(self.stats.decode_step_s * 1000, 2),
+        }
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

@@ -1,0 +1,169 @@
+"""The Llama-family decoder (Llama, Mistral, SmolLM2, Qwen2) over a flat, unpadded token batch.
+
+Every non-attention op sees one `[num_tokens, hidden]` matrix; attention reads the paged KV cache
+(engine.attention). Q/K/V and gate/up projections are fused into one matmul each, because on CPU
+the per-op overhead of 30 layers x a dozen ops is what a decode step is made of.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvharbor.engine.attention import AttentionMetadata, paged_attention
+from kvharbor.engine.model_arch import ModelArch
+
+
+def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """Inverse RoPE frequencies (float32), with Llama 3 / linear scaling applied."""
+    d = arch.head_dim
+    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    scaling = arch.rope_scaling_dict
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(is_mid, mid, scaled)
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, d = arch.hidden_size, arch.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        self.eps = arch.rms_norm_eps
+        qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * d
+        self.input_norm = _param(h, dtype=dtype, device=device)
+        self.qkv = _param(qkv_rows, h, dtype=dtype, device=device)
+        self.qkv_bias = _param(qkv_rows, dtype=dtype, device=device) if arch.attention_bias else None
+        self.o_proj = _param(h, arch.num_heads * d, dtype=dtype, device=device)
+        self.post_norm = _param(h, dtype=dtype, device=device)
+        self.gate_up = _param(2 * arch.intermediate_size, h, dtype=dtype, device=device)
+        self.down = _param(h, arch.intermediate_size, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, slots, kv_heads, dim]
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = x if residual is None else x + residual
+        h = F.rms_norm(residual, (residual.shape[-1],), self.input_norm, self.eps)
+        qkv = F.linear(h, self.qkv, self.qkv_bias)
+        t = qkv.shape[0]
+        nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        # RoPE on q and k together: they are adjacent in the fused projection.
+        qk = _rotate(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
+        q, k = qk[:, :nq], qk[:, nq:]
+        v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
+        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        residual = residual + F.linear(attn.reshape(t, nq * d), self.o_proj)
+        h = F.rms_norm(residual, (residual.shape[-1],), self.post_norm, self.eps)
+        gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down), residual
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # HF's rotate_half convention: x * cos + [-x2, x1] * sin, with cos/sin duplicated per half.
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.arch = arch
+        self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device) for _ in range(arch.num_layers))
+        self.norm = _param(arch.hidden_size, dtype=dtype, device=device)
+        self.lm_head = (
+            self.embed
+            if arch.tie_word_embeddings
+            else _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
+        )
+        self.register_buffer("inv_freq", rope_inv_freq(arch).to(device), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for `positions`, [T, 1, head_dim/2], computed in float32 like the reference."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: torch.Tensor,  # [layers, 2, slots, kv_heads, dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] before the final norm; K/V written into `kv_caches`."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rope(positions, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+        return x + residual
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [rows, vocab] for the selected hidden rows."""
+        h = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.arch.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in Hugging Face Llama/Qwen2 checkpoints, fusing q/k/v and
+        gate/up. Raises ValueError naming the first missing or misshapen tensor."""
+        state = dict(state)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ValueError(f"checkpoint lacks tensor {name!r}")
+            return state.pop(name)
+
+        def put(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+            if tuple(dst.shape) != tuple(src.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(src.shape)}, model expects {tuple(dst.shape)}")
+            dst.copy_(src)
+
+        put(self.embed, take("model.embed_tokens.weight"), "embed_tokens")
+        put(self.norm, take("model.norm.weight"), "norm")
+        if not self.arch.tie_word_embeddings:
+            put(self.lm_head, take("lm_head.weight"), "lm_head")
+        state.pop("lm_head.weight", None)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            qkv = torch.cat([take(a + f"{n}_proj.weight") for n in "qkv"])
+            put(layer.qkv, qkv, a + "qkv")
+            if layer.qkv_bias is not None:
+                put(layer.qkv_bias, torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]), a + "qkv bias")
+            put(layer.o_proj, take(a + "o_proj.weight"), a + "o_proj")
+            put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm")
+            put(layer.post_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+            m = p + "mlp."
+            put(layer.gate_up, torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")]), m + "gate_up")
+            put(layer.down, take(m + "down_proj.weight"), m + "down_proj")
+        leftovers = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
+        if leftovers:
+            raise ValueError(f"checkpoint has tensors this architecture does not use: {leftovers[:5]}")

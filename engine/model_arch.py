@@ -1,0 +1,90 @@
+"""ModelArch: the shape of a Llama-family decoder, read from a HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen form of the HF dict
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; kvharbor runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"{self.num_heads} query heads do not split over {self.num_kv_heads} KV heads")
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def num_parameters(self) -> int:
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.attention_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        per_layer = attn + 3 * h * i + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelArch:
+        """Read a HF config.json dict; raises ValueError naming what is missing or unsupported."""
+        model_type = cfg.get("model_type", "")
+        try:
+            num_heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+            rope_theta = float(cfg.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0)
+            if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+                scaling = None
+            if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
+                raise ValueError("sliding-window attention is not supported")
+            return cls(
+                architecture=model_type,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+                head_dim=int(cfg.get("head_dim") or hidden // num_heads),
+                rope_theta=rope_theta,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+                rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+            )
+        except KeyError as exc:
+            raise ValueError(f"config.json lacks {exc.args[0]!r}") from None

@@ -1,0 +1,82 @@
+"""ModelRunner: turns a SchedulerPlan into one forward pass over a flat batch, then samples."""
+
+from __future__ import annotations
+
+import torch
+
+from kvharbor.engine.attention import build_metadata
+from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.model import LlamaModel
+from kvharbor.engine.sampler import Sampler, SampleRow
+from kvharbor.engine.scheduler import ScheduledChunk, SchedulerPlan, StepOutput
+
+
+class ModelRunner:
+    """Owns the model and its KV tensor `[layers, 2 (K/V), num_blocks * block_size, kv_heads, dim]`."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv: KVCacheManager,
+        sampler: Sampler,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        arch = model.arch
+        self.model = model
+        self.kv = kv
+        self.sampler = sampler
+        self.device = device
+        self.block_size = kv.block_size
+        slots = kv.pool.num_blocks * self.block_size
+        self.kv_caches = torch.zeros(
+            arch.num_layers, 2, slots, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device
+        )
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        # Copy-on-write: a sibling's shared partial block is duplicated before anyone appends.
+        bs = self.block_size
+        for src, dst in copies:
+            self.kv_caches[:, :, dst * bs : (dst + 1) * bs] = self.kv_caches[:, :, src * bs : (src + 1) * bs]
+
+    @torch.inference_mode()
+    def execute(self, plan: SchedulerPlan) -> StepOutput:
+        """Run every chunk of `plan` through the model and sample where a chunk completes its
+        request's known tokens. Writes K/V into the cache; touches no scheduler state."""
+        self._copy_blocks(plan.block_copies)
+        # Decodes (one new token) go first: attention batches them in one call.
+        chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)
+        num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
+        input_ids, positions = self._inputs(chunks)
+        meta = build_metadata(
+            [self.kv.block_ids(c.request) for c in chunks],
+            [c.start for c in chunks],
+            [c.num_tokens for c in chunks],
+            num_decodes,
+            self.block_size,
+            self.device,
+        )
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows, last = [], []
+        offset = 0
+        for chunk in chunks:
+            offset += chunk.num_tokens
+            if chunk.num_samples:
+                rows.append(SampleRow(len(rows), chunk.request, chunk.num_samples))
+                last.append(offset - 1)
+        out = StepOutput()
+        if rows:
+            logits = self.model.logits(hidden[torch.tensor(last, device=self.device)]).cpu()
+            out.tokens, out.logprobs = self.sampler.sample(logits, rows)
+        return out
+
+    def _inputs(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids: list[int] = []
+        pos: list[int] = []
+        for c in chunks:
+            ids.extend(c.request.all_token_ids[c.start : c.end])
+            pos.extend(range(c.start, c.end))
+        return (
+            torch.tensor(ids, dtype=torch.long, device=self.device),
+            torch.tensor(pos, dtype=torch.long, device=self.device),
+        )

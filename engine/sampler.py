@@ -1,0 +1,143 @@
+"""Sampler: logits -> tokens, per request, with its own seeded generator.
+
+Order per row, as in vLLM: raw log-probs are taken first (what `logprobs` reports), then logit
+bias, min_tokens masking, penalties; greedy takes the argmax there; otherwise temperature, top-k,
+top-p and min-p shape the distribution before one multinomial draw from the request's generator.
+Each sample index of each request owns a generator, so a seeded request draws the same numbers
+whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from kvharbor.engine.request import Logprob, Request
+
+
+@dataclass
+class SampleRow:
+    """Row `row` of the logits belongs to `request`; draw `num_samples` tokens from it."""
+
+    row: int
+    request: Request
+    num_samples: int
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: frozenset[int], seed: int) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
+        self._rng = random.Random(seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._group_seeds: dict[str, int] = {}
+
+    def forget(self, request: Request) -> None:
+        """Drop the generator state of a finished request."""
+        self._generators.pop(request.request_id, None)
+        if request.index == 0:
+            self._group_seeds.pop(request.group_id, None)
+
+    def _generator(self, request: Request, index: int) -> torch.Generator:
+        # Sample i of a group uses seed + i: sample 0 is the parent, i > 0 the forked siblings.
+        key = request.request_id if index == request.index else f"{request.group_id}#{index}"
+        gen = self._generators.get(key)
+        if gen is None:
+            base = request.params.seed
+            if base is None:
+                base = self._group_seeds.setdefault(request.group_id, self._rng.getrandbits(62))
+            gen = torch.Generator().manual_seed(base + index)
+            self._generators[key] = gen
+        return gen
+
+    @torch.no_grad()
+    def sample(
+        self, logits: torch.Tensor, rows: list[SampleRow]
+    ) -> tuple[dict[str, list[int]], dict[str, list[Logprob]]]:
+        """Draw tokens for every row. `logits` is float32 [len(rows), vocab]. Mutates only the
+        generators. Returns (tokens, logprobs) keyed by request id."""
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[Logprob]] = {}
+        need_lp = [r for r in rows if r.request.params.logprobs is not None]
+        raw_lp = torch.log_softmax(logits[[r.row for r in need_lp]], dim=-1) if need_lp else None
+        lp_row = {id(r): i for i, r in enumerate(need_lp)}
+        argmax = logits.argmax(dim=-1).tolist()
+        for r in rows:
+            params = r.request.params
+            processed = self._process(logits[r.row], r.request)
+            picked = []
+            for i in range(r.num_samples):
+                if params.greedy:
+                    picked.append(argmax[r.row] if processed is None else int(processed.argmax()))
+                else:
+                    base = logits[r.row] if processed is None else processed
+                    picked.append(self._draw(base, r.request, r.request.index + i))
+            tokens[r.request.request_id] = picked
+            if raw_lp is not None and id(r) in lp_row:
+                logprobs[r.request.request_id] = [
+                    _logprob(raw_lp[lp_row[id(r)]], t, params.logprobs or 0) for t in picked
+                ]
+        return tokens, logprobs
+
+    def _process(self, row: torch.Tensor, request: Request) -> torch.Tensor | None:
+        """Bias, min_tokens and penalties; None when none applies (the raw row is used)."""
+        p = request.params
+        out_ids = request.output_token_ids
+        mask_stop = len(out_ids) < p.min_tokens
+        penal = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+        if not (p.logit_bias or mask_stop or penal):
+            return None
+        row = row.clone()
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
+            row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype)
+        if mask_stop:
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+            if stops:
+                row[torch.tensor(sorted(stops), dtype=torch.long)] = float("-inf")
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(request.all_token_ids, dtype=torch.long).unique()
+            vals = row[seen]
+            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        if out_ids and (p.presence_penalty or p.frequency_penalty):
+            counts = torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=row.shape[0]).to(row.dtype)
+            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return row
+
+    def _draw(self, row: torch.Tensor, request: Request, index: int) -> int:
+        probs = filtered_probs(
+            row, request.params.temperature, request.params.top_k, request.params.top_p, request.params.min_p
+        )
+        return int(torch.multinomial(probs, 1, generator=self._generator(request, index)))
+
+
+def filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """The distribution one sampled token is drawn from: softmax(row / T), restricted to the top-k,
+    then to the smallest set whose mass reaches top_p, then to tokens >= min_p x the max, and
+    renormalized."""
+    probs = torch.softmax(row / temperature, dim=-1)
+    if top_k and top_k < probs.shape[-1]:
+        kth = torch.topk(probs, top_k).values[-1]
+        probs = torch.where(probs >= kth, probs, 0.0)
+        probs = probs / probs.sum()
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        # Keep a token if the mass strictly before it is below top_p (the crossing token stays).
+        keep_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
+        keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
+        probs = torch.where(keep, probs, 0.0)
+        probs = probs / probs.sum()
+    if min_p > 0.0:
+        probs = torch.where(probs >= min_p * probs.max(), probs, 0.0)
+        probs = probs / probs.sum()
+    return probs
+
+
+def _logprob(raw: torch.Tensor, token: int, k: int) -> Logprob:
+    top: list[tuple[int, float]] = []
+    if k:
+        values, ids = torch.topk(raw, k)
+        top = list(zip(ids.tolist(), values.tolist(), strict=True))
+    return Logprob(token_id=token, logprob=float(raw[token]), top=top)

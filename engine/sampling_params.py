@@ -1,0 +1,88 @@
+"""SamplingParams: how one request turns logits into tokens, and when it stops (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping options. `validate()` raises ValueError on bad values.
+
+    temperature 0 is greedy. `seed` makes a request reproducible whatever else is batched with it.
+    `logprobs=k` returns the sampled token's log-probability plus the k most likely (0: only the
+    sampled one); they are log-softmax of the raw model logits, before penalties and temperature.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) disables top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(msg: str) -> ValueError:
+            return ValueError(f"invalid sampling parameter: {msg}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad(f"n must be an integer >= 1, got {self.n!r}")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not self.repetition_penalty > 0.0:
+            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop strings must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise bad(f"seed must be an integer, got {self.seed!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ValueError if a token id named by these params is outside the vocabulary."""
+        for tok in list(self.stop_token_ids) + list(self.logit_bias or {}):
+            if not 0 <= int(tok) < vocab_size:
+                raise ValueError(f"token id {tok} is outside the vocabulary [0, {vocab_size})")

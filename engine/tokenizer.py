@@ -1,0 +1,219 @@
+"""Tokenizer: `tokenizers` BPE built from a HF folder or from GGUF metadata, plus the chat template.
+
+GGUF files name their pre-tokenizer (`tokenizer.ggml.pre`). Converters that ignore it get digits
+wrong: SmolLM2's `smollm` splits every digit on its own before byte-level BPE, so "\\n\\n1" must be
+`ĊĊ`,`1` and not `Ċ`,`Ċ`,`1`. `_PRE_TOKENIZERS` rebuilds each pre-tokenizer kvharbor knows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level() -> list:
+    return [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+
+
+def _split_then_bytes(pattern: str) -> list:
+    return [
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+
+
+# llama.cpp's `tokenizer.ggml.pre` names -> the equivalent `tokenizers` pre-tokenizer chain.
+_PRE_TOKENIZERS = {
+    "default": _byte_level,
+    "gpt2": _byte_level,
+    # One digit per pre-token, then GPT-2's regex (llama.cpp groups these five together).
+    **dict.fromkeys(
+        ("smollm", "starcoder", "refact", "codeshell", "minerva"),
+        lambda: [pre_tokenizers.Digits(individual_digits=True), *_byte_level()],
+    ),
+    "llama-bpe": lambda: _split_then_bytes(_LLAMA3_SPLIT),
+    "qwen2": lambda: _split_then_bytes(_QWEN2_SPLIT),
+}
+
+_GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+
+
+class Tokenizer:
+    """Encode, decode and render chats for one model. Special tokens are matched in text."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        chat_template: str | None,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        add_bos: bool,
+    ) -> None:
+        self.backend = backend
+        self.chat_template = chat_template
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.add_bos = add_bos
+        self._template = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; BOS is prepended when the model wants it and `add_special_tokens`."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> decoders.DecodeStream:
+        """An incremental decoder: `.step(tokenizer.backend, id)` returns new text or None while
+        a multi-byte character is still incomplete."""
+        return decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's chat template. Raises ValueError on malformed
+        messages or a model without a template."""
+        if self.chat_template is None:
+            raise ValueError("this model has no chat template; send a plain prompt to /v1/completions instead")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {role, content} objects")
+        clean = [_check_message(i, m) for i, m in enumerate(messages)]
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        special = self.backend.get_added_tokens_decoder()
+        bos = special[self.bos_token_id].content if self.bos_token_id in special else ""
+        eos = special[self.eos_token_ids[0]].content if self.eos_token_ids and self.eos_token_ids[0] in special else ""
+        return self._template.render(
+            messages=clean, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, tools=None
+        )
+
+    # -- construction ---------------------------------------------------------------------------
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
+        """Build from `tokenizer.ggml.*` fields. Raises ValueError for models kvharbor cannot tokenize."""
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} is not supported (kvharbor reads byte-level BPE, 'gpt2'); "
+                "load the Hugging Face folder, whose tokenizer.json works for every model"
+            )
+        pre = meta.get("tokenizer.ggml.pre", "default")
+        if pre not in _PRE_TOKENIZERS:
+            raise ValueError(
+                f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(_PRE_TOKENIZERS))}"
+            )
+        tokens: list[str] = meta["tokenizer.ggml.tokens"]
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        backend.pre_tokenizer = pre_tokenizers.Sequence(_PRE_TOKENIZERS[pre]())
+        backend.decoder = decoders.ByteLevel()
+        types = meta.get("tokenizer.ggml.token_type", [])
+        backend.add_tokens(
+            [
+                AddedToken(tokens[i], special=False, normalized=False)
+                for i, t in enumerate(types)
+                if t == _GGUF_USER_DEFINED
+            ]
+        )
+        backend.add_special_tokens(
+            [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _GGUF_CONTROL]
+        )
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls(
+            backend,
+            chat_template=meta.get("tokenizer.chat_template"),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=[] if eos is None else [int(eos)],
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path, eos_token_ids: Sequence[int], bos_token_id: int | None) -> Tokenizer | None:
+        """Load tokenizer.json (+ tokenizer_config.json); None when the folder has no tokenizer."""
+        path = Path(path)
+        if not (path / "tokenizer.json").exists():
+            return None
+        backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        template = config.get("chat_template")
+        if (path / "chat_template.jinja").exists():
+            template = (path / "chat_template.jinja").read_text()
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        # tokenizer.json's post-processor adds BOS itself where a model wants it; don't add twice.
+        return cls(
+            backend,
+            chat_template=template,
+            bos_token_id=bos_token_id,
+            eos_token_ids=eos_token_ids,
+            add_bos=bool(config.get("add_bos_token", False)) and backend.post_processor is None,
+        )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _check_message(i: int, message: Any) -> dict[str, Any]:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise ValueError(f"messages[{i}] must be an object with a string 'role'")
+    content = message.get("content")
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}")
+            parts.append(part["text"])
+        content = "".join(parts)
+    if content is None:
+        content = ""
+    if not isinstance(content, str):
+        raise ValueError(f"messages[{i}].content must be a string or a list of text parts")
+    return {**message, "content": content}
+
+
+def _compile_template(source: str) -> Any:
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ValueError(f"chat template refused the messages: {message}")
+
+    def tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+        return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except TemplateError as exc:
+        raise ValueError(f"the model's chat template does not compile: {exc}") from None

@@ -1,0 +1,1 @@
+"""kvharbor gateway: the tenants' OpenAI-compatible front door (see gateway/README.md)."""

@@ -1,0 +1,1 @@
+"""kvharbor KV cache service: the prefix index and shared block store (see kvcache_service/README.md)."""
