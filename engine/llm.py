@@ -9,6 +9,7 @@ from typing import Any
 from kvharbor.common.config import load_config
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.llm_engine import LLMEngine, Progress
+from kvharbor.engine.loader import LoadedModel
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.sampling_params import SamplingParams
 from kvharbor.engine.tokenizer import Tokenizer
@@ -24,10 +25,18 @@ class LLM:
     """
 
     def __init__(
-        self, model: str | None = None, dtype: str = "auto", *, progress: Progress | None = None, **engine_options: Any
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        *,
+        progress: Progress | None = None,
+        loaded_model: LoadedModel | None = None,
+        **engine_options: Any,
     ) -> None:
+        """`loaded_model` reuses weights already read by `engine.loader.load_model` (then `model`
+        is ignored): several engines over one model pay for one load."""
         config = load_config(EngineConfig, env={}, overrides={"model": model, "dtype": dtype, **engine_options})
-        self.engine = LLMEngine(config, progress=progress)
+        self.engine = LLMEngine(config, progress=progress, loaded_model=loaded_model)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:

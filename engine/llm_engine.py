@@ -22,7 +22,7 @@ from kvharbor.engine.capacity import KVCapacity, plan_capacity
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.detokenizer import Detokenizer
 from kvharbor.engine.kv_cache_manager import KVCacheManager
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.loader import LoadedModel, load_model
 from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.outputs import CompletionOutput, RequestOutput
 from kvharbor.engine.request import FinishReason, Request
@@ -102,15 +102,20 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, progress: Progress | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, progress: Progress | None = None, loaded_model: LoadedModel | None = None
+    ) -> None:
+        """Load (or adopt `loaded_model`, whose tensors are copied, not changed), size the KV
+        pool, warm up. `progress` receives one line per start-up phase."""
         say = progress or (lambda msg: log.info(msg))
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self._set_threads()
         t0 = time.monotonic()
-        say(f"loading model {config.model.model or '(bundled SmolLM2-135M-Instruct)'} ...")
-        loaded = load_model(config.model.model, config.model.served_model_name)
+        if loaded_model is None:
+            say(f"loading model {config.model.model or '(bundled SmolLM2-135M-Instruct)'} ...")
+        loaded = loaded_model or load_model(config.model.model, config.model.served_model_name)
         self.model_name = loaded.name
         self.arch = loaded.arch
         self.tokenizer: Tokenizer | None = loaded.tokenizer

@@ -1,0 +1,193 @@
+"""Shared fixtures: the real SmolLM2 (loaded once), random-weight tiny Llama/Qwen2 folders built
+from transformers configs, Hugging Face reference models, and an engine factory whose teardown
+proves every block went back to the pool."""
+
+from __future__ import annotations
+
+import inspect
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see FACTS.md)
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvharbor.engine import LLM
+from kvharbor.engine.loader import LoadedModel, load_model
+
+torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+
+
+@dataclass
+class ModelCase:
+    """One model under test, with its independent reference."""
+
+    name: str
+    loaded: LoadedModel
+    hf: torch.nn.Module  # transformers model, float32, same weights
+    prompts: list[list[int]]  # 8 prompts of mixed lengths
+    shared_prompts: list[list[int]]  # 8 prompts that share a long prefix
+
+
+@pytest.fixture(scope="session")
+def smollm() -> LoadedModel:
+    return load_model(None)
+
+
+def _hf_llama_from(loaded: LoadedModel) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    a = loaded.arch
+    cfg = LlamaConfig(
+        vocab_size=a.vocab_size,
+        hidden_size=a.hidden_size,
+        intermediate_size=a.intermediate_size,
+        num_hidden_layers=a.num_layers,
+        num_attention_heads=a.num_heads,
+        num_key_value_heads=a.num_kv_heads,
+        rope_theta=a.rope_theta,
+        rms_norm_eps=a.rms_norm_eps,
+        max_position_embeddings=a.max_position_embeddings,
+        tie_word_embeddings=a.tie_word_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    state = dict(loaded.state_dict)
+    if a.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+SMOL_TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Here is a list of 3 colors: red, green and",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Q: What is 17 + 25?\nA:",
+    "Translate to French: 'Good morning, my friend.'\nFrench:",
+    "The three primary colors are",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+]
+SYSTEM = (
+    "You are a careful assistant for a shipping company. Answer in one short sentence, "
+    "cite the policy section when you can, and never invent tracking numbers."
+)
+QUESTIONS = [
+    "Where is my parcel?",
+    "Can I change the delivery address?",
+    "How long does express shipping take?",
+    "Do you ship to Norway?",
+    "What if the box arrives damaged?",
+    "Can I pay on delivery?",
+    "Is Saturday delivery possible?",
+    "How do I return an item?",
+]
+
+
+@pytest.fixture(scope="session")
+def smollm_case(smollm) -> ModelCase:
+    tok = smollm.tokenizer
+    prompts = [tok.encode(t) for t in SMOL_TEXTS]
+    shared = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]),
+            add_special_tokens=False,
+        )
+        for q in QUESTIONS
+    ]
+    return ModelCase("smollm2", smollm, _hf_llama_from(smollm), prompts, shared)
+
+
+def _tiny_case(tmp_path_factory, kind: str) -> ModelCase:
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1234 if kind == "llama" else 4321)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+        # Wide weights make logits peaked, so greedy argmax is not decided by float noise.
+        initializer_range=0.25,
+    )
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True))
+    model = model.float().eval()
+    path = tmp_path_factory.mktemp(f"tiny-{kind}")
+    model.save_pretrained(path)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 512, (int(n),), generator=gen).tolist() for n in (5, 16, 17, 33, 40, 64, 70, 100)]
+    prefix = torch.randint(3, 512, (37,), generator=gen).tolist()
+    shared = [prefix + torch.randint(3, 512, (3 + 2 * i,), generator=gen).tolist() for i in range(8)]
+    return ModelCase(f"tiny-{kind}", load_model(str(path)), model, prompts, shared)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> ModelCase:
+    return _tiny_case(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> ModelCase:
+    return _tiny_case(tmp_path_factory, "qwen2")
+
+
+@pytest.fixture(params=["smollm2", "tiny-llama", "tiny-qwen2"])
+def model_case(request) -> ModelCase:
+    name = {"smollm2": "smollm_case", "tiny-llama": "tiny_llama", "tiny-qwen2": "tiny_qwen2"}[request.param]
+    return request.getfixturevalue(name)
+
+
+@pytest.fixture
+def make_llm():
+    """Build LLMs over preloaded models; on teardown each must be idle, intact and fully freed."""
+    built: list[LLM] = []
+
+    def factory(loaded: LoadedModel, **options) -> LLM:
+        options.setdefault("dtype", "float32")
+        options.setdefault("kv_cache_memory", "64MiB")
+        options.setdefault("max_model_len", 512)
+        llm = LLM(loaded_model=loaded, **options)
+        built.append(llm)
+        return llm
+
+    yield factory
+    for llm in built:
+        engine = llm.engine
+        assert not engine.has_unfinished(), "a test left requests in the engine"
+        engine.check_integrity()
+        assert engine.pool.num_free == engine.pool.num_blocks, "blocks leaked"
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The reference: transformers' own forward with its own KV cache, argmax at each step.
+    Returns the tokens and the float32 logits that chose each one."""
+    # transformers 5 renamed past_key_values to cache.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    tokens, logits = [], []
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), use_cache=True)
+        for step in range(steps):
+            row = out.logits[0, -1].float()
+            logits.append(row)
+            tokens.append(int(row.argmax()))
+            if step + 1 < steps:
+                cache = {cache_arg: getattr(out, cache_arg)}
+                out = model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **cache)
+    return tokens, logits
+
+
+REPO = Path(__file__).resolve().parent.parent

@@ -1,0 +1,76 @@
+"""Config loading: one name per option across YAML, KVHARBOR_* env and flags, with precedence."""
+
+import argparse
+
+import pytest
+
+from kvharbor.common.config import ConfigError, add_arguments, leaves, load_config, parse_bytes
+from kvharbor.engine.config import EngineConfig
+
+
+def test_defaults_build_a_frozen_config():
+    cfg = load_config(EngineConfig, env={})
+    assert cfg.cache.block_size == 16
+    with pytest.raises(AttributeError):
+        cfg.cache.block_size = 32  # type: ignore[misc]
+
+
+def test_precedence_file_then_env_then_flags(tmp_path):
+    path = tmp_path / "engine.yaml"
+    path.write_text("max-num-seqs: 8\nblock_size: 32\nenable_prefix_caching: false\n")
+    env = {"KVHARBOR_MAX_NUM_SEQS": "12", "KVHARBOR_DTYPE": "float32", "UNRELATED": "x"}
+    cfg = load_config(EngineConfig, file=path, env=env, overrides={"dtype": "bfloat16"})
+    assert cfg.scheduler.max_num_seqs == 12  # env beats file
+    assert cfg.cache.block_size == 32  # file beats default
+    assert cfg.cache.enable_prefix_caching is False
+    assert cfg.model.dtype == "bfloat16"  # flags beat env
+
+
+def test_config_file_from_env(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("max_n: 3\n")
+    assert load_config(EngineConfig, env={"KVHARBOR_CONFIG": str(path)}).scheduler.max_n == 3
+
+
+def test_flags_are_generated_with_the_same_names():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    args = parser.parse_args(["--max-num-seqs", "4", "--no-enable-prefix-caching"])
+    cfg = load_config(EngineConfig, env={}, overrides=vars(args))
+    assert cfg.scheduler.max_num_seqs == 4 and cfg.cache.enable_prefix_caching is False
+    names = {leaf.name for leaf in leaves(EngineConfig)}
+    assert {"max_num_seqs", "block_size", "dtype", "kv_cache_memory"} <= names
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"overrides": {"max_num_seq": 4}}, "did you mean 'max_num_seqs'"),
+        ({"env": {"KVHARBOR_BLOCK_SIZE": "big"}}, "block_size='big' from the environment"),
+        ({"overrides": {"block_size": 24}}, "power of two"),
+        ({"overrides": {"dtype": "int3"}}, "must be one of"),
+        ({"overrides": {"enable_prefix_caching": "maybe"}}, "true or false"),
+        ({"overrides": {"kv_cache_memory": "lots"}}, "cannot read 'lots' as a size"),
+        ({"overrides": {"max_num_seqs": 0}}, "max_num_seqs must be >= 1"),
+    ],
+)
+def test_bad_values_say_what_is_wrong(kwargs, match):
+    kwargs.setdefault("env", {})
+    with pytest.raises(ConfigError, match=match):
+        load_config(EngineConfig, **kwargs)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(EngineConfig, file=tmp_path / "missing.yaml", env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(EngineConfig, file=bad, env={})
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [("2GiB", 2 * 1024**3), ("512MiB", 512 * 1024**2), ("1.5GB", 1_500_000_000), ("1000", 1000)]
+)
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
