@@ -1,0 +1,210 @@
+"""The public engine API: bad input, n > 1 with copy-on-write, seeds, stop strings, logprobs,
+abort, failure handling and length limits. Every engine built here must end idle with all blocks
+back in the pool (the make_llm fixture checks on teardown)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from kvharbor.engine import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture
+def smol(smollm, make_llm):
+    return make_llm(smollm)
+
+
+@pytest.fixture
+def tiny(tiny_llama, make_llm):
+    return make_llm(tiny_llama.loaded)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make_params", "match"),
+    [
+        (lambda: SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
+        (lambda: SamplingParams(temperature=-0.5), "temperature must be >= 0"),
+        (lambda: SamplingParams(temperature=float("nan")), "temperature must be >= 0"),
+        (lambda: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (lambda: SamplingParams(n=0), "n must be an integer >= 1"),
+        (lambda: SamplingParams(stop=[""]), "stop strings must be non-empty"),
+    ],
+)
+def test_bad_sampling_params_raise_clear_value_errors(make_params, match):
+    with pytest.raises(ValueError, match=match):
+        make_params()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "match"),
+    [
+        ("", GREEDY, "the prompt is empty"),
+        ([[]], GREEDY, "the prompt is empty"),
+        ([[5, -1, 7]], GREEDY, "token id -1 is outside the vocabulary"),
+        ([[5, 49152]], GREEDY, "token id 49152 is outside the vocabulary"),
+        ([[1] * 600], GREEDY, "the prompt has 600 tokens but this model's context is 512"),
+        ([[1] * 500], SamplingParams(max_tokens=100), "ask for at most 12"),
+        ("hi", SamplingParams(n=17), "exceeds the engine's limit of 16"),
+        ("hi", SamplingParams(stop_token_ids=[10**6]), "outside the vocabulary"),
+        ("hi", SamplingParams(logit_bias={-3: 1.0}), "outside the vocabulary"),
+    ],
+)
+def test_bad_requests_raise_and_leak_nothing(smol, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        smol.generate(prompt, params)
+    assert not smol.engine.has_unfinished()
+
+
+def test_one_bad_prompt_in_a_batch_queues_none_of_them(smol):
+    with pytest.raises(ValueError, match="empty"):
+        smol.generate(["fine", "also fine", ""], GREEDY)
+    assert not smol.engine.has_unfinished()
+    assert smol.generate("fine", GREEDY)[0].outputs[0].token_ids  # and it still works
+
+
+def test_duplicate_request_ids_are_refused(smol):
+    engine = smol.engine
+    engine.add_request("dup", "hello", GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("dup", "hello", GREEDY)
+    engine.abort("dup")
+    engine.step()
+
+
+# -- outputs -----------------------------------------------------------------------------------
+
+
+def test_chat_answers_like_the_reference(smol):
+    out = smol.chat(CAPITAL, SamplingParams(max_tokens=20, temperature=0.0))[0]
+    assert out.outputs[0].text == "The capital of France is Paris."
+    assert out.outputs[0].token_ids == [504, 3575, 282, 4649, 314, 7042, 30, 2]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_n_greedy_samples_share_the_prompt_and_all_equal_the_reference(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama.loaded)
+    prompt = tiny_llama.prompts[4]  # 40 tokens: a partial last block, so copy-on-write must run
+    ref, _ = hf_greedy(tiny_llama.hf, prompt, 12)
+    engine = llm.engine
+    engine.add_request(
+        "g", None, SamplingParams(n=3, max_tokens=12, temperature=0.0, ignore_eos=True), prompt_token_ids=prompt
+    )
+    engine.step()  # prefill + fork
+    tables = [engine.kv.block_ids(r) for r in engine.scheduler.running]
+    assert len(tables) == 3 and tables[0] == tables[1] == tables[2]
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            final = out if out.finished else final
+    assert [o.token_ids for o in final.outputs] == [ref] * 3
+    assert [o.index for o in final.outputs] == [0, 1, 2]
+
+
+def test_n_sampled_outputs_differ_and_are_reproducible(smol):
+    params = SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=7)
+    first = smol.chat(CAPITAL, params)[0]
+    second = smol.chat(CAPITAL, params)[0]
+    texts = [o.text for o in first.outputs]
+    assert texts == [o.text for o in second.outputs]
+    assert len(set(texts)) > 1
+
+
+def test_same_seed_same_output_whatever_the_batch(smol):
+    params = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=1234)
+    alone = smol.generate("Write a haiku about autumn.", params)[0].outputs[0].token_ids
+    batch = smol.generate(
+        ["Write a haiku about autumn.", "Another prompt", "And one more prompt here"],
+        [params, SamplingParams(max_tokens=16, temperature=1.0), SamplingParams(max_tokens=16, temperature=1.0)],
+    )
+    assert batch[0].outputs[0].token_ids == alone
+
+
+def test_stop_strings_cut_the_text(smol):
+    full = smol.chat(CAPITAL, SamplingParams(max_tokens=20, temperature=0.0))[0].outputs[0].text
+    out = smol.chat(CAPITAL, SamplingParams(max_tokens=20, temperature=0.0, stop=["Paris", "xyz"]))[0].outputs[0]
+    assert out.text == full[: full.index("Paris")] == "The capital of France is "
+    assert out.finish_reason == "stop" and out.stop_reason == "Paris"
+    kept = smol.chat(
+        CAPITAL, SamplingParams(max_tokens=20, temperature=0.0, stop=["France"], include_stop_str_in_output=True)
+    )[0].outputs[0]
+    assert kept.text == "The capital of France"
+
+
+def test_stop_string_in_a_stream_is_never_shown_in_part(smol):
+    engine = smol.engine
+    ids = smol.get_tokenizer().encode(smol.get_tokenizer().apply_chat_template(CAPITAL), add_special_tokens=False)
+    engine.add_request("s", None, SamplingParams(max_tokens=20, temperature=0.0, stop=["of Fr"]), prompt_token_ids=ids)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += [o.outputs[0].delta_text for o in engine.step()]
+    assert "".join(deltas) == "The capital "
+    assert not any("of" in d for d in deltas)
+
+
+def test_logprobs_equal_the_reference_log_softmax(smollm_case, smol):
+    prompt = smollm_case.prompts[0]
+    _, ref_logits = hf_greedy(smollm_case.hf, prompt, 4)
+    out = smol.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, logprobs=3, ignore_eos=True))
+    lps = out[0].outputs[0].logprobs
+    assert len(lps) == 4
+    for lp, logits in zip(lps, ref_logits, strict=True):
+        ref = torch.log_softmax(logits.double(), -1)
+        assert lp.logprob == pytest.approx(ref[lp.token_id].item(), abs=2e-4)
+        assert [t for t, _ in lp.top] == torch.topk(ref, 3).indices.tolist()
+        assert lp.top[0][0] == lp.token_id  # greedy takes the most likely
+
+
+def test_max_model_len_ends_generation_with_length(tiny_llama, make_llm):
+    llm = make_llm(tiny_llama.loaded, max_model_len=48)
+    out = llm.generate([tiny_llama.prompts[3]], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
+    assert len(tiny_llama.prompts[3]) + len(out[0].outputs[0].token_ids) == 48
+    assert out[0].outputs[0].finish_reason == "length"
+
+
+# -- abort and failure -------------------------------------------------------------------------
+
+
+def test_abort_returns_blocks_at_once(smol):
+    engine = smol.engine
+    engine.add_request("long", "Tell me a long story.", SamplingParams(max_tokens=200, n=2, temperature=1.0))
+    engine.add_request("other", "Hello", SamplingParams(max_tokens=200))
+    for _ in range(3):
+        engine.step()
+    assert engine.pool.num_free < engine.pool.num_blocks
+    engine.abort(["long", "other", "never-existed"])
+    assert engine.pool.num_free == engine.pool.num_blocks  # before any further step
+    engine.check_integrity()
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["long"].finished and {o.finish_reason for o in outs["long"].outputs} == {"abort"}
+    assert not engine.has_unfinished()
+
+
+def test_a_failed_step_fails_its_requests_frees_them_and_the_engine_goes_on(smol, monkeypatch):
+    engine = smol.engine
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def flaky(plan):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated kernel fault")
+        return real(plan)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    engine.add_request("doomed", "This prompt is long enough to fill one block of sixteen tokens easily.", GREEDY)
+    outs = engine.step()
+    assert outs[0].finished and outs[0].outputs[0].finish_reason == "error"
+    assert "simulated kernel fault" in outs[0].error
+    assert engine.pool.num_cached == 0  # half-written KV must never be hit
+    assert engine.pool.num_free == engine.pool.num_blocks
+    out = smol.generate("This prompt is long enough to fill one block of sixteen tokens easily.", GREEDY)
+    assert out[0].outputs[0].finish_reason == "length"

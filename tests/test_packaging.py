@@ -1,0 +1,119 @@
+"""Packaging: the import root, `import operator` staying the standard library's everywhere, the
+dependency rules between parts, and the CLI front door."""
+
+from __future__ import annotations
+
+import ast
+import operator
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
+CHECK = (
+    "import operator, sys; assert hasattr(operator, 'itemgetter'), operator; "
+    "import kvharbor.operator, kvharbor.engine, kvharbor.common; print(operator.__file__)"
+)
+
+
+def test_top_level_folders_are_the_parts():
+    for folder in ("operator", "gateway", "engine", "kvcache_service", "charts", "loadtest", "tests", "common"):
+        assert (REPO / folder).is_dir(), folder
+    assert not (REPO / "operator" / "__init__.py").exists(), "operator/__init__.py would shadow the stdlib"
+
+
+def test_operator_is_the_stdlib_module_in_this_process():
+    assert Path(operator.__file__).resolve().parent == STDLIB
+
+
+@pytest.mark.parametrize("cwd", [REPO, REPO / "operator"])
+def test_operator_is_the_stdlib_module_from_the_repository_root(cwd):
+    # `python -m ...` puts the working directory first on sys.path, as `python -m pytest` does.
+    out = subprocess.run([sys.executable, "-c", CHECK], cwd=cwd, capture_output=True, text=True, check=True)
+    assert Path(out.stdout.strip()).resolve().parent == STDLIB
+
+
+def test_operator_is_the_stdlib_module_from_a_wheel(tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = wheels.glob("kvharbor-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert not any(n.startswith("operator/") for n in names)
+    assert "kvharbor/engine/llm.py" in names and "kvharbor/common/block_hash.py" in names
+    for module in (REPO / "operator").rglob("*.py"):  # operator code ships under kvharbor/operator/
+        assert f"kvharbor/operator/{module.relative_to(REPO / 'operator').as_posix()}" in names
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    # -S: no site-packages, so neither the editable install nor the repository can answer.
+    code = (
+        "import operator, kvharbor.common.block_hash as b; "
+        "assert hasattr(operator, 'itemgetter'); print(operator.__file__, b.__file__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        cwd=target,
+        env={"PYTHONPATH": str(target)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    stdlib_file, hash_file = out.stdout.split()
+    assert Path(stdlib_file).resolve().parent == STDLIB
+    assert Path(hash_file).resolve().is_relative_to(target.resolve())
+
+
+def _imports(folder: Path) -> set[str]:
+    found = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+    return found
+
+
+def test_dependency_rules():
+    parts = ("kvharbor.engine", "kvharbor.gateway", "kvharbor.kvcache_service", "kvharbor.operator")
+    assert not {m for m in _imports(REPO / "common") if m.startswith(parts)}
+    for control_plane in ("gateway", "kvcache_service", "operator"):
+        bad = {m for m in _imports(REPO / control_plane) if m.startswith(("kvharbor.engine", "torch", "triton"))}
+        assert not bad, f"{control_plane} imports {bad}"
+    for part in ("engine", "gateway", "kvcache_service", "operator"):
+        assert not {
+            m
+            for m in _imports(REPO / part)
+            if m.startswith(("kvharbor.gateway", "kvharbor.operator")) and not m.startswith(f"kvharbor.{part}")
+        }
+
+
+def test_shared_code_imports_without_torch():
+    code = (
+        "import sys, kvharbor.common.block_hash, kvharbor.common.kv_events, kvharbor.common.config, "
+        "kvharbor.common.cli; assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

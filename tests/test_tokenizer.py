@@ -1,0 +1,95 @@
+"""SmolLM2's tokenizer rebuilt from GGUF metadata: known ids, the digit pre-tokenizer, whitespace
+runs, special tokens, the chat template, and streaming decode of multi-byte text."""
+
+import pytest
+
+from kvharbor.engine.detokenizer import Detokenizer
+from kvharbor.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tok(smollm):
+    return smollm.tokenizer
+
+
+def pieces(tok, text):
+    return [tok.id_to_token(i) for i in tok.encode(text)]
+
+
+def test_known_ids_from_the_reference_answer(tok):
+    assert tok.encode("The capital of France is Paris.<|im_end|>") == [504, 3575, 282, 4649, 314, 7042, 30, 2]
+
+
+def test_digits_split_one_by_one_without_breaking_whitespace_runs(tok):
+    # The `smollm` pre-tokenizer: "\n\n1" is ĊĊ + 1 (transformers' GGUF import gives Ċ, Ċ, 1).
+    assert pieces(tok, "\n\n1") == ["ĊĊ", "1"]
+    assert pieces(tok, "2024") == ["2", "0", "2", "4"]
+    assert pieces(tok, "x = 3.14") == ["x", "Ġ=", "Ġ", "3", ".", "1", "4"]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "a  b\t\tc\n\n\nd",
+        "   leading and trailing   ",
+        "naïve café — 東京 🙂",
+        "x1y22z333",
+        "\r\n\r\nwin",
+        "<|im_start|>",
+    ],
+)
+def test_round_trip(tok, text):
+    assert tok.decode(tok.encode(text), skip_special_tokens=False) == text
+
+
+def test_special_tokens_are_matched_in_text_and_skipped_on_decode(tok):
+    ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == 1 and ids[-1] == 2
+    assert tok.decode(ids) == "user\nhi"
+    assert tok.add_bos is False  # SmolLM2 adds no BOS
+
+
+def test_chat_template_is_chatml_with_the_default_system_prompt(tok):
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    parts = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
+    assert parts == text
+
+
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [([], "non-empty list"), ([{"content": "x"}], "string 'role'"), ([{"role": "user", "content": 5}], "content")],
+)
+def test_bad_messages(tok, messages, match):
+    with pytest.raises(ValueError, match=match):
+        tok.apply_chat_template(messages)
+
+
+def test_streaming_decode_waits_for_whole_characters(tok):
+    text = "naïve café — 東京 🙂 done"
+    ids = tok.encode(text)
+    detok = Detokenizer(tok, SamplingParams())
+    deltas = []
+    for i in range(1, len(ids) + 1):
+        detok.update(ids[:i])
+        deltas.append(detok.delta(final=i == len(ids)))
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_half_streamed(tok):
+    text = "The answer is forty-two, clearly."
+    ids = tok.encode(text)
+    detok = Detokenizer(tok, SamplingParams(stop=["forty-two"]))
+    deltas, stop = [], None
+    for i in range(1, len(ids) + 1):
+        stop = detok.update(ids[:i])
+        deltas.append(detok.delta(final=stop is not None))
+        if stop:
+            break
+    assert stop == "forty-two"
+    assert "".join(deltas) == detok.text == "The answer is "
+    assert all("fort" not in d for d in deltas)
