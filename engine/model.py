@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, slots, kv_heads, dim]
+        kv_cache: torch.Tensor,  # [2, kv_heads, slots, dim]
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x if residual is None else x + residual
@@ -77,7 +77,7 @@ class DecoderLayer(nn.Module):
         qk = _rotate(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
         q, k = qk[:, :nq], qk[:, nq:]
         v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
-        attn = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)
+        attn = paged_attention(q, k, v, kv_cache, meta)
         residual = residual + F.linear(attn.reshape(t, nq * d), self.o_proj)
         h = F.rms_norm(residual, (residual.shape[-1],), self.post_norm, self.eps)
         gate, up = F.linear(h, self.gate_up).chunk(2, dim=-1)
@@ -114,7 +114,7 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: torch.Tensor,  # [layers, 2, slots, kv_heads, dim]
+        kv_caches: torch.Tensor,  # [layers, 2, kv_heads, slots, dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm; K/V written into `kv_caches`."""

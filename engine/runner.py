@@ -12,7 +12,7 @@ from kvharbor.engine.scheduler import ScheduledChunk, SchedulerPlan, StepOutput
 
 
 class ModelRunner:
-    """Owns the model and its KV tensor `[layers, 2 (K/V), num_blocks * block_size, kv_heads, dim]`."""
+    """Owns the model and its KV tensor `[layers, 2 (K/V), kv_heads, num_blocks * block_size, dim]`."""
 
     def __init__(
         self,
@@ -29,15 +29,17 @@ class ModelRunner:
         self.device = device
         self.block_size = kv.block_size
         slots = kv.pool.num_blocks * self.block_size
+        self.dtype = dtype
+        # NOTE: zeros, not empty: padded decode slots are masked, but 0 x NaN garbage would be NaN.
         self.kv_caches = torch.zeros(
-            arch.num_layers, 2, slots, arch.num_kv_heads, arch.head_dim, dtype=dtype, device=device
+            arch.num_layers, 2, arch.num_kv_heads, slots, arch.head_dim, dtype=dtype, device=device
         )
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         # Copy-on-write: a sibling's shared partial block is duplicated before anyone appends.
         bs = self.block_size
         for src, dst in copies:
-            self.kv_caches[:, :, dst * bs : (dst + 1) * bs] = self.kv_caches[:, :, src * bs : (src + 1) * bs]
+            self.kv_caches[..., dst * bs : (dst + 1) * bs, :] = self.kv_caches[..., src * bs : (src + 1) * bs, :]
 
     @torch.inference_mode()
     def execute(self, plan: SchedulerPlan) -> StepOutput:
@@ -54,6 +56,7 @@ class ModelRunner:
             [c.num_tokens for c in chunks],
             num_decodes,
             self.block_size,
+            self.dtype,
             self.device,
         )
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
