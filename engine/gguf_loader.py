@@ -66,7 +66,7 @@ def arch_from_metadata(meta: dict[str, Any]) -> ModelArch:
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
     eos = meta.get("tokenizer.ggml.eos_token_id")
-    vocab = meta.get(f"{name}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    vocab = meta.get(f"{name}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])) or 1
     return ModelArch(
         architecture=name,
         vocab_size=int(vocab),
@@ -138,5 +138,9 @@ def load_gguf(path: str | Path) -> GGUFModel:
         elif arch.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
             weight = _unpermute(weight, arch.num_kv_heads)
         state[hf_name] = weight
-    arch = replace(arch, tie_word_embeddings="lm_head.weight" not in state)
+    if "model.embed_tokens.weight" not in state:
+        raise ValueError(f"{path} has no token_embd.weight tensor")
+    # The embedding's rows are the vocabulary, whatever the metadata says (or omits).
+    vocab = state["model.embed_tokens.weight"].shape[0]
+    arch = replace(arch, tie_word_embeddings="lm_head.weight" not in state, vocab_size=vocab)
     return GGUFModel(arch, state, meta)

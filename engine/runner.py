@@ -46,8 +46,9 @@ class ModelRunner:
         """Run every chunk of `plan` through the model and sample where a chunk completes its
         request's known tokens. Writes K/V into the cache; touches no scheduler state."""
         self._copy_blocks(plan.block_copies)
-        # Decodes (one new token) go first: attention batches them in one call.
-        chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)
+        # Decodes (one new token) go first, shortest context first: attention batches them in
+        # groups of similar length.
+        chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start if c.num_tokens == 1 else 0))
         num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
         input_ids, positions = self._inputs(chunks)
         meta = build_metadata(

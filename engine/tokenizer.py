@@ -115,8 +115,11 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------------------------
 
     @classmethod
-    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
-        """Build from `tokenizer.ggml.*` fields. Raises ValueError for models kvharbor cannot tokenize."""
+    def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer | None:
+        """Build from `tokenizer.ggml.*` fields; None if the file has none. Raises ValueError for
+        tokenizers kvharbor cannot rebuild."""
+        if "tokenizer.ggml.tokens" not in meta:
+            return None
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ValueError(

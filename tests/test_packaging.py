@@ -117,3 +117,11 @@ def test_shared_code_imports_without_torch():
         "kvharbor.common.cli; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_importing_the_engine_makes_openmp_wait_passively():
+    # Spinning OpenMP workers slow CPU decoding ~10x on a busy 2-core machine (FACTS.md).
+    env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
+    code = "import os, kvharbor.engine; print(os.environ['OMP_WAIT_POLICY'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "PASSIVE"

@@ -1,0 +1,61 @@
+"""KV capacity: bytes per token from the seeds' formula, and sizing the pool from a budget."""
+
+import pytest
+import torch
+
+from kvharbor.engine.capacity import plan_capacity
+from kvharbor.engine.config import CacheConfig
+from kvharbor.engine.model_arch import ModelArch
+
+
+def arch(layers, kv_heads, head_dim, heads=None):
+    heads = heads or kv_heads
+    return ModelArch(
+        "llama",
+        1000,
+        heads * head_dim,
+        4 * heads * head_dim,
+        layers,
+        heads,
+        kv_heads,
+        head_dim,
+        1e4,
+        1e-5,
+        8192,
+        False,
+        False,
+        1,
+        (2,),
+    )
+
+
+def test_bytes_per_token_follows_the_seeds_formula(smollm):
+    # 2 (K and V) x layers x kv_heads x head_dim x bytes: the lecture's 32/8/128 bf16 example is 128 KiB.
+    assert arch(32, 8, 128, heads=32).kv_bytes_per_token(2) == 128 * 1024
+    assert smollm.arch.kv_bytes_per_token(2) == 23_040  # SmolLM2 in bf16: 22.5 KiB
+    assert smollm.arch.kv_bytes_per_token(4) == 46_080
+
+
+def test_pool_is_sized_from_the_memory_budget():
+    cap = plan_capacity(
+        arch(30, 3, 64, 9), CacheConfig(kv_cache_memory="1GiB"), torch.bfloat16, torch.device("cpu"), max_model_len=8192
+    )
+    assert cap.bytes_per_token == 23_040
+    assert cap.num_blocks == (1024**3) // (23_040 * 16)
+    assert cap.capacity_tokens == cap.num_blocks * 16
+    assert cap.total_bytes <= 1024**3
+
+
+def test_an_exact_block_count_overrides_the_budget():
+    cap = plan_capacity(arch(2, 2, 8), CacheConfig(num_kv_blocks=10), torch.float32, torch.device("cpu"), 160)
+    assert (cap.num_blocks, cap.capacity_tokens) == (10, 160)
+
+
+def test_a_pool_smaller_than_one_request_is_refused_with_numbers():
+    with pytest.raises(ValueError, match=r"holds 10 blocks \(160 tokens.*needs 11.*--max-model-len"):
+        plan_capacity(arch(2, 2, 8), CacheConfig(num_kv_blocks=10), torch.float32, torch.device("cpu"), 161)
+
+
+def test_the_default_cpu_budget_is_bounded():
+    cap = plan_capacity(arch(30, 3, 64, 9), CacheConfig(), torch.bfloat16, torch.device("cpu"), 8192)
+    assert 0 < cap.total_bytes <= 2 * 1024**3

@@ -1,0 +1,117 @@
+"""The GGUF loader: weights equal transformers' own GGUF import for SmolLM2, and GGUF files
+written here (llama with llama.cpp's Q/K permutation, qwen2 with qkv bias, quantized and not)
+load back to the Hugging Face weights and generate the same tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy
+
+from kvharbor.engine import SamplingParams
+from kvharbor.engine.loader import default_model_path, load_model
+
+
+def test_smollm2_weights_equal_transformers_gguf_import(smollm):
+    from transformers import AutoModelForCausalLM
+
+    path = default_model_path()
+    ref = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ref_state = ref.state_dict()
+    ours = smollm.state_dict
+    assert set(ours) == set(ref_state) - {"lm_head.weight"}  # tied: our loader keeps one copy
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, ref_state[name]), name
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # What llama.cpp's convert_hf_to_gguf.py does to q/k rows of llama models.
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_NAMES = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+
+
+def write_gguf(case, path, quant: str | None = None) -> None:
+    import gguf
+
+    a = case.loaded.arch
+    name = "llama" if a.architecture == "llama" else "qwen2"
+    w = gguf.GGUFWriter(str(path), name)
+    w.add_block_count(a.num_layers)
+    w.add_context_length(a.max_position_embeddings)
+    w.add_embedding_length(a.hidden_size)
+    w.add_feed_forward_length(a.intermediate_size)
+    w.add_head_count(a.num_heads)
+    w.add_head_count_kv(a.num_kv_heads)
+    w.add_rope_freq_base(a.rope_theta)
+    w.add_layer_norm_rms_eps(a.rms_norm_eps)
+    w.add_eos_token_id(2)
+    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
+    for hf_name, tensor in case.loaded.state_dict.items():
+        arr = tensor.numpy().astype(np.float32)
+        if hf_name == "model.embed_tokens.weight":
+            out = "token_embd.weight"
+        elif hf_name == "model.norm.weight":
+            out = "output_norm.weight"
+        elif hf_name == "lm_head.weight":
+            out = "output.weight"
+        else:
+            layer, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+            module, kind = rest.rsplit(".", 1)
+            out = f"blk.{layer}.{_NAMES[module]}.{kind}"
+            if name == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                arr = _permute(arr, a.num_heads if "q_proj" in module else a.num_kv_heads)
+        if qtype is not None and arr.ndim == 2:
+            w.add_tensor(out, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(out, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("case_name", ["tiny_llama", "tiny_qwen2"])
+def test_a_written_gguf_loads_back_exactly_and_generates_the_same(case_name, request, tmp_path, make_llm):
+    case = request.getfixturevalue(case_name)
+    path = tmp_path / f"{case.name}.gguf"
+    write_gguf(case, path)
+    loaded = load_model(str(path))
+    assert loaded.name == case.name and loaded.tokenizer is None
+    assert loaded.arch.attention_bias == (case_name == "tiny_qwen2")
+    assert loaded.arch.tie_word_embeddings == case.loaded.arch.tie_word_embeddings
+    for name, tensor in case.loaded.state_dict.items():
+        assert torch.equal(loaded.state_dict[name], tensor), name
+    prompt = case.prompts[3]
+    out = make_llm(loaded).generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(case.hf, prompt, 8)[0]
+
+
+def test_quantized_tensors_dequantize_close_to_the_originals(tiny_llama, tmp_path):
+    path = tmp_path / "q8.gguf"
+    write_gguf(tiny_llama, path, quant="Q8_0")
+    loaded = load_model(str(path))
+    for name, tensor in tiny_llama.loaded.state_dict.items():
+        got = loaded.state_dict[name]
+        assert got.shape == tensor.shape
+        # Q8_0: one scale per 32 values, 8-bit codes: error below 1/127 of each block's max.
+        assert (got - tensor).abs().max() <= tensor.abs().max() / 100, name
+
+
+def test_not_a_gguf_file_is_refused_clearly(tmp_path):
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        load_model(str(bogus))
