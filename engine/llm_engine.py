@@ -76,7 +76,9 @@ class _Group:
 
     @property
     def finished(self) -> bool:
-        return len(self.samples) == self.params.n and all(r.is_finished for r in self.samples.values())
+        # A request aborted or failed before its first token never forks its other samples.
+        all_there = len(self.samples) == self.params.n or not self.samples[0].forked
+        return all_there and all(r.is_finished for r in self.samples.values())
 
 
 @dataclass

@@ -186,6 +186,18 @@ def test_abort_returns_blocks_at_once(smol):
     outs = {o.request_id: o for o in engine.step()}
     assert outs["long"].finished and {o.finish_reason for o in outs["long"].outputs} == {"abort"}
     assert not engine.has_unfinished()
+    load = engine.load()
+    assert (load["running"], load["waiting"]) == (0, 0)
+    assert load["kv_blocks_free"] == load["kv_blocks_total"] == engine.pool.num_blocks
+
+
+def test_abort_before_the_first_token_finishes_all_n_samples(smol):
+    engine = smol.engine
+    engine.add_request("early", "Tell me a story.", SamplingParams(max_tokens=20, n=3))
+    engine.abort("early")
+    (out,) = engine.step()
+    assert out.finished and [o.finish_reason for o in out.outputs] == ["abort"] * 3
+    assert not engine.has_unfinished() and not engine._groups
 
 
 def test_a_failed_step_fails_its_requests_frees_them_and_the_engine_goes_on(smol, monkeypatch):
