@@ -28,7 +28,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 
 from kvharbor.engine import LLM, SamplingParams
-from kvharbor.engine.loader import LoadedModel, load_model
+from kvharbor.engine.hf_reference import hf_reference_model
+from kvharbor.engine.loader import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -83,30 +84,6 @@ def run_engine(llm: LLM, work: list[tuple[list[int], int]], sequential: bool = F
         "itl_p95_s": pct(itl, 95),
         "preemptions": engine.scheduler.num_preemptions,
     }
-
-
-def hf_model(loaded: LoadedModel, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    a = loaded.arch
-    cfg = LlamaConfig(
-        vocab_size=a.vocab_size,
-        hidden_size=a.hidden_size,
-        intermediate_size=a.intermediate_size,
-        num_hidden_layers=a.num_layers,
-        num_attention_heads=a.num_heads,
-        num_key_value_heads=a.num_kv_heads,
-        rope_theta=a.rope_theta,
-        rms_norm_eps=a.rms_norm_eps,
-        max_position_embeddings=a.max_position_embeddings,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-    )
-    model = LlamaForCausalLM(cfg)
-    model.load_state_dict({**loaded.state_dict, "lm_head.weight": loaded.state_dict["model.embed_tokens.weight"]})
-    return model.to(dtype).eval()
 
 
 def run_hf_static(model, work: list[tuple[list[int], int]], batch_size: int) -> dict:
@@ -208,7 +185,7 @@ def main() -> int:
     ours = run_engine(llm, work)
     hf, hf_all = None, []
     if not args.skip_hf:
-        model = hf_model(loaded, dtype)
+        model = hf_reference_model(loaded, dtype)
         for size in (int(b) for b in args.hf_batch.split(",")):
             print(f"mixed: HF static batching (batch {size}) ...", file=sys.stderr)
             hf_all.append(run_hf_static(model, work, size))

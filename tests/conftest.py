@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from kvharbor.engine import LLM
+from kvharbor.engine.hf_reference import hf_reference_model
 from kvharbor.engine.loader import LoadedModel, load_model
 
 torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
@@ -35,32 +36,6 @@ class ModelCase:
 @pytest.fixture(scope="session")
 def smollm() -> LoadedModel:
     return load_model(None)
-
-
-def _hf_llama_from(loaded: LoadedModel) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    a = loaded.arch
-    cfg = LlamaConfig(
-        vocab_size=a.vocab_size,
-        hidden_size=a.hidden_size,
-        intermediate_size=a.intermediate_size,
-        num_hidden_layers=a.num_layers,
-        num_attention_heads=a.num_heads,
-        num_key_value_heads=a.num_kv_heads,
-        rope_theta=a.rope_theta,
-        rms_norm_eps=a.rms_norm_eps,
-        max_position_embeddings=a.max_position_embeddings,
-        tie_word_embeddings=a.tie_word_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    state = dict(loaded.state_dict)
-    if a.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    model.load_state_dict(state, strict=True)
-    return model
 
 
 SMOL_TEXTS = [
@@ -100,7 +75,7 @@ def smollm_case(smollm) -> ModelCase:
         )
         for q in QUESTIONS
     ]
-    return ModelCase("smollm2", smollm, _hf_llama_from(smollm), prompts, shared)
+    return ModelCase("smollm2", smollm, hf_reference_model(smollm), prompts, shared)
 
 
 def _tiny_case(tmp_path_factory, kind: str) -> ModelCase:
