@@ -36,6 +36,20 @@ log = logging.getLogger("kvharbor.engine")
 Progress = Callable[[str], None]
 
 
+def physical_cores() -> int:
+    """Cores this process may run on, counting hyper-threads of one core once: matmul threads
+    sharing a core only fight over its vector units."""
+    cpus = os.sched_getaffinity(0)
+    siblings = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                siblings.add(f.read().strip())
+        except OSError:
+            return len(cpus)
+    return max(1, len(siblings))
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -155,8 +169,7 @@ class LLMEngine:
     def _set_threads(self) -> None:
         if self.device.type != "cpu":
             return
-        threads = self.config.runtime.threads or len(os.sched_getaffinity(0))
-        torch.set_num_threads(threads)
+        torch.set_num_threads(self.config.runtime.threads or physical_cores())
 
     def _max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
