@@ -155,24 +155,28 @@ class BlockPool:
         """Register full `blocks` under `hashes` (same length, a chain after `parent`).
 
         NOTE: no de-duplication. If a hash is already mapped to another block, this block stays
-        unhashed and the map keeps the first one, so block tables remain append-only.
+        unhashed and the map keeps the first one, so block tables remain append-only. Each
+        unbroken run of newly stored hashes is announced as one `BlockStored` chain.
         """
         if not self.enable_caching or not blocks:
             return
-        stored: list[BlockHash] = []
+        run: list[BlockHash] = []
+        run_parent = parent
         for block, block_hash in zip(blocks, hashes, strict=True):
             if block.block_hash is not None:
                 raise ValueError(f"{block} is already cached")
             if block_hash in self.cached:
+                self._emit_stored(run, run_parent)
+                run, run_parent = [], block_hash
                 continue
             block.block_hash = block_hash
             self.cached[block_hash] = block
-            stored.append(block_hash)
-        if stored:
-            # Parent of the first newly stored hash: its predecessor in the chain.
-            first = list(hashes).index(stored[0])
-            first_parent = parent if first == 0 else hashes[first - 1]
-            self._emit(BlockStored(hashes=tuple(stored), parent=first_parent, block_size=self.block_size))
+            run.append(block_hash)
+        self._emit_stored(run, run_parent)
+
+    def _emit_stored(self, run: list[BlockHash], parent: BlockHash | None) -> None:
+        if run:
+            self._emit(BlockStored(hashes=tuple(run), parent=parent, block_size=self.block_size))
 
     def uncache(self, blocks: Iterable[Block]) -> None:
         """Forget the hashes of `blocks` (their KV can no longer be trusted)."""

@@ -26,16 +26,21 @@ class Detokenizer:
     def update(self, output_token_ids: list[int]) -> str | None:
         """Decode the tokens appended since the last call; return the stop string they completed,
         if any (the text is then cut there and later tokens are ignored)."""
-        new = output_token_ids[self.num_tokens :]
+        first = self.num_tokens
         self.num_tokens = len(output_token_ids)
         if self._stream is None or self.stop_string is not None:
             return None
-        for token in new:
+        for count, token in enumerate(output_token_ids[first:], start=first + 1):
             piece = self._stream.step(self.tokenizer.backend, token)
-            if piece:
-                self.text += piece
-                if self.params.stop and self._find_stop():
-                    return self.stop_string
+            if not piece:
+                continue
+            self.text += piece
+            if not self.params.stop:
+                continue
+            if count <= self.params.min_tokens:  # as vLLM: no stop string before min_tokens
+                self._searched = len(self.text)
+            elif self._find_stop():
+                return self.stop_string
         return None
 
     def _find_stop(self) -> bool:

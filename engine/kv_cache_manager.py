@@ -34,9 +34,10 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def get_computed_blocks(self, request: Request) -> PrefixHit:
+    def get_computed_blocks(self, request: Request, count: bool = True) -> PrefixHit:
         """The longest cached prefix of `request`, capped so its last token is always computed
-        (the model must run on it to produce logits). Mutates nothing but the hit counters."""
+        (the model must run on it to produce logits). Mutates nothing but the hit counters
+        (and not those when `count` is False: a look that schedules nothing)."""
         if not self.pool.enable_caching:
             return PrefixHit([], 0)
         hashes = request.full_block_hashes(self.block_size)
@@ -47,16 +48,20 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(blocks) * self.block_size
+        if count:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(blocks) * self.block_size
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
-    def blocks_needed(self, request: Request, num_new_tokens: int, num_hit_blocks: int = 0) -> int:
-        """New blocks `allocate_slots` would take for these tokens (copy-on-write included)."""
+    def blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
+        """Free blocks `allocate_slots` would take for these tokens after `hit`: new blocks,
+        copy-on-write copies, and cached free blocks the hit revives from the free list."""
         table = self.tables.get(request.request_id, [])
-        total = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
-        needed = -(-total // self.block_size) - len(table) - num_hit_blocks
-        return max(0, needed) + int(self._needs_copy(request, table))
+        hit_blocks = hit.blocks if hit else []
+        total = request.num_computed_tokens + len(hit_blocks) * self.block_size + num_new_tokens
+        needed = max(0, -(-total // self.block_size) - len(table) - len(hit_blocks))
+        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        return needed + revived + int(self._needs_copy(request, table))
 
     def _needs_copy(self, request: Request, table: list[Block]) -> bool:
         # Writing into a partially filled last block that a sibling sample also uses.
@@ -73,9 +78,7 @@ class KVCacheManager:
         """
         hit_blocks = hit.blocks if hit else []
         table = self.tables.get(request.request_id, [])
-        # Reviving a free cached block takes it out of the free list, so it counts against it.
-        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        if self.blocks_needed(request, num_new_tokens, len(hit_blocks)) + revived > self.pool.num_free:
+        if self.blocks_needed(request, num_new_tokens, hit) > self.pool.num_free:
             return None
         table = self.tables.setdefault(request.request_id, table)
         if hit_blocks:
@@ -126,7 +129,10 @@ class KVCacheManager:
         return [b.block_id for b in self.tables.get(request.request_id, [])]
 
     def uncache_blocks(self, requests: Iterable[Request]) -> None:
-        """Forget cached hashes of these requests' blocks (after a failed step wrote garbage)."""
+        """Forget cached hashes of these requests' blocks (after a failed step wrote garbage).
+
+        Only for requests about to be finished: their tables' hash bookkeeping is reset.
+        """
         for request in requests:
             self.pool.uncache(self.tables.get(request.request_id, []))
             self._num_hashed[request.request_id] = 0

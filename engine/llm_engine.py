@@ -25,7 +25,7 @@ from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.loader import LoadedModel, load_model
 from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.outputs import CompletionOutput, RequestOutput
-from kvharbor.engine.request import FinishReason, Request
+from kvharbor.engine.request import FinishReason, Request, check_request_id
 from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import Sampler
 from kvharbor.engine.sampling_params import SamplingParams
@@ -210,6 +210,7 @@ class LLMEngine:
         """Queue a request. Raises ValueError (and queues nothing) for bad input."""
         params = params or SamplingParams()
         params.validate()
+        check_request_id(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self._prompt_ids(prompt, prompt_token_ids)
@@ -313,7 +314,10 @@ class LLMEngine:
             self._detokenize(group, request)
 
     def _detokenize(self, group: _Group, request: Request) -> None:
-        stop = group.detoks[request.index].update(request.output_token_ids)
+        ids = request.output_token_ids
+        if request.finish_reason is FinishReason.STOP and not group.params.include_stop_str_in_output:
+            ids = ids[:-1]  # EOS or a stop token id ended it: its text is not part of the answer
+        stop = group.detoks[request.index].update(ids)
         if stop is None:
             return
         if request.is_finished:  # the same token also hit a length limit: the stop string wins
@@ -323,12 +327,14 @@ class LLMEngine:
 
     def _fail(self, plan: SchedulerPlan, exc: Exception) -> None:
         log.exception("engine step failed; failing its %d requests", len(plan.chunks))
-        requests = [c.request for c in plan.chunks]
-        self.kv.uncache_blocks(requests)  # their KV may be half-written: nobody may hit it
-        for request in requests:
-            self.scheduler.finish(request, FinishReason.ERROR)
-            group = self._groups[request.group_id]
+        self.kv.uncache_blocks([c.request for c in plan.chunks])  # half-written KV: nobody may hit it
+        # A user request fails whole: its samples that were not in this step fail with it.
+        for group in {
+            self._groups[c.request.group_id].request_id: self._groups[c.request.group_id] for c in plan.chunks
+        }.values():
             group.error = f"{type(exc).__name__}: {exc}"
+            for request in group.samples.values():
+                self.scheduler.finish(request, FinishReason.ERROR)
             self._touched.add(group.request_id)
 
     def _output(self, group: _Group) -> RequestOutput:

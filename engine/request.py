@@ -9,6 +9,22 @@ from dataclasses import dataclass
 from kvharbor.common.block_hash import BlockHash, extend_block_hashes
 from kvharbor.engine.sampling_params import SamplingParams
 
+# NOTE: sibling samples get internal ids "<group id>\x1f<index>". User ids must be printable, so
+# none can contain the separator and a fork can never take a user's id.
+SAMPLE_SEPARATOR = "\x1f"
+
+
+def sample_id(group_id: str, index: int) -> str:
+    """The request id of sample `index` of a user request (sample 0 keeps the user's id)."""
+    return group_id if index == 0 else f"{group_id}{SAMPLE_SEPARATOR}{index}"
+
+
+def check_request_id(request_id: object) -> str:
+    """Raise ValueError unless `request_id` is a non-empty printable string."""
+    if not isinstance(request_id, str) or not request_id or not request_id.isprintable():
+        raise ValueError(f"request ids must be non-empty printable strings, got {request_id!r}")
+    return request_id
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

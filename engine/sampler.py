@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvharbor.engine.request import Logprob, Request
+from kvharbor.engine.request import Logprob, Request, sample_id
 
 
 @dataclass
@@ -42,7 +42,7 @@ class Sampler:
 
     def _generator(self, request: Request, index: int) -> torch.Generator:
         # Sample i of a group uses seed + i: sample 0 is the parent, i > 0 the forked siblings.
-        key = request.request_id if index == request.index else f"{request.group_id}#{index}"
+        key = request.request_id if index == request.index else sample_id(request.group_id, index)
         gen = self._generators.get(key)
         if gen is None:
             base = request.params.seed

@@ -78,6 +78,15 @@ class SamplingParams:
             raise bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias must map token ids to biases")
+            for tok, bias in self.logit_bias.items():
+                if not isinstance(tok, int) or isinstance(tok, bool):
+                    raise bad(f"logit_bias keys must be integer token ids, got {tok!r}")
+                # OpenAI's range; anything else (inf, NaN) would turn the whole row into NaN.
+                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
+                    raise bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad(f"seed must be an integer, got {self.seed!r}")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvharbor.engine.config import SchedulerConfig
 from kvharbor.engine.kv_cache_manager import KVCacheManager
-from kvharbor.engine.request import FinishReason, Logprob, Request, RequestStatus
+from kvharbor.engine.request import FinishReason, Logprob, Request, RequestStatus, sample_id
 
 
 @dataclass
@@ -138,15 +138,21 @@ class Scheduler:
         return plan
 
     def _preempt_for_priority(self, plan: SchedulerPlan) -> None:
-        # A waiting request that outranks the lowest running one may take its place when the
-        # batch or the pool is full.
+        # A waiting request that outranks the lowest running one takes its place when the batch or
+        # the pool is full, but only if it could then run this very step: otherwise the victim's
+        # work would be thrown away for nothing.
         if not self.waiting or not self.running:
             return
         best = min(self.waiting, key=self._rank())
+        hit = self.kv.get_computed_blocks(best, count=False)
         while self.running and self.running[-1].priority < best.priority:
+            others = self.running[:-1]
+            budget = self.config.max_num_batched_tokens - sum(r.num_tokens - r.num_computed_tokens for r in others)
+            if budget <= 0:
+                return
+            chunk = min(best.num_tokens - hit.num_tokens, budget)
             full = len(self.running) >= self.config.max_num_seqs
-            chunk = min(best.num_tokens, self.config.max_num_batched_tokens)
-            short = self.kv.blocks_needed(best, chunk) > self.kv.num_free_blocks
+            short = self.kv.blocks_needed(best, chunk, hit) > self.kv.num_free_blocks
             if not (full or short):
                 return
             self._preempt(self.running[-1], plan)
@@ -223,7 +229,7 @@ class Scheduler:
         parent.forked = True
         children = []
         for i, (token, logprob) in enumerate(zip(tokens, logprobs, strict=True), start=1):
-            child = parent.fork(i, f"{parent.group_id}#{i}")
+            child = parent.fork(i, sample_id(parent.group_id, i))
             self.kv.fork(parent, child)
             self.requests[child.request_id] = child
             self.running.append(child)

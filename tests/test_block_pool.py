@@ -118,7 +118,7 @@ def test_fork_shares_blocks_and_copy_on_write_splits_the_partial_block():
     parent = make_request("p", list(range(6)), n=2)  # one full block + a partial one
     kv.allocate_slots(parent, 6)
     parent.num_computed_tokens = 6
-    child = parent.fork(1, "p#1")
+    child = parent.fork(1, "p\x1f1")
     kv.fork(parent, child)
     assert kv.block_ids(child) == kv.block_ids(parent) == [0, 1]
     assert [b.ref_cnt for b in kv.tables["p"]] == [2, 2]
@@ -161,3 +161,18 @@ def test_events_are_off_unless_enabled_and_bounded():
     for i in range(4):
         kv.allocate_slots(make_request(f"r{i}", [i * 100 + t for t in range(4)]), 4)
     assert len(loud.take_events()) == 2 and loud.events_dropped == 2
+
+
+def test_stored_events_are_unbroken_chains_when_a_middle_hash_is_already_cached():
+    pool = BlockPool(8, BS, enable_events=True)
+    h0, h1, h2 = make_request("x", list(range(12))).full_block_hashes(BS)
+    (other,) = pool.get_new_blocks(1)
+    pool.cache_blocks([other], [h1], parent=h0)  # someone else computed block 1 already
+    blocks = pool.get_new_blocks(3)
+    pool.cache_blocks(blocks, [h0, h1, h2], parent=None)
+    assert pool.take_events() == [
+        BlockStored(hashes=(h1,), parent=h0, block_size=BS),
+        BlockStored(hashes=(h0,), parent=None, block_size=BS),
+        BlockStored(hashes=(h2,), parent=h1, block_size=BS),
+    ]
+    assert blocks[1].block_hash is None and pool.get_cached_block(h1) is other

@@ -37,6 +37,9 @@ def tiny(tiny_llama, make_llm):
         (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (lambda: SamplingParams(n=0), "n must be an integer >= 1"),
         (lambda: SamplingParams(stop=[""]), "stop strings must be non-empty"),
+        (lambda: SamplingParams(logit_bias={5: float("inf")}), r"logit_bias values must be numbers in \[-100, 100\]"),
+        (lambda: SamplingParams(logit_bias={5: float("nan")}), "logit_bias values"),
+        (lambda: SamplingParams(logit_bias={"5": 1.0}), "logit_bias keys must be integer"),
     ],
 )
 def test_bad_sampling_params_raise_clear_value_errors(make_params, match):
@@ -69,6 +72,19 @@ def test_one_bad_prompt_in_a_batch_queues_none_of_them(smol):
         smol.generate(["fine", "also fine", ""], GREEDY)
     assert not smol.engine.has_unfinished()
     assert smol.generate("fine", GREEDY)[0].outputs[0].token_ids  # and it still works
+
+
+def test_sample_ids_never_collide_with_user_ids(tiny):
+    engine = tiny.engine
+    with pytest.raises(ValueError, match="printable"):
+        engine.add_request("a\x1f1", None, GREEDY, prompt_token_ids=[5, 6])
+    engine.add_request("a#1", None, SamplingParams(max_tokens=4, ignore_eos=True), prompt_token_ids=[5, 6])
+    engine.add_request("a", None, SamplingParams(max_tokens=4, n=2, ignore_eos=True), prompt_token_ids=[7, 8])
+    finished = {}
+    while engine.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [len(o.token_ids) for o in finished["a#1"].outputs] == [4]
+    assert [len(o.token_ids) for o in finished["a"].outputs] == [4, 4]
 
 
 def test_duplicate_request_ids_are_refused(smol):
@@ -150,6 +166,26 @@ def test_stop_string_in_a_stream_is_never_shown_in_part(smol):
     assert not any("of" in d for d in deltas)
 
 
+def test_stop_token_text_is_dropped_unless_asked_for(smol):
+    paris = 7042  # "The capital of France is Paris." -> [504, 3575, 282, 4649, 314, 7042, 30, 2]
+    out = smol.chat(CAPITAL, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[paris]))[0].outputs[0]
+    assert out.text == "The capital of France is" and out.token_ids[-1] == paris and out.stop_reason == paris
+    kept = smol.chat(
+        CAPITAL, SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[paris], include_stop_str_in_output=True)
+    )[0].outputs[0]
+    assert kept.text == "The capital of France is Paris"
+
+
+def test_stop_strings_wait_for_min_tokens(smol):
+    def answer(min_tokens):
+        params = SamplingParams(max_tokens=20, temperature=0.0, stop=["capital"], min_tokens=min_tokens)
+        return smol.chat(CAPITAL, params)[0].outputs[0]
+
+    assert answer(1).text == "The "  # "capital" is the 2nd token: past min_tokens=1
+    late = answer(2)  # the 2nd token is still within min_tokens: that occurrence does not stop it
+    assert late.text == "The capital of France is Paris." and late.finish_reason == "stop"
+
+
 def test_logprobs_equal_the_reference_log_softmax(smollm_case, smol):
     prompt = smollm_case.prompts[0]
     _, ref_logits = hf_greedy(smollm_case.hf, prompt, 4)
@@ -198,6 +234,30 @@ def test_abort_before_the_first_token_finishes_all_n_samples(smol):
     (out,) = engine.step()
     assert out.finished and [o.finish_reason for o in out.outputs] == ["abort"] * 3
     assert not engine.has_unfinished() and not engine._groups
+
+
+def test_a_failed_step_fails_every_sample_of_its_requests(tiny_llama, make_llm, monkeypatch):
+    llm = make_llm(tiny_llama.loaded, max_num_batched_tokens=2)
+    engine = llm.engine
+    engine.add_request(
+        "g", None, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True), prompt_token_ids=[5, 6]
+    )
+    while len(engine.scheduler.running) < 3:
+        engine.step()
+    real = engine.runner.execute
+    failed = []
+
+    def flaky(plan):
+        if not failed:
+            failed.append(len(plan.chunks))  # the budget of 2 holds only two of the three samples
+            raise RuntimeError("boom")
+        return real(plan)
+
+    monkeypatch.setattr(engine.runner, "execute", flaky)
+    (out,) = engine.step()
+    assert failed == [2]
+    assert out.finished and [o.finish_reason for o in out.outputs] == ["error"] * 3
+    assert not engine.has_unfinished()
 
 
 def test_a_failed_step_fails_its_requests_frees_them_and_the_engine_goes_on(smol, monkeypatch):

@@ -147,9 +147,24 @@ def test_fork_creates_n_samples_sharing_the_prompt():
     plan = s.schedule()
     assert plan.chunks[0].num_samples == 3
     forked = s.update(plan, StepOutput(tokens={"g": [7, 8, 9]}))
-    assert [c.request_id for c in forked] == ["g#1", "g#2"]
+    assert [c.request_id for c in forked] == ["g\x1f1", "g\x1f2"]
     assert [r.output_token_ids for r in (s.requests["g"], *forked)] == [[7], [8], [9]]
     assert kv.block_ids(forked[0]) == kv.block_ids(s.requests["g"])
     plan = step(s)
     assert len(plan.block_copies) == 2  # two of three samples copy the shared partial block
     kv.check_integrity()
+
+
+def test_priority_preemption_only_when_the_newcomer_could_run_this_step():
+    s, _ = make(num_blocks=64, budget=8, max_seqs=2)
+    s.add(req("L", 3, max_tokens=50, priority=0))
+    step(s)
+    step(s)
+    s.add(req("H", 60, max_tokens=4, priority=2, arrival=1.0, start=100))
+    step(s)  # H prefills in chunks that eat the whole budget
+    s.add(req("W", 5, max_tokens=4, priority=1, arrival=2.0, start=200))
+    for _ in range(4):
+        plan = step(s)
+        # W outranks L, but H leaves no budget for W: evicting L would only waste its work.
+        assert not plan.preempted
+    assert s.requests["L"].num_preemptions == 0
