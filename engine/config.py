@@ -67,7 +67,6 @@ class SchedulerConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     threads: int | None = opt(None, "CPU threads for torch (default: one per physical core)")
-    attention_backend: Literal["auto", "torch"] = opt("auto", "attention implementation")
 
 
 @dataclass(frozen=True)

@@ -27,17 +27,16 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.tables: dict[str, list[Block]] = {}
         self._num_hashed: dict[str, int] = {}  # table entries already offered to the hash map
-        self.prefix_queries = 0  # prompt tokens looked up
+        self.prefix_queries = 0  # tokens of admitted requests looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found cached
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
 
-    def get_computed_blocks(self, request: Request, count: bool = True) -> PrefixHit:
+    def get_computed_blocks(self, request: Request) -> PrefixHit:
         """The longest cached prefix of `request`, capped so its last token is always computed
-        (the model must run on it to produce logits). Mutates nothing but the hit counters
-        (and not those when `count` is False: a look that schedules nothing)."""
+        (the model must run on it to produce logits). Mutates nothing."""
         if not self.pool.enable_caching:
             return PrefixHit([], 0)
         hashes = request.full_block_hashes(self.block_size)
@@ -48,9 +47,6 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        if count:
-            self.prefix_queries += request.num_tokens
-            self.prefix_hits += len(blocks) * self.block_size
         return PrefixHit(blocks, len(blocks) * self.block_size)
 
     def blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
@@ -75,12 +71,16 @@ class KVCacheManager:
 
         Returns the (src, dst) block copies the runner must do first (copy-on-write), or None
         when the pool is too short; then nothing was changed and the caller may preempt.
+        Passing `hit` (admission from the queue) counts the lookup in the hit-rate counters.
         """
         hit_blocks = hit.blocks if hit else []
         table = self.tables.get(request.request_id, [])
         if self.blocks_needed(request, num_new_tokens, hit) > self.pool.num_free:
             return None
         table = self.tables.setdefault(request.request_id, table)
+        if hit is not None:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += hit.num_tokens
         if hit_blocks:
             self.pool.touch(hit_blocks)
             table.extend(hit_blocks)

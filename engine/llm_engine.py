@@ -102,8 +102,6 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     steps: int = 0
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
 
     def record(self, plan: SchedulerPlan, seconds: float) -> None:
         prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)

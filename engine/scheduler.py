@@ -144,7 +144,7 @@ class Scheduler:
         if not self.waiting or not self.running:
             return
         best = min(self.waiting, key=self._rank())
-        hit = self.kv.get_computed_blocks(best, count=False)
+        hit = self.kv.get_computed_blocks(best)
         while self.running and self.running[-1].priority < best.priority:
             others = self.running[:-1]
             budget = self.config.max_num_batched_tokens - sum(r.num_tokens - r.num_computed_tokens for r in others)

@@ -168,3 +168,15 @@ def test_priority_preemption_only_when_the_newcomer_could_run_this_step():
         # W outranks L, but H leaves no budget for W: evicting L would only waste its work.
         assert not plan.preempted
     assert s.requests["L"].num_preemptions == 0
+
+
+def test_prefix_hit_counters_count_each_admission_once():
+    s, kv = make(num_blocks=4, budget=64)
+    s.add(req("a", 12, max_tokens=4))  # 16 tokens: the whole pool
+    step(s)
+    s.add(req("b", 12, max_tokens=2, start=100, arrival=1.0))
+    while "a" in s.requests:
+        step(s)  # b is looked up, and refused, on every one of these steps
+    while s.num_unfinished:
+        step(s)
+    assert kv.prefix_queries == 12 + 12
