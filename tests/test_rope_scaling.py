@@ -1,0 +1,51 @@
+"""RoPE scaling (Llama 3.x "llama3" and "linear"): a tiny scaled model, saved as a HF folder,
+generates what transformers generates past the original context length."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import hf_greedy
+
+from kvharbor.engine import SamplingParams
+from kvharbor.engine.loader import load_model
+
+SCALINGS = {
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
+    "linear": {"rope_type": "linear", "factor": 4.0},
+}
+
+
+@pytest.mark.parametrize("kind", sorted(SCALINGS))
+def test_scaled_rope_matches_transformers(kind, tmp_path, make_llm):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(11)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rope_theta=500000.0,
+        rope_scaling=SCALINGS[kind],
+        initializer_range=0.25,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    hf = LlamaForCausalLM(config).float().eval()
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert dict(loaded.arch.rope_scaling_dict)["rope_type"] == kind
+    prompt = torch.randint(3, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()  # > 32 positions
+    llm = make_llm(loaded, max_model_len=256)
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)[0]
