@@ -15,6 +15,7 @@ from kvharbor.common import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvharbor.engine.cli", "complete a prompt offline with the engine"),
     "chat": ("kvharbor.engine.cli", "answer one chat message offline with the engine"),
+    "serve": ("kvharbor.engine.serve", "serve the OpenAI API from one engine (FastAPI on uvicorn)"),
 }
 
 

@@ -37,6 +37,7 @@ class CacheConfig:
     kv_memory_fraction: float = opt(0.9, "share of free accelerator memory for KV when kv_cache_memory is unset")
     num_kv_blocks: int | None = opt(None, "exact number of KV blocks; overrides the memory budget")
     enable_prefix_caching: bool = opt(True, "reuse KV blocks of identical prefixes")
+    kv_events: bool = opt(False, "queue KV events for the KV index (serve --redis-url turns it on)")
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -75,3 +76,37 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(8000, "TCP port to listen on")
+    instance_id: str | None = opt(None, "this engine's id in KV events, /load and metrics (default: host-port)")
+    redis_url: str | None = opt(None, "publish KV events to this Redis (redis://host:port/db)")
+    kv_events_stream_prefix: str = opt("kvharbor:kv:", "Redis key prefix of the per-model KV event streams")
+    lease_ttl: float = opt(10.0, "seconds an instance lease lives without a heartbeat")
+    drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests before aborting them")
+    max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")
+    log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
+    log_json: bool = opt(True, "log one JSON object per line")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.lease_ttl <= 1:
+            raise ValueError(f"lease_ttl must be > 1 second, got {self.lease_ttl}")
+        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """`kvharbor serve`: the engine plus its HTTP server."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)

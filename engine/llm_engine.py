@@ -147,7 +147,12 @@ class LLMEngine:
             f"{self.capacity.capacity_tokens} tokens ({self.capacity.total_bytes / 2**20:.0f} MiB, "
             f"{self.capacity.bytes_per_token} bytes/token)"
         )
-        self.pool = BlockPool(self.capacity.num_blocks, self.capacity.block_size, config.cache.enable_prefix_caching)
+        self.pool = BlockPool(
+            self.capacity.num_blocks,
+            self.capacity.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+            enable_events=config.cache.kv_events,
+        )
         self.kv = KVCacheManager(self.pool)
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else ()

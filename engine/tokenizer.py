@@ -54,6 +54,22 @@ _PRE_TOKENIZERS = {
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    # GPT-2's reversible byte <-> printable-character map used by byte-level BPE vocabularies.
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_DECODER = _byte_level_alphabet()
+
+
 class Tokenizer:
     """Encode, decode and render chats for one model. Special tokens are matched in text."""
 
@@ -79,6 +95,16 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level token may hold part of a character)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is not None and isinstance(self.backend.decoder, decoders.ByteLevel):
+            try:
+                return bytes(_BYTE_DECODER[c] for c in piece)
+            except KeyError:
+                pass  # an added token written in plain text
+        return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; BOS is prepended when the model wants it and `add_special_tokens`."""

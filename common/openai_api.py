@@ -1,0 +1,219 @@
+"""The wire API (DESIGN §2): OpenAI's chat and completions requests, kvharbor's extension fields,
+and OpenAI's error shape. The engine server and the gateway both parse requests with these models.
+
+Extension fields, beyond OpenAI:
+    vLLM's          ignore_eos, min_tokens, top_k, min_p, repetition_penalty, stop_token_ids,
+                    include_stop_str_in_output, skip_special_tokens
+    kvharbor's      prompt_token_ids (already tokenized; the chat template is not applied again),
+                    cache_salt, priority (higher first; < 0 may be shed), request_id,
+                    kv_prefix_source ("local" | "shared": where already computed blocks may come from)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class APIError(Exception):
+    """An error that reaches the client as OpenAI's error JSON with `status`."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's error shape: {"error": {"message", "type", "param", "code"}}."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... pass through to the template
+
+    role: Annotated[str, Field(min_length=1)]
+    content: str | list[TextPart] | None = None
+
+
+class SamplingFields(BaseModel):
+    """Fields shared by chat and completions; `sampling_kwargs()` maps them to the engine's names."""
+
+    model: Annotated[str, Field(min_length=1)]
+    n: Annotated[int, Field(ge=1)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM's extensions
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # kvharbor's extensions
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    kv_prefix_source: Literal["local", "shared"] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for key in bias or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return bias
+
+    def max_new_tokens(self) -> int | None:
+        raise NotImplementedError
+
+    def num_logprobs(self) -> int | None:
+        raise NotImplementedError
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for the engine's SamplingParams (None means the engine default)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        kwargs: dict[str, Any] = {
+            "n": self.n,
+            "max_tokens": self.max_new_tokens(),
+            "min_tokens": self.min_tokens,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p,
+            "top_k": self.top_k or 0,
+            "min_p": self.min_p or 0.0,
+            "seed": self.seed,
+            "repetition_penalty": self.repetition_penalty or 1.0,
+            "presence_penalty": self.presence_penalty or 0.0,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "logit_bias": {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            "stop": stop,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
+            "logprobs": self.num_logprobs(),
+        }
+        return kwargs
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
+        if self.prompt is None and self.prompt_token_ids is None:
+            raise ValueError("give a prompt (or prompt_token_ids)")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n (no server-side ranking)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request: text or token ids (prompt_token_ids wins)."""
+        if self.prompt_token_ids is not None:
+            return [self.prompt_token_ids]
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and all(isinstance(x, int) for x in p):
+            return [list(p)]  # one prompt given as token ids
+        return list(p or [])
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

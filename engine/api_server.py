@@ -1,0 +1,479 @@
+"""The engine server: OpenAI's API over one EngineLoop, plus /health, /ready, /load and /metrics.
+
+Every error leaves as OpenAI's error JSON. Bodies over `max_body_bytes` get 413; while draining,
+new work gets 503 with Retry-After. A client that goes away mid-request has its request aborted,
+and its KV blocks are back in the pool before the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvharbor.common.logs import request_context
+from kvharbor.common.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    error_body,
+)
+from kvharbor.engine.engine_loop import EngineDead, EngineLoop, NewRequest, RequestStream
+from kvharbor.engine.metrics import ServerMetrics
+from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
+from kvharbor.engine.outputs import RequestOutput
+from kvharbor.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvharbor.engine.server")
+RETRY_AFTER_S = "5"
+_GUARDED_PREFIXES = ("/v1/chat", "/v1/completions", "/tokenize", "/detokenize")
+
+
+@dataclass
+class ServerState:
+    loop: EngineLoop
+    metrics: ServerMetrics
+    instance_id: str
+    max_body_bytes: int
+    draining: bool = False
+    ready: bool = True
+    background: list[asyncio.Task] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        return self.loop.engine.model_name
+
+
+# -- middleware: body limit and drain gate --------------------------------------------------------
+
+
+class GateMiddleware:
+    """Pure ASGI: refuse new work while draining (503) and bodies over the limit (413)."""
+
+    def __init__(self, app: Any, state: ServerState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith(_GUARDED_PREFIXES):
+            await self.app(scope, receive, send)
+            return
+        if self.state.draining:
+            err = APIError(
+                503,
+                "this engine is draining; retry on another instance",
+                type="service_unavailable",
+                code="draining",
+                headers={"Retry-After": RETRY_AFTER_S},
+            )
+            await _send_error(send, err)
+            return
+        body = await self._read_body(scope, receive)
+        if body is None:
+            limit = self.state.max_body_bytes
+            await _send_error(send, APIError(413, f"request body exceeds {limit} bytes", code="request_too_large"))
+            return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, scope: dict, receive: Any) -> bytes | None:
+        limit = self.state.max_body_bytes
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b"".join(chunks)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+async def _send_error(send: Any, err: APIError) -> None:
+    payload = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+# -- the app --------------------------------------------------------------------------------------
+
+
+def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
+    app = FastAPI(title="kvharbor engine", version="1", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.kvharbor = state
+    _install_error_handlers(app, state)
+    routes = _Routes(state)
+    app.post("/v1/chat/completions")(routes.chat)
+    app.post("/v1/completions")(routes.completions)
+    app.get("/v1/models")(routes.models)
+    app.post("/tokenize")(routes.tokenize)
+    app.post("/detokenize")(routes.detokenize)
+    app.get("/health")(routes.health)
+    app.get("/ready")(routes.ready)
+    app.get("/load")(routes.load)
+    app.get("/metrics")(routes.metrics)
+    app.add_middleware(GateMiddleware, state=state)
+    return app
+
+
+def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
+    def respond(err: APIError, request: Request) -> JSONResponse:
+        state.metrics.requests.labels(request.url.path, str(err.status)).inc()
+        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return respond(exc, request)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":
+            return respond(APIError(400, f"the request body is not valid JSON: {first.get('msg')}"), request)
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        where = ".".join(loc)
+        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+        return respond(APIError(400, message, param=where or None), request)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return respond(APIError(exc.status_code, str(exc.detail), type=kind), request)
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return respond(APIError(500, "internal error; see the engine log", type="internal_error"), request)
+
+
+class _Routes:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+        self.loop = state.loop
+        self.engine = state.loop.engine
+        self.tokenizer = self.engine.tokenizer
+
+    # -- helpers ----------------------------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.state.model:
+            raise APIError(
+                404,
+                f"model {model!r} is not served here; this engine serves {self.state.model!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: send prompt_token_ids", param="prompt")
+
+    def _params(self, body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+        if body.kv_prefix_source == "shared":
+            raise APIError(
+                400,
+                "kv_prefix_source=shared needs a shared block store, and none is configured",
+                param="kv_prefix_source",
+            )
+        try:
+            params = SamplingParams(**body.sampling_kwargs())
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from None
+        return params
+
+    async def _submit(self, rid: str, ids: list[int], params: SamplingParams, body: Any) -> RequestStream:
+        try:
+            return await self.loop.add(
+                NewRequest(rid, ids, params, priority=body.priority, tenant=body.user, cache_salt=body.cache_salt)
+            )
+        except EngineDead as exc:
+            raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
+        except ValueError as exc:
+            param = "max_tokens" if "max_tokens" in str(exc) else None
+            raise APIError(400, str(exc), param=param) from None
+
+    # -- OpenAI endpoints -------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        if body.prompt_token_ids is not None:
+            ids = list(body.prompt_token_ids)
+        else:
+            self._need_tokenizer()
+            messages = [m.model_dump(exclude_none=True) for m in body.messages]
+            try:
+                text = self.tokenizer.apply_chat_template(messages)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        rid = _request_id(body.request_id, request, "chatcmpl")
+        return await self._generate("chat", rid, [ids], [""], body, request)
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        self._check_model(body.model)
+        prompts = body.prompts()
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        batch, echo = [], []
+        for p in prompts:
+            if isinstance(p, str):
+                self._need_tokenizer()
+                batch.append(self.tokenizer.encode(p))
+                echo.append(p if body.echo else "")
+            else:
+                batch.append(list(p))
+                echo.append(self.tokenizer.decode(p) if body.echo and self.tokenizer else "")
+        rid = _request_id(body.request_id, request, "cmpl")
+        return await self._generate("completion", rid, batch, echo, body, request)
+
+    async def _generate(
+        self, kind: str, rid: str, batch: list[list[int]], echo: list[str], body: Any, request: Request
+    ) -> Response:
+        params = self._params(body)
+        arrival = time.monotonic()
+        with request_context(rid):
+            streams = []
+            try:
+                for k, ids in enumerate(batch):
+                    engine_id = rid if len(batch) == 1 else f"{rid}-{k}"
+                    streams.append((engine_id, await self._submit(engine_id, ids, params, body)))
+            except APIError:
+                for engine_id, _ in streams:
+                    self.loop.abort(engine_id)
+                raise
+            log.info(
+                "admitted",
+                extra={
+                    "kind": kind,
+                    "prompts": len(batch),
+                    "prompt_tokens": sum(map(len, batch)),
+                    "n": params.n,
+                    "max_tokens": params.max_tokens,
+                    "stream": body.stream,
+                },
+            )
+        builder = ResponseBuilder(kind, rid, self.state.model, self.tokenizer, params.n)
+        run = _Run(self.state, streams, arrival, request.url.path, rid)
+        if body.stream:
+            return StreamingResponse(
+                run.stream(builder, kind, body.num_logprobs() is not None, echo, body.include_usage),
+                media_type="text/event-stream",
+                headers={"X-Request-Id": rid, "Cache-Control": "no-cache"},
+            )
+        outputs = await run.collect(request)
+        return JSONResponse(
+            builder.response(outputs, body.num_logprobs() is not None, echo), headers={"X-Request-Id": rid}
+        )
+
+    async def models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.state.model,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "kvharbor",
+                    "max_model_len": self.engine.max_model_len,
+                }
+            ],
+        }
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        self._check_model(body.model)
+        self._need_tokenizer()
+        if body.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            tokens = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = self.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        self._check_model(body.model)
+        self._need_tokenizer()
+        vocab = self.engine.arch.vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    # -- operations -------------------------------------------------------------------------------
+
+    async def health(self) -> Response:
+        if not self.loop.alive:
+            return JSONResponse({"status": "dead", "error": repr(self.loop.error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self) -> Response:
+        ok = self.state.ready and not self.state.draining and self.loop.alive
+        body = {"ready": ok, "draining": self.state.draining, "model": self.state.model}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    async def load(self) -> dict:
+        return {
+            **self.loop.load,
+            "instance_id": self.state.instance_id,
+            "draining": self.state.draining,
+            "in_flight": self.loop.num_in_flight,
+        }
+
+    async def metrics(self) -> Response:
+        return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _request_id(given: str | None, request: Request, prefix: str) -> str:
+    rid = given or request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
+    if not rid.isprintable():
+        raise APIError(400, "request_id must be printable", param="request_id")
+    return rid
+
+
+class _Run:
+    """One API request in flight: its engine streams, their timing, and their cancellation."""
+
+    def __init__(
+        self, state: ServerState, streams: list[tuple[str, RequestStream]], arrival: float, endpoint: str, rid: str
+    ) -> None:
+        self.state = state
+        self.streams = streams
+        self.arrival = arrival
+        self.endpoint = endpoint
+        self.rid = rid
+        self.finals: dict[str, RequestOutput] = {}
+        self.token_times: dict[str, list[float]] = {engine_id: [] for engine_id, _ in streams}
+
+    def abort(self) -> None:
+        for engine_id, _ in self.streams:
+            if engine_id not in self.finals:
+                self.state.loop.abort(engine_id)
+
+    async def _merged(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int, engine_id: str, stream: RequestStream) -> None:
+            try:
+                async for out, when in stream:
+                    self.token_times[engine_id] += [when] * sum(len(c.delta_token_ids) for c in out.outputs)
+                    await queue.put((k, out))
+            except Exception as exc:
+                await queue.put((k, exc))
+
+        tasks = [asyncio.create_task(pump(k, eid, s)) for k, (eid, s) in enumerate(self.streams)]
+        try:
+            pending = len(tasks)
+            while pending:
+                k, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item.finished:
+                    self.finals[item.request_id] = item
+                    pending -= 1
+                yield k, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    def _finish(self, status: int) -> None:
+        self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
+        for engine_id, final in self.finals.items():
+            self.state.metrics.observe_request(self.arrival, self.token_times[engine_id], len(final.prompt_token_ids))
+
+    async def collect(self, request: Request) -> list[RequestOutput]:
+        """Wait for every prompt to finish; abort if the client disconnects meanwhile."""
+        watcher = asyncio.create_task(self._watch_disconnect(request))
+        try:
+            async for _k, _out in self._merged():
+                pass
+        except EngineDead as exc:
+            self._finish(503)
+            raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
+        finally:
+            watcher.cancel()
+            self.abort()
+        outputs = [self.finals[engine_id] for engine_id, _ in self.streams]
+        failed = next((o for o in outputs if o.error), None)
+        if failed is not None:
+            self._finish(500)
+            raise APIError(500, f"the engine failed on this request: {failed.error}", type="internal_error")
+        self._finish(200)
+        return outputs
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            if await request.is_disconnected():
+                log.info("client disconnected; aborting", extra={"request_id": self.rid})
+                self.abort()
+                return
+
+    async def stream(
+        self, builder: ResponseBuilder, kind: str, want_logprobs: bool, echo: list[str], include_usage: bool
+    ) -> AsyncIterator[str]:
+        """SSE chunks; a client that goes away cancels this generator, which aborts the request."""
+        status = 200
+        offsets: dict[int, int] = {}
+        try:
+            if kind == "chat":
+                for k in range(len(self.streams)):
+                    for i in range(builder.n):
+                        yield sse(builder.role_chunk(k * builder.n + i))
+            async for k, out in self._merged():
+                for sample in out.outputs:
+                    if not (sample.delta_text or sample.delta_token_ids or sample.finish_reason):
+                        continue
+                    index = k * builder.n + sample.index
+                    if index not in offsets and echo[k]:
+                        yield sse(builder.text_chunk(index, echo[k]))
+                        offsets[index] = len(echo[k])
+                    chunk = builder.delta_chunk(index, sample, want_logprobs, offsets.get(index, 0))
+                    offsets[index] = offsets.get(index, 0) + len(sample.delta_text)
+                    yield sse(chunk)
+                if out.finished and out.error:
+                    status = 500
+                    yield sse(error_body(f"the engine failed on this request: {out.error}", "internal_error"))
+            if include_usage:
+                yield sse(builder.usage_chunk([self.finals[eid] for eid, _ in self.streams]))
+            yield SSE_DONE
+        except EngineDead as exc:
+            status = 503
+            yield sse(error_body(str(exc), "service_unavailable"))
+            yield SSE_DONE
+        except (asyncio.CancelledError, GeneratorExit):
+            status = 499  # the client closed the connection
+            log.info("client disconnected mid-stream; aborting", extra={"request_id": self.rid})
+            raise
+        finally:
+            self.abort()
+            self._finish(status)

@@ -1,0 +1,177 @@
+"""KVEventPublisher: the engine's block pool events, written to the model's Redis Stream.
+
+    stream  <prefix><model>                       XADD, one entry per event (kvharbor.common.kv_events)
+    lease   kvharbor:lease:<model>:<instance>     the lease id, refreshed every ttl/3 (PX ttl)
+
+On every (re)connect it writes `cleared` and then everything the pool holds, so an index that lost
+its state, or missed events while Redis was away, is rebuilt. While Redis is down the engine keeps
+serving: events are dropped and counted, and the publisher retries with exponential backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import uuid
+from collections.abc import Callable
+
+from kvharbor.common.kv_events import AllCleared, BlockStored, EventEnvelope, KVEvent, to_fields
+from kvharbor.engine.engine_loop import EngineLoop
+from kvharbor.engine.llm_engine import LLMEngine
+
+log = logging.getLogger("kvharbor.engine.kv_events")
+RESYNC_BATCH = 256
+MAX_BACKOFF = 10.0
+
+
+def lease_key(model: str, instance: str) -> str:
+    return f"kvharbor:lease:{model}:{instance}"
+
+
+class KVEventPublisher:
+    def __init__(
+        self,
+        redis_url: str,
+        model: str,
+        instance: str,
+        stream_key: str,
+        lease_ttl: float,
+        on_published: Callable[[int], None] = lambda n: None,
+        on_dropped: Callable[[int], None] = lambda n: None,
+        max_queue: int = 100_000,
+    ) -> None:
+        self.redis_url = redis_url
+        self.model = model
+        self.instance = instance
+        self.stream_key = stream_key
+        self.lease_ttl = lease_ttl
+        self.lease = uuid.uuid4().hex
+        self._on_published = on_published
+        self._on_dropped = on_dropped
+        self._max_queue = max_queue
+        self._lock = threading.Lock()
+        self._queue: collections.deque[KVEvent] = collections.deque()
+        self._connected = False
+        self._seq = 0
+        self._stopping = asyncio.Event()
+        self.published = 0
+        self.dropped = 0
+        self.resyncs = 0
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def sink(self, events: list[KVEvent]) -> None:
+        """Take the pool's events (engine thread). Dropped, and counted, while Redis is away."""
+        with self._lock:
+            if not self._connected or len(self._queue) + len(events) > self._max_queue:
+                self._drop(len(events))
+                return
+            self._queue.extend(events)
+
+    def _snapshot(self, engine: LLMEngine) -> list[bytes]:
+        # Runs in the engine thread between steps: everything queued so far is superseded by
+        # the full set, so drop it and start counting from here.
+        with self._lock:
+            self._queue.clear()
+            self._connected = True
+        engine.pool.take_events()
+        return engine.pool.cached_hashes()
+
+    def _drop(self, n: int) -> None:
+        self.dropped += n
+        self._on_dropped(n)
+
+    # -- the event loop ---------------------------------------------------------------------------
+
+    async def run(self, loop: EngineLoop, block_size: int) -> None:
+        """Publish until `stop()`; reconnects with backoff; never raises for Redis trouble."""
+        import redis.asyncio as redis
+        from redis.exceptions import RedisError
+
+        backoff = 0.5
+        while not self._stopping.is_set():
+            client = redis.from_url(self.redis_url, socket_timeout=3, socket_connect_timeout=3)
+            try:
+                await client.ping()
+                await self._resync(client, loop, block_size)
+                log.info("publishing KV events", extra={"stream": self.stream_key, "lease": self.lease})
+                backoff = 0.5
+                await self._pump(client)
+            except (RedisError, OSError) as exc:
+                self._disconnect()
+                log.warning("Redis unavailable for KV events; retrying in %.1fs", backoff, extra={"error": repr(exc)})
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, MAX_BACKOFF)
+            finally:
+                await client.aclose()
+
+    async def _resync(self, client, loop: EngineLoop, block_size: int) -> None:
+        hashes = await loop.call(self._snapshot)
+        events: list[KVEvent] = [AllCleared()]
+        for i in range(0, len(hashes), RESYNC_BATCH):
+            # NOTE: a re-sync sends the set of held blocks; its batches are not chains (parent None).
+            events.append(BlockStored(hashes=tuple(hashes[i : i + RESYNC_BATCH]), parent=None, block_size=block_size))
+        await self._heartbeat(client)
+        await self._write(client, events)
+        self.resyncs += 1
+
+    async def _pump(self, client) -> None:
+        next_beat = asyncio.get_running_loop().time() + self.lease_ttl / 3
+        while not self._stopping.is_set():
+            with self._lock:
+                batch = [self._queue.popleft() for _ in range(min(512, len(self._queue)))]
+            if batch:
+                try:
+                    await self._write(client, batch)
+                except BaseException:
+                    self._drop(len(batch))  # taken off the queue, never written
+                    raise
+            now = asyncio.get_running_loop().time()
+            if now >= next_beat:
+                await self._heartbeat(client)
+                next_beat = now + self.lease_ttl / 3
+            if not batch:
+                await self._sleep(0.02)
+
+    async def _write(self, client, events: list[KVEvent]) -> None:
+        pipe = client.pipeline(transaction=False)
+        for event in events:
+            self._seq += 1
+            envelope = EventEnvelope(event, self.instance, self.model, self.lease, self._seq)
+            pipe.xadd(self.stream_key, to_fields(envelope), maxlen=1_000_000, approximate=True)
+        await pipe.execute()
+        self.published += len(events)
+        self._on_published(len(events))
+
+    async def _heartbeat(self, client) -> None:
+        await client.set(lease_key(self.model, self.instance), self.lease, px=int(self.lease_ttl * 1000))
+
+    def _disconnect(self) -> None:
+        with self._lock:
+            lost = len(self._queue)
+            self._queue.clear()
+            self._connected = False
+        if lost:
+            self._drop(lost)
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+
+    async def stop(self) -> None:
+        """Stop publishing; tell the index this instance holds nothing any more (best effort)."""
+        self._stopping.set()
+        import redis.asyncio as redis
+        from redis.exceptions import RedisError
+
+        client = redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+        try:
+            await self._write(client, [AllCleared()])
+            await client.delete(lease_key(self.model, self.instance))
+        except (RedisError, OSError):
+            pass
+        finally:
+            await client.aclose()

@@ -1,0 +1,118 @@
+"""Prometheus metrics of one engine server (prefix `kvharbor_`), in a registry of its own.
+
+Request counters and latency histograms are fed by the API server as requests finish; the load
+gauges (running, waiting, KV blocks, prefix-cache hit rate, measured speed) are read from the
+engine loop's latest snapshot at scrape time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+class _LoadCollector:
+    def __init__(self, snapshot: Callable[[], tuple[dict[str, Any], dict[str, int]]], labels: dict[str, str]) -> None:
+        self._snapshot = snapshot
+        self._labels = labels
+
+    def collect(self):
+        load, counters = self._snapshot()
+        names, values = list(self._labels), list(self._labels.values())
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"kvharbor_{name}", doc, labels=names)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"kvharbor_{name}", doc, labels=names)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("requests_running", "Requests in the running batch", load["running"])
+        yield gauge("requests_waiting", "Requests queued for admission", load["waiting"])
+        yield gauge(
+            "waiting_prefill_tokens",
+            "Prompt tokens of waiting requests still to compute",
+            load["waiting_prefill_tokens"],
+        )
+        yield gauge("kv_blocks_total", "KV blocks in the pool", load["kv_blocks_total"])
+        yield gauge("kv_blocks_free", "KV blocks with no user (cached or not)", load["kv_blocks_free"])
+        yield gauge("kv_blocks_cached", "KV blocks reusable by prefix", load["kv_blocks_cached"])
+        yield gauge("prefill_tokens_per_second", "Measured prefill speed (EWMA)", load["prefill_tokens_per_s"])
+        yield gauge("decode_step_seconds", "Measured decode step time (EWMA)", load["decode_step_ms"] / 1000)
+        queries, hits = counters["prefix_queries"], counters["prefix_hits"]
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
+        yield gauge(
+            "prefix_cache_hit_rate", "Share of looked-up prompt tokens found cached", hits / queries if queries else 0.0
+        )
+        yield counter(
+            "requests_aborted", "Requests cancelled in flight (client gone, drain timeout)", counters["aborted"]
+        )
+
+
+class ServerMetrics:
+    def __init__(
+        self, snapshot: Callable[[], tuple[dict[str, Any], dict[str, int]]], model: str, instance: str
+    ) -> None:
+        self.registry = CollectorRegistry()
+        labels = {"model": model, "instance": instance}
+        self.requests = Counter(
+            "kvharbor_requests", "Finished HTTP requests", ["endpoint", "status"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "kvharbor_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "kvharbor_inter_token_latency_seconds",
+            "Time between streamed tokens",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "kvharbor_e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Histogram(
+            "kvharbor_request_prompt_tokens", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=self.registry
+        )
+        self.output_tokens = Histogram(
+            "kvharbor_request_generation_tokens",
+            "Generated tokens per request",
+            buckets=TOKEN_BUCKETS,
+            registry=self.registry,
+        )
+        self.kv_events_published = Counter(
+            "kvharbor_kv_events_published", "KV events written to Redis", registry=self.registry
+        )
+        self.kv_events_dropped = Counter(
+            "kvharbor_kv_events_dropped", "KV events lost (Redis down, queue full)", registry=self.registry
+        )
+        self.registry.register(_LoadCollector(snapshot, labels))
+
+    def observe_request(self, arrival: float, token_times: list[float], prompt_tokens: int) -> None:
+        """Record one finished generation: `token_times` are when each output token appeared."""
+        self.prompt_tokens.observe(prompt_tokens)
+        self.output_tokens.observe(len(token_times))
+        if token_times:
+            self.ttft.observe(token_times[0] - arrival)
+            self.e2e.observe(token_times[-1] - arrival)
+            for a, b in itertools.pairwise(token_times):
+                self.itl.observe(b - a)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,192 @@
+"""`kvharbor serve`: load the model, warm up, then serve OpenAI's API on uvicorn.
+
+Options are flags, KVHARBOR_* variables or a YAML file (--config), with the same names. SIGTERM
+(or Ctrl-C) drains: /ready turns false, new requests get 503, in-flight ones finish (up to
+--drain-timeout, then they are aborted), and the process exits 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+from kvharbor.common.config import ConfigError, add_arguments, load_config
+from kvharbor.common.logs import setup_logging
+
+log = logging.getLogger("kvharbor.engine.serve")
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    from kvharbor.engine.config import ServeConfig
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--config", metavar="FILE", help="YAML file of options [env KVHARBOR_CONFIG]")
+    add_arguments(parser, ServeConfig)
+    return parser
+
+
+def main(argv: list[str], prog: str = "kvharbor serve", command: str = "serve") -> int:
+    from kvharbor.engine.config import ServeConfig
+
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(
+            ServeConfig, file=args.config, overrides={k: v for k, v in vars(args).items() if k != "config"}
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+    setup_logging(config.server.log_level, config.server.log_json)
+    try:
+        server = build_server(config)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"kvharbor serve: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(
+            f"kvharbor serve: error: cannot listen on {config.server.host}:{config.server.port}: {exc}", file=sys.stderr
+        )
+        return 2
+    return server.serve_forever()
+
+
+def _check_port_free(host: str, port: int) -> None:
+    # Fail before the model load, not after it, when the port is taken.
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+
+
+class EngineServer:
+    """The engine, its loop, the KV event publisher and uvicorn, started and stopped together."""
+
+    def __init__(self, config: Any) -> None:
+        from kvharbor.engine.api_server import ServerState, build_app
+        from kvharbor.engine.engine_loop import EngineLoop
+        from kvharbor.engine.kv_publisher import KVEventPublisher
+        from kvharbor.engine.llm_engine import LLMEngine
+        from kvharbor.engine.metrics import ServerMetrics
+
+        srv = config.server
+        engine_config = config.engine
+        if srv.redis_url:
+            engine_config = dataclasses.replace(
+                engine_config, cache=dataclasses.replace(engine_config.cache, kv_events=True)
+            )
+        self.instance_id = srv.instance_id or f"{socket.gethostname()}-{srv.port}"
+        self.engine = LLMEngine(engine_config, progress=lambda msg: log.info(msg))
+        model = self.engine.model_name
+        self.metrics = ServerMetrics(lambda: (self.loop.load, self.loop.counters), model, self.instance_id)
+        self.publisher = None
+        if srv.redis_url:
+            self.publisher = KVEventPublisher(
+                srv.redis_url,
+                model,
+                self.instance_id,
+                srv.kv_events_stream_prefix + model,
+                srv.lease_ttl,
+                on_published=self.metrics.kv_events_published.inc,
+                on_dropped=self.metrics.kv_events_dropped.inc,
+            )
+        self.loop = EngineLoop(self.engine, event_sink=self.publisher.sink if self.publisher else None)
+        self.state = ServerState(self.loop, self.metrics, self.instance_id, srv.max_body_bytes)
+        app = build_app(self.state, lifespan=self._lifespan)
+        uv_config = uvicorn.Config(
+            app,
+            host=srv.host,
+            port=srv.port,
+            log_config=None,
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            lifespan="on",
+        )
+        self.server = DrainingServer(uv_config, self.state, srv.drain_timeout)
+        self.config = config
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app: Any) -> AsyncIterator[None]:
+        task = None
+        if self.publisher is not None:
+            task = asyncio.create_task(self.publisher.run(self.loop, self.engine.capacity.block_size))
+        try:
+            yield
+        finally:
+            if self.publisher is not None:
+                await self.publisher.stop()
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    def serve_forever(self) -> int:
+        srv = self.config.server
+        self.loop.start()
+        url = f"http://{srv.host}:{srv.port}"
+        log.info("serving", extra={"url": url, "model": self.engine.model_name, "instance_id": self.instance_id})
+        print(
+            f"[kvharbor] serving {self.engine.model_name} on {url}  (Ctrl-C drains and stops)\n"
+            f"[kvharbor] try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f'-d \'{{"model": "{self.engine.model_name}", "messages": [{{"role": "user", '
+            f'"content": "What is the capital of France?"}}]}}\'',
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            self.server.run()
+        finally:
+            self.loop.stop()
+        return 0 if self.loop.error is None else 1
+
+
+def build_server(config: Any) -> EngineServer:
+    _check_port_free(config.server.host, config.server.port)
+    return EngineServer(config)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains instead of stopping at once."""
+
+    def __init__(self, config: Any, state: Any, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.drain_timeout = drain_timeout
+        self._drain_requested = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets=sockets)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self._drain_requested and self._loop is not None and sig in (signal.SIGTERM, signal.SIGINT):
+            self._drain_requested = True
+            self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))
+            return
+        super().handle_exit(sig, frame)  # a second signal: stop now
+
+    async def _drain(self) -> None:
+        loop = self.state.loop
+        self.state.draining = True
+        log.info("draining", extra={"in_flight": loop.num_in_flight, "timeout_s": self.drain_timeout})
+        deadline = time.monotonic() + self.drain_timeout
+        while loop.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if loop.num_in_flight:
+            log.warning("drain timeout: aborting requests still in flight", extra={"in_flight": loop.num_in_flight})
+            loop.abort_all()
+            stop_waiting = time.monotonic() + 2.0
+            while loop.num_in_flight and time.monotonic() < stop_waiting:
+                await asyncio.sleep(0.05)
+        log.info("drained; stopping")
+        self.should_exit = True

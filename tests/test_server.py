@@ -1,0 +1,239 @@
+"""`kvharbor serve` with SmolLM2 in a real subprocess, driven by the real `openai` client: chat and
+completions, streamed and not, n, stop strings, seeds, logprobs, usage, greedy equality with the
+offline engine, 16 concurrent streams, client disconnects, and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+from servers import EngineServerProcess
+
+from kvharbor.engine import SamplingParams
+
+MODEL = "SmolLM2-135M-Instruct"
+# float32 so greedy outputs can be compared exactly with the offline engine.
+SERVE_ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--log-level", "warning")
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?", "Say hello in Spanish."]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with EngineServerProcess(tmp_path_factory.mktemp("serve"), *SERVE_ARGS) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def offline(smollm):
+    from kvharbor.engine import LLM
+
+    return LLM(loaded_model=smollm, dtype="float32", kv_cache_memory="64MiB", max_model_len=1024)
+
+
+def chat(client, content, **kw):
+    return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
+
+
+def test_models_lists_the_served_model(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_chat_unstreamed_with_usage(client):
+    resp = chat(client, QUESTIONS[0], temperature=0, max_tokens=20)
+    assert resp.choices[0].message.content == "The capital of France is Paris."
+    assert resp.choices[0].finish_reason == "stop"
+    assert resp.usage.completion_tokens == 8 and resp.usage.prompt_tokens > 20
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_chat_streamed_joins_to_the_unstreamed_answer(client):
+    stream = chat(
+        client, QUESTIONS[0], temperature=0, max_tokens=20, stream=True, stream_options={"include_usage": True}
+    )
+    pieces, reasons, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(pieces) == "The capital of France is Paris."
+    assert reasons[-1] == "stop" and usage.completion_tokens == 8
+
+
+def test_completions_streamed_and_not(client):
+    full = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+        )
+    )
+    assert streamed == full.choices[0].text and full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 8
+
+
+def test_greedy_outputs_equal_the_offline_engine(client, offline):
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    expected = [o.outputs[0].text for o in offline.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params)]
+    got = [chat(client, q, temperature=0, max_tokens=24).choices[0].message.content for q in QUESTIONS]
+    assert got == expected
+    prompts = ["Once upon a time", "def add(a, b):"]
+    expected = [o.outputs[0].text for o in offline.generate(prompts, params)]
+    got = client.completions.create(model=MODEL, prompt=prompts, max_tokens=24, temperature=0)
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
+
+
+def test_n_samples_and_seed_reproducibility(client):
+    a = chat(client, "Tell me a story.", n=2, temperature=1.0, seed=11, max_tokens=12)
+    b = chat(client, "Tell me a story.", n=2, temperature=1.0, seed=11, max_tokens=12)
+    assert [c.index for c in a.choices] == [0, 1]
+    assert [c.message.content for c in a.choices] == [c.message.content for c in b.choices]
+    assert a.choices[0].message.content != a.choices[1].message.content
+    assert 2 <= a.usage.completion_tokens <= 2 * 12  # both samples count
+
+
+def test_stop_strings(client):
+    resp = chat(client, QUESTIONS[0], temperature=0, max_tokens=20, stop=["Paris"])
+    assert resp.choices[0].message.content == "The capital of France is "
+    assert resp.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_and_extensions(client):
+    resp = chat(
+        client,
+        QUESTIONS[0],
+        temperature=0,
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True, "min_tokens": 3, "top_k": 5},
+    )
+    content = resp.choices[0].logprobs.content
+    assert [c.token for c in content] == ["The", " capital", " of"]
+    assert all(c.logprob <= 0 and len(c.top_logprobs) == 2 and c.top_logprobs[0].token == c.token for c in content)
+    comp = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0, logprobs=1
+    )
+    assert len(comp.choices[0].logprobs.tokens) == 2 and len(comp.choices[0].logprobs.top_logprobs[0]) == 1
+
+
+def test_prompt_token_ids_and_cached_tokens(client, server):
+    ids = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "hello " * 40}).json()["tokens"]
+    assert (
+        httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": ids}).json()["prompt"] == "hello " * 40
+    )
+    body = {"model": MODEL, "prompt_token_ids": ids, "max_tokens": 2, "temperature": 0}
+    first = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    second = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert first["usage"]["prompt_tokens"] == len(ids)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (len(ids) - 1) // 16 * 16
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+
+
+def test_16_concurrent_streams_complete_and_return_every_block(server, offline):
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    expected = {
+        q: o.outputs[0].text
+        for q, o in zip(
+            QUESTIONS, offline.chat([[{"role": "user", "content": q}] for q in QUESTIONS], params), strict=True
+        )
+    }
+
+    async def one(aclient, q):
+        stream = await aclient.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=16, temperature=0, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        questions = [QUESTIONS[i % len(QUESTIONS)] for i in range(16)]
+        return questions, await asyncio.gather(*(one(aclient, q) for q in questions))
+
+    questions, answers = asyncio.run(main())
+    assert answers == [expected[q] for q in questions]
+    load = httpx.get(server.url + "/load").json()
+    assert (load["running"], load["waiting"], load["in_flight"]) == (0, 0, 0)
+    assert load["kv_blocks_free"] == load["kv_blocks_total"]
+
+
+def metric(text: str, name: str) -> float:
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_a_client_that_disconnects_mid_stream_is_aborted(server):
+    before = metric(httpx.get(server.url + "/metrics").text, "kvharbor_requests_aborted_total")
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Write a very long essay."}],
+        "max_tokens": 800,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert httpx.get(server.url + "/load").json()["running"] == 1
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        load = httpx.get(server.url + "/load").json()
+        if load["running"] == 0 and load["in_flight"] == 0:
+            break
+        time.sleep(0.2)
+    assert load["running"] == 0 and load["kv_blocks_free"] == load["kv_blocks_total"]
+    after = metric(httpx.get(server.url + "/metrics").text, "kvharbor_requests_aborted_total")
+    assert after == before + 1
+
+
+def test_metrics_report_load_and_latency(server, client):
+    chat(client, QUESTIONS[2], temperature=0, max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    for name in (
+        "kvharbor_requests_running",
+        "kvharbor_requests_waiting",
+        "kvharbor_kv_blocks_total",
+        "kvharbor_kv_blocks_free",
+        "kvharbor_kv_blocks_cached",
+        "kvharbor_prefix_cache_hit_rate",
+    ):
+        assert re.search(rf"^{name}{{", text, re.MULTILINE), name
+    assert metric(text, "kvharbor_time_to_first_token_seconds_count") >= 1
+    assert metric(text, "kvharbor_inter_token_latency_seconds_count") >= 1
+    assert metric(text, "kvharbor_e2e_request_latency_seconds_count") >= 1
+    assert metric(text, "kvharbor_request_prompt_tokens_count") >= 1
+    assert re.search(
+        r'^kvharbor_requests_total{endpoint="/v1/chat/completions",status="200"} [1-9]', text, re.MULTILINE
+    )
+
+
+def test_health_ready_and_load(server):
+    assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+    assert httpx.get(server.url + "/ready").json()["ready"] is True
+    load = httpx.get(server.url + "/load").json()
+    for key in (
+        "running",
+        "waiting",
+        "waiting_prefill_tokens",
+        "kv_blocks_total",
+        "kv_blocks_free",
+        "kv_blocks_cached",
+        "prefill_tokens_per_s",
+        "decode_step_ms",
+        "instance_id",
+        "model",
+    ):
+        assert key in load, key
+    assert load["model"] == MODEL
