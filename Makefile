@@ -8,11 +8,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvharbor-deps
 TORCH := torch==2.13.0
 PYTEST_ARGS ?=
+PORT ?= 8000
 
 .PHONY: help venv up test lint bench clean
 
 help:
-	@echo "make up     - create .venv, install, and run a real generation with the default model"
+	@echo "make up     - create .venv, install, and serve the default model on http://127.0.0.1:8000"
 	@echo "make test   - create .venv, install test deps, run ruff and the whole pytest suite"
 	@echo "make lint   - ruff only"
 	@echo "make bench  - benchmarks/engine_throughput.py (minutes; writes benchmarks/results/)"
@@ -33,8 +34,9 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 venv: $(STAMP)
 
+# For now one engine server with the default model (the gateway and KV cache service come later).
 up: $(STAMP)
-	$(BIN)/kvharbor chat "What is the capital of France?"
+	$(BIN)/kvharbor serve --port $(PORT)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

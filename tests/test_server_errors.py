@@ -4,6 +4,7 @@ The server runs a random-weight tiny model with SmolLM2's tokenizer: fast, and a
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -196,3 +197,43 @@ def test_schemathesis_finds_no_server_error(server):
     for operation in operations:
         fuzz(operation)
     assert len(calls) >= 9 * 5 and any(code == 200 for code in calls)
+
+
+def test_the_serving_benchmark_measures_this_server(server, tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import serve as serve_bench
+
+    out = tmp_path / "bench.json"
+    code = serve_bench.main(
+        [
+            "--url",
+            server.url,
+            "--model",
+            MODEL,
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "1,2",
+            "--shared-prefix",
+            "0,16",
+            "--prompt-len",
+            "24",
+            "--output-len",
+            "5",
+            "--warmup",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    assert [(r["shared_prefix"], r["concurrency"]) for r in result["runs"]] == [(0, 1), (0, 2), (16, 1), (16, 2)]
+    for run in result["runs"]:
+        s = run["summary"]
+        assert s["errors"] == 0 and s["output_tok_s"] > 0 and s["ttft_p50_s"] > 0
+        assert all(r["output_tokens"] == 5 and len(r["itls_s"]) >= 1 for r in run["requests"])
+    with pytest.raises(SystemExit, match="loopback"):
+        serve_bench.parse_args(["--url", "http://192.0.2.1:8000", "--model", MODEL])
