@@ -131,7 +131,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": leaf.name}
         if typing.get_origin(tp) is Literal:
             kwargs["choices"] = typing.get_args(tp)
-        help_text = f"{leaf.help}{shown} [env {leaf.env}]"
+        help_text = f"{leaf.help}{shown} [env {leaf.env}]".replace("%", "%%")  # argparse formats help with %
         if tp is bool:
             parser.add_argument(leaf.flag, action=argparse.BooleanOptionalAction, help=help_text, **kwargs)
         else:

@@ -141,6 +141,8 @@ class LLMEngine:
         self.model = LlamaModel(self.arch, self.dtype, self.device)
         self.model.load_hf_state_dict({k: v.to(self.dtype) for k, v in loaded.state_dict.items()})
         del loaded
+        if config.runtime.prepack_weights and self.model.pack_for_cpu():
+            say("prepacked weights for oneDNN")
         self.capacity: KVCapacity = plan_capacity(self.arch, config.cache, self.dtype, self.device, self.max_model_len)
         say(
             f"KV pool: {self.capacity.num_blocks} blocks x {self.capacity.block_size} tokens = "

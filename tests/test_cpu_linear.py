@@ -1,0 +1,41 @@
+"""Prepacked oneDNN linears: they agree with F.linear, the engine uses them in bfloat16 on CPU,
+and answers do not change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvharbor.engine import SamplingParams, cpu_linear
+
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.packing_available(torch.bfloat16, torch.device("cpu")), reason="no oneDNN prepacking here"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_linear_agrees_with_f_linear(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(192, 96, generator=gen).bfloat16()
+    b = torch.randn(192, generator=gen).bfloat16()
+    x = torch.randn(rows, 96, generator=gen).bfloat16()
+    got = cpu_linear.packed_linear(x, cpu_linear.pack(w), b).float()
+    want = F.linear(x.float(), w.float(), b.float())
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+
+
+def test_only_bfloat16_on_cpu_is_packed():
+    assert not cpu_linear.packing_available(torch.float32, torch.device("cpu"))
+
+
+def test_the_engine_packs_in_bfloat16_and_answers_the_same(smollm, make_llm):
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=0)
+    packed = make_llm(smollm, dtype="bfloat16")
+    plain = make_llm(smollm, dtype="bfloat16", prepack_weights=False)
+    assert packed.engine.model.lm_head_packed is not None and plain.engine.model.lm_head_packed is None
+    assert packed.engine.model.layers[0].packed["qkv"] is not None
+    a, b = packed.chat(question, params)[0].outputs[0], plain.chat(question, params)[0].outputs[0]
+    assert a.text == b.text == "The capital of France is Paris."
+    assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=0.1)
