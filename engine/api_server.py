@@ -409,6 +409,20 @@ class _Run:
         self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
         for engine_id, final in self.finals.items():
             self.state.metrics.observe_request(self.arrival, self.token_times[engine_id], len(final.prompt_token_ids))
+        times = [t for ts in self.token_times.values() for t in ts]
+        log.info(
+            "finished",
+            extra={
+                "request_id": self.rid,
+                "status": status,
+                "finish_reasons": sorted({c.finish_reason or "none" for o in self.finals.values() for c in o.outputs}),
+                "prompt_tokens": sum(len(o.prompt_token_ids) for o in self.finals.values()),
+                "cached_tokens": sum(o.num_cached_tokens for o in self.finals.values()),
+                "output_tokens": len(times),
+                "ttft_ms": round((min(times) - self.arrival) * 1000, 1) if times else None,
+                "e2e_ms": round((time.monotonic() - self.arrival) * 1000, 1),
+            },
+        )
 
     async def collect(self, request: Request) -> list[RequestOutput]:
         """Wait for every prompt to finish; abort if the client disconnects meanwhile."""

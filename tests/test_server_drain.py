@@ -57,6 +57,11 @@ def test_sigterm_drains_then_exits_zero(tmp_path, drain_timeout, finish):
         reasons = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
         assert reasons == [finish]
         assert proc.wait(timeout=60) == 0
-        assert '"msg": "drained; stopping"' in proc.log()
+        log = proc.log()
+        assert '"msg": "drained; stopping"' in log
+        # Structured logs: one JSON object per line, with the request id on request lines.
+        finished = [json.loads(line) for line in log.splitlines() if '"msg": "finished"' in line]
+        assert finished and finished[0]["request_id"].startswith("chatcmpl-")
+        assert finished[0]["finish_reasons"] == [finish] and finished[0]["output_tokens"] > 0
     finally:
         proc.stop()
