@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvharbor.common.config import opt, parse_bytes
+from kvharbor.common.redis_keys import STREAM_PREFIX
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -85,7 +86,7 @@ class ServerConfig:
     port: int = opt(8000, "TCP port to listen on")
     instance_id: str | None = opt(None, "this engine's id in KV events, /load and metrics (default: host-port)")
     redis_url: str | None = opt(None, "publish KV events to this Redis (redis://host:port/db)")
-    kv_events_stream_prefix: str = opt("kvharbor:kv:", "Redis key prefix of the per-model KV event streams")
+    kv_events_stream_prefix: str = opt(STREAM_PREFIX, "Redis key prefix of the per-model KV event streams")
     lease_ttl: float = opt(10.0, "seconds an instance lease lives without a heartbeat")
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests before aborting them")
     max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")

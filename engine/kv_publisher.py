@@ -3,6 +3,8 @@
     stream  <prefix><model>                       XADD, one entry per event (kvharbor.common.kv_events)
     lease   kvharbor:lease:<model>:<instance>     the lease id, refreshed every ttl/3 (PX ttl)
 
+Key names come from kvharbor.common.redis_keys.
+
 On every (re)connect it writes `cleared` and then everything the pool holds, so an index that lost
 its state, or missed events while Redis was away, is rebuilt. While Redis is down the engine keeps
 serving: events are dropped and counted, and the publisher retries with exponential backoff.
@@ -19,16 +21,13 @@ import uuid
 from collections.abc import Callable
 
 from kvharbor.common.kv_events import AllCleared, BlockStored, EventEnvelope, KVEvent, to_fields
+from kvharbor.common.redis_keys import lease_key
 from kvharbor.engine.engine_loop import EngineLoop
 from kvharbor.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvharbor.engine.kv_events")
 RESYNC_BATCH = 256
 MAX_BACKOFF = 10.0
-
-
-def lease_key(model: str, instance: str) -> str:
-    return f"kvharbor:lease:{model}:{instance}"
 
 
 class KVEventPublisher:

@@ -166,3 +166,12 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[li
 
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    """One real redis-server for the session; tests that share it flush their own keys."""
+    from servers import RedisProcess
+
+    with RedisProcess(tmp_path_factory.mktemp("redis-session")) as server:
+        yield server

@@ -1,0 +1,84 @@
+"""The KV index contract: which engine instance holds which run of a prompt's blocks (DESIGN §4).
+
+Two backends implement `Index`: `MemoryIndex` (one process) and `RedisIndex` (shared by every
+gateway and KV cache service replica). tests/test_kvindex_conformance.py runs one suite on both.
+
+Semantics both backends keep:
+- `apply` takes KV events in stream order. An event whose lease differs from the lease last seen
+  for its instance starts a new life of that instance: what the old lease held is dropped first.
+- Events that carry a stream position (`StreamEvent`) are applied at most once per stream: a
+  position at or before the stream's applied cursor is skipped. With the Redis backend the cursor
+  moves in the same atomic script as the index, so a consumer that dies between applying and
+  acknowledging does not apply twice when the entries are delivered again.
+- An instance is alive while its lease is current (`renew`, or the engine's own lease key in
+  Redis). Lookups only count alive instances; `expire` sweeps the rest out of the index.
+- `lookup` answers, for every alive instance of the model (or of `instances`), how many blocks it
+  holds consecutively from block 0; instances holding none answer 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvharbor.common.block_hash import BlockHash
+from kvharbor.common.kv_events import EventEnvelope, Tier
+
+
+class IndexUnavailable(RuntimeError):
+    """The index cannot answer now (Redis down or too slow). Callers fall back to load-only routing."""
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """An event and where it sits in its Redis Stream, for exactly-once application."""
+
+    envelope: EventEnvelope
+    stream: str
+    entry_id: str
+
+
+@dataclass(frozen=True)
+class InstanceInfo:
+    model: str
+    instance: str
+    lease: str
+    alive: bool
+    blocks: int  # device-tier blocks indexed for this instance
+
+
+def stream_position(entry_id: str) -> tuple[int, int]:
+    """Order of a Redis Stream entry id `<ms>-<seq>`."""
+    ms, _, seq = entry_id.partition("-")
+    try:
+        return int(ms), int(seq or 0)
+    except ValueError:
+        raise ValueError(f"not a Redis Stream entry id: {entry_id!r}") from None
+
+
+class Index(Protocol):
+    async def apply(self, events: Sequence[EventEnvelope | StreamEvent]) -> int:
+        """Apply events in order; returns how many were applied (not skipped as already applied)."""
+
+    async def lookup(
+        self,
+        model: str,
+        block_hashes: Sequence[BlockHash],
+        instances: Sequence[str] | None = None,
+        tier: Tier = "device",
+    ) -> dict[str, int]:
+        """For each alive instance: blocks held consecutively from block 0."""
+
+    async def renew(self, model: str, instance: str, lease: str, ttl: float) -> None:
+        """Keep `instance` alive under `lease` for `ttl` seconds."""
+
+    async def instances(self) -> list[InstanceInfo]: ...
+
+    async def expire(self) -> list[tuple[str, str]]:
+        """Sweep instances whose lease lapsed; returns the (model, instance) pairs swept."""
+
+    async def block_size(self, model: str) -> int | None:
+        """The block size the model's engines publish with, once any `stored` event was seen."""
+
+    async def close(self) -> None: ...

@@ -1,0 +1,303 @@
+"""RedisIndex: the `Index` contract kept in Redis, shared by every gateway and service replica.
+
+Keys (P = kvharbor:idx: by default, M = model):
+    P M :h: <hash hex>          SET of holders "<tier letter>:<instance>" (d = device, s = shared)
+    P M :i: <tier letter>:<inst> SET of hash hex an instance holds (for `cleared` and sweeps)
+    P M :reg                    HASH instance -> lease of the events applied for it
+    P models                    SET of models seen
+    P cursor                    HASH stream -> last applied entry id (exactly-once intake)
+    P block_size                HASH model -> block size of its `stored` events
+
+Every operation is one Lua script call: one round trip, and atomic, so a lookup never sees half an
+event and the intake cursor moves together with the index. Any Redis failure or timeout raises
+`IndexUnavailable` within `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvharbor.common.block_hash import BlockHash, to_hex
+from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
+from kvharbor.common.redis_keys import INDEX_PREFIX, LEASE_PREFIX, lease_key
+from kvharbor.kvcache_service.index import IndexUnavailable, InstanceInfo, StreamEvent
+
+TIER_LETTER = {"device": "d", "shared": "s"}
+
+_LUA_COMMON = """
+local P, LP = ARGV[1], ARGV[2]
+local function clear(model, inst)
+  for _, t in ipairs({'d', 's'}) do
+    local ik = P .. model .. ':i:' .. t .. ':' .. inst
+    for _, h in ipairs(redis.call('SMEMBERS', ik)) do
+      redis.call('SREM', P .. model .. ':h:' .. h, t .. ':' .. inst)
+    end
+    redis.call('DEL', ik)
+  end
+end
+local function alive(model, inst, lease)
+  return lease and redis.call('GET', LP .. model .. ':' .. inst) == lease
+end
+"""
+
+# ARGV: P, LP, stream, then per event: id, model, instance, lease, type, tier letter, block size, n, hashes...
+_APPLY = (
+    _LUA_COMMON
+    + """
+local stream = ARGV[3]
+local cursor = false
+if stream ~= '' then cursor = redis.call('HGET', P .. 'cursor', stream) end
+local function pos(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return tonumber(ms), tonumber(seq)
+end
+local function newer(id)
+  if id == '' or not cursor then return true end
+  local a, b = pos(id)
+  local c, d = pos(cursor)
+  return a > c or (a == c and b > d)
+end
+local applied, i = 0, 4
+while i <= #ARGV do
+  local id, model, inst, lease, typ, t, bs = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5], ARGV[i+6]
+  local n = tonumber(ARGV[i+7])
+  local first = i + 8
+  i = first + n
+  if newer(id) then
+    redis.call('SADD', P .. 'models', model)
+    local reg = P .. model .. ':reg'
+    local cur = redis.call('HGET', reg, inst)
+    if cur ~= lease then
+      if cur then clear(model, inst) end
+      redis.call('HSET', reg, inst, lease)
+    end
+    local member = t .. ':' .. inst
+    local ik = P .. model .. ':i:' .. member
+    if typ == 'stored' then
+      redis.call('HSET', P .. 'block_size', model, bs)
+      for j = first, i - 1 do
+        redis.call('SADD', P .. model .. ':h:' .. ARGV[j], member)
+        redis.call('SADD', ik, ARGV[j])
+      end
+    elseif typ == 'removed' then
+      for j = first, i - 1 do
+        redis.call('SREM', P .. model .. ':h:' .. ARGV[j], member)
+        redis.call('SREM', ik, ARGV[j])
+      end
+    else
+      clear(model, inst)
+    end
+    applied = applied + 1
+    if id ~= '' then cursor = id end
+  end
+end
+if stream ~= '' and cursor then redis.call('HSET', P .. 'cursor', stream, cursor) end
+return applied
+"""
+)
+
+# ARGV: P, LP, model, tier letter, number of instance filters, filters..., hashes...
+_LOOKUP = (
+    _LUA_COMMON
+    + """
+local model, t = ARGV[3], ARGV[4]
+local nf = tonumber(ARGV[5])
+local wanted = nil
+if nf > 0 then
+  wanted = {}
+  for k = 6, 5 + nf do wanted[ARGV[k]] = true end
+end
+local reg = redis.call('HGETALL', P .. model .. ':reg')
+local counts, still, n = {}, {}, 0
+for k = 1, #reg, 2 do
+  local inst = reg[k]
+  if (wanted == nil or wanted[inst]) and alive(model, inst, reg[k + 1]) then
+    counts[inst] = 0
+    still[inst] = true
+    n = n + 1
+  end
+end
+for k = 6 + nf, #ARGV do
+  if n == 0 then break end
+  local hk = P .. model .. ':h:' .. ARGV[k]
+  for inst, _ in pairs(still) do
+    if redis.call('SISMEMBER', hk, t .. ':' .. inst) == 1 then
+      counts[inst] = counts[inst] + 1
+    else
+      still[inst] = nil
+      n = n - 1
+    end
+  end
+end
+local out = {}
+for inst, c in pairs(counts) do
+  out[#out + 1] = inst
+  out[#out + 1] = c
+end
+return out
+"""
+)
+
+# ARGV: P, LP, sweep (1 = drop dead instances). Returns model, instance, lease, alive, blocks per instance.
+_INSTANCES = (
+    _LUA_COMMON
+    + """
+local sweep = ARGV[3] == '1'
+local out = {}
+for _, model in ipairs(redis.call('SMEMBERS', P .. 'models')) do
+  local reg = redis.call('HGETALL', P .. model .. ':reg')
+  for k = 1, #reg, 2 do
+    local inst, lease = reg[k], reg[k + 1]
+    local ok = alive(model, inst, lease)
+    if sweep and not ok then
+      clear(model, inst)
+      redis.call('HDEL', P .. model .. ':reg', inst)
+    end
+    if (not sweep) or (not ok) then
+      local blocks = redis.call('SCARD', P .. model .. ':i:d:' .. inst)
+      out[#out + 1] = model
+      out[#out + 1] = inst
+      out[#out + 1] = lease
+      out[#out + 1] = ok and 1 or 0
+      out[#out + 1] = blocks
+    end
+  end
+end
+return out
+"""
+)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class RedisIndex:
+    """`Index` on Redis. `client` is a redis.asyncio client; its timeouts bound every call."""
+
+    def __init__(self, client, prefix: str = INDEX_PREFIX, lease_prefix: str = LEASE_PREFIX) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._lease_prefix = lease_prefix
+        self._apply = client.register_script(_APPLY)
+        self._lookup = client.register_script(_LOOKUP)
+        self._instances = client.register_script(_INSTANCES)
+
+    @classmethod
+    def from_url(cls, url: str, timeout: float = 1.0, **kwargs) -> RedisIndex:
+        import redis.asyncio as redis
+
+        client = redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+        return cls(client, **kwargs)
+
+    async def _call(self, script, args: list) -> object:
+        from redis.exceptions import RedisError
+
+        try:
+            return await script(args=[self._prefix, self._lease_prefix, *args])
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise IndexUnavailable(f"KV index in Redis unavailable: {type(exc).__name__}: {exc}") from exc
+
+    async def apply(self, events: Sequence[EventEnvelope | StreamEvent]) -> int:
+        applied = 0
+        for stream, batch in _group_by_stream(events):
+            args: list = [stream]
+            for entry_id, env in batch:
+                args += _event_args(entry_id, env)
+            applied += int(await self._call(self._apply, args))
+        return applied
+
+    async def lookup(
+        self,
+        model: str,
+        block_hashes: Sequence[BlockHash],
+        instances: Sequence[str] | None = None,
+        tier: Tier = "device",
+    ) -> dict[str, int]:
+        wanted = list(instances) if instances is not None else []
+        if instances is not None and not wanted:
+            return {}
+        args = [model, TIER_LETTER[tier], len(wanted), *wanted, *(to_hex(h) for h in block_hashes)]
+        flat = await self._call(self._lookup, args)
+        return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
+
+    async def renew(self, model: str, instance: str, lease: str, ttl: float) -> None:
+        from redis.exceptions import RedisError
+
+        try:
+            await self._client.set(lease_key(model, instance, self._lease_prefix), lease, px=max(1, int(ttl * 1000)))
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise IndexUnavailable(f"KV index in Redis unavailable: {exc}") from exc
+
+    async def _list(self, sweep: bool) -> list[InstanceInfo]:
+        flat = await self._call(self._instances, ["1" if sweep else "0"])
+        rows = [flat[i : i + 5] for i in range(0, len(flat), 5)]
+        infos = [
+            InstanceInfo(_text(m), _text(i), _text(lease), bool(int(ok)), int(blocks))
+            for m, i, lease, ok, blocks in rows
+        ]
+        return sorted(infos, key=lambda info: (info.model, info.instance))
+
+    async def instances(self) -> list[InstanceInfo]:
+        return await self._list(sweep=False)
+
+    async def expire(self) -> list[tuple[str, str]]:
+        return [(info.model, info.instance) for info in await self._list(sweep=True)]
+
+    async def block_size(self, model: str) -> int | None:
+        from redis.exceptions import RedisError
+
+        try:
+            value = await self._client.hget(self._prefix + "block_size", model)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise IndexUnavailable(f"KV index in Redis unavailable: {exc}") from exc
+        return int(value) if value is not None else None
+
+    async def ping(self) -> bool:
+        from redis.exceptions import RedisError
+
+        try:
+            return bool(await self._client.ping())
+        except (RedisError, OSError, TimeoutError):
+            return False
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _group_by_stream(
+    events: Sequence[EventEnvelope | StreamEvent],
+) -> list[tuple[str, list[tuple[str, EventEnvelope]]]]:
+    """Consecutive runs of one stream (positioned) or of unpositioned events (stream '')."""
+    groups: list[tuple[str, list[tuple[str, EventEnvelope]]]] = []
+    for item in events:
+        stream, entry_id, env = (
+            (item.stream, item.entry_id, item.envelope) if isinstance(item, StreamEvent) else ("", "", item)
+        )
+        if not groups or groups[-1][0] != stream:
+            groups.append((stream, []))
+        groups[-1][1].append((entry_id, env))
+    return groups
+
+
+def _event_args(entry_id: str, env: EventEnvelope) -> list:
+    event = env.event
+    hashes: tuple[BlockHash, ...] = ()
+    tier, block_size = "device", 0
+    if isinstance(event, BlockStored):
+        hashes, tier, block_size = event.hashes, event.tier, event.block_size
+    elif isinstance(event, BlockRemoved):
+        hashes, tier = event.hashes, event.tier
+    elif not isinstance(event, AllCleared):
+        raise TypeError(f"not a KV event: {event!r}")
+    return [
+        entry_id,
+        env.model,
+        env.instance,
+        env.lease,
+        event.type,
+        TIER_LETTER[tier],
+        block_size,
+        len(hashes),
+        *(to_hex(h) for h in hashes),
+    ]
