@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvharbor.common.http_errors import install_error_handlers
 from kvharbor.common.logs import request_context
 from kvharbor.common.openai_api import (
     APIError,
@@ -129,7 +128,7 @@ async def _send_error(send: Any, err: APIError) -> None:
 def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="kvharbor engine", version="1", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.kvharbor = state
-    _install_error_handlers(app, state)
+    install_error_handlers(app, log, lambda path, status: state.metrics.requests.labels(path, str(status)).inc())
     routes = _Routes(state)
     app.post("/v1/chat/completions")(routes.chat)
     app.post("/v1/completions")(routes.completions)
@@ -142,36 +141,6 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app.get("/metrics")(routes.metrics)
     app.add_middleware(GateMiddleware, state=state)
     return app
-
-
-def _install_error_handlers(app: FastAPI, state: ServerState) -> None:
-    def respond(err: APIError, request: Request) -> JSONResponse:
-        state.metrics.requests.labels(request.url.path, str(err.status)).inc()
-        return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return respond(exc, request)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        if first.get("type") == "json_invalid":
-            return respond(APIError(400, f"the request body is not valid JSON: {first.get('msg')}"), request)
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        where = ".".join(loc)
-        message = f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
-        return respond(APIError(400, message, param=where or None), request)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return respond(APIError(exc.status_code, str(exc.detail), type=kind), request)
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return respond(APIError(500, "internal error; see the engine log", type="internal_error"), request)
 
 
 class _Routes:

@@ -27,6 +27,9 @@ def free_port() -> int:
 class EngineServerProcess:
     """`kvharbor serve` in a subprocess; `url` once ready."""
 
+    title = "kvharbor serve"
+    probe = "/ready"  # answers 200 once the process can take work
+
     def __init__(self, log_dir: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -41,13 +44,13 @@ class EngineServerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvharbor serve exited with {self.proc.returncode}:\n{self.log()}")
+                raise RuntimeError(f"{self.title} exited with {self.proc.returncode}:\n{self.log()}")
             with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.probe, timeout=2).status_code == 200:
                     return self
             time.sleep(0.3)
         self.stop()
-        raise TimeoutError(f"kvharbor serve was not ready within {timeout}s:\n{self.log()}")
+        raise TimeoutError(f"{self.title} was not ready within {timeout}s:\n{self.log()}")
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
@@ -163,3 +166,18 @@ def make_tiny_chat_model(path: Path, tokenizer) -> Path:
         json.dumps({"chat_template": tokenizer.chat_template, "add_bos_token": False})
     )
     return path
+
+
+class KVCacheServiceProcess(EngineServerProcess):
+    """`kvharbor kvcache` in a subprocess; `url` once it answers /health (it starts without Redis)."""
+
+    title = "kvharbor kvcache"
+    probe = "/health"
+
+    def __init__(self, log_dir: Path, redis_url: str, *args: str, port: int | None = None) -> None:
+        super().__init__(log_dir, port=port)
+        self.args = [
+            sys.executable, "-m", "kvharbor.common.cli", "kvcache",
+            "--redis-url", redis_url, "--port", str(self.port), *args,
+        ]  # fmt: skip
+        self.log_path = log_dir / f"kvcache-{self.port}.log"

@@ -1,0 +1,143 @@
+"""`kvharbor kvcache`: run the KV index service (event intake, leases, lookups, shared block store).
+
+It consumes the engines' KV event streams into the Redis index, sweeps instances whose lease
+expired, owns the shared block store's byte cap, and answers prefix lookups over HTTP.
+
+Options are flags, KVHARBOR_* variables or a YAML file (--config), with the same names. It starts
+even while Redis is down (/ready says so) and catches up when Redis comes back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvharbor.common.config import ConfigError, add_arguments, load_config
+from kvharbor.common.logs import setup_logging
+
+log = logging.getLogger("kvharbor.kvcache.service")
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    from kvharbor.kvcache_service.config import KVCacheServiceConfig
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--config", metavar="FILE", help="YAML file of options [env KVHARBOR_CONFIG]")
+    add_arguments(parser, KVCacheServiceConfig)
+    return parser
+
+
+def main(argv: list[str], prog: str = "kvharbor kvcache", command: str = "kvcache") -> int:
+    from kvharbor.kvcache_service.config import KVCacheServiceConfig
+
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(
+            KVCacheServiceConfig, file=args.config, overrides={k: v for k, v in vars(args).items() if k != "config"}
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+    setup_logging(config.server.log_level, config.server.log_json)
+    return serve(config)
+
+
+def build_state(config: Any):
+    import redis.asyncio as redis
+
+    from kvharbor.kvcache_service.app import ServiceState
+    from kvharbor.kvcache_service.block_store import RedisBlockStore
+    from kvharbor.kvcache_service.consumer import EventConsumer
+    from kvharbor.kvcache_service.metrics import ServiceMetrics
+    from kvharbor.kvcache_service.redis_index import RedisIndex
+
+    intake = config.intake
+    timeout = intake.redis_timeout
+
+    def client(**kwargs: Any):
+        return redis.from_url(intake.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout, **kwargs)
+
+    index = RedisIndex(client())
+    # The intake connection blocks in XREADGROUP for up to a second, so its timeout must be longer.
+    stream_client = redis.from_url(
+        intake.redis_url, socket_timeout=timeout + 2.0, socket_connect_timeout=timeout, decode_responses=True
+    )
+    consumer = EventConsumer(
+        stream_client,
+        index,
+        group=intake.consumer_group,
+        consumer=intake.consumer_name,
+        stream_prefix=intake.kv_events_stream_prefix,
+        batch=intake.intake_batch,
+        sweep_interval=intake.lease_sweep_interval,
+    )
+    store = RedisBlockStore(client(), default_cap=config.store.cap_bytes)
+    return ServiceState(
+        index=index,
+        store=store,
+        consumer=consumer,
+        reuse_client=client(),
+        metrics=ServiceMetrics(),
+        redis_timeout=timeout,
+        max_lookup_blocks=config.server.max_lookup_blocks,
+    )
+
+
+def serve(config: Any) -> int:
+    import uvicorn
+
+    from kvharbor.kvcache_service.app import build_app
+    from kvharbor.kvcache_service.block_store import BlockStoreUnavailable
+
+    state = build_state(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        with contextlib.suppress(BlockStoreUnavailable):
+            await state.store.set_cap(config.store.cap_bytes)  # also re-set by the first put after an outage
+        task = asyncio.create_task(state.consumer.run())
+        try:
+            yield
+        finally:
+            await state.consumer.stop()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            for closer in (
+                state.index.close,
+                state.store.close,
+                state.reuse_client.aclose,
+                state.consumer.client.aclose,
+            ):
+                with contextlib.suppress(Exception):
+                    await closer()
+
+    srv = config.server
+    url = f"http://{srv.host}:{srv.port}"
+    print(
+        f"[kvharbor] KV cache service on {url}: events from {config.intake.redis_url} "
+        f"(streams {config.intake.kv_events_stream_prefix}*), store cap {config.store.store_max_bytes}\n"
+        f"[kvharbor] try: curl -s {url}/stats",
+        file=sys.stderr,
+        flush=True,
+    )
+    uv_config = uvicorn.Config(
+        build_app(state, lifespan=lifespan),
+        host=srv.host,
+        port=srv.port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+    try:
+        uvicorn.Server(uv_config).run()
+    except OSError as exc:
+        print(f"kvharbor kvcache: error: cannot listen on {srv.host}:{srv.port}: {exc}", file=sys.stderr)
+        return 2
+    return 0

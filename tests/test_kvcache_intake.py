@@ -1,0 +1,122 @@
+"""Event intake through a Redis consumer group (real redis-server): a consumer that dies between
+applying and acknowledging is replaced without losing or double-applying anything; malformed
+entries are skipped and counted; a Redis restart is survived."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import redis
+import redis.asyncio as aredis
+from kv_event_writer import FakeEngine, chains, random_events
+
+from kvharbor.common.redis_keys import stream_key
+from kvharbor.kvcache_service.consumer import EventConsumer
+from kvharbor.kvcache_service.memory_index import MemoryIndex
+from kvharbor.kvcache_service.redis_index import RedisIndex
+
+MODEL = "intake-model"
+
+
+async def same_state(index, reference, all_hashes) -> None:
+    """Both indexes answer every single-block lookup alike, and hold the same instances."""
+    assert [(i.instance, i.blocks) for i in await index.instances()] == [
+        (i.instance, i.blocks) for i in await reference.instances()
+    ]
+    for h in all_hashes:
+        assert await index.lookup(MODEL, [h]) == await reference.lookup(MODEL, [h])
+
+
+class DiesBeforeAck(Exception):
+    pass
+
+
+def test_consumer_dies_between_apply_and_ack_and_a_new_one_resumes(redis_server):
+    sync = redis.Redis.from_url(redis_server.url)
+    sync.flushdb()
+    rng = random.Random(7)
+    cs = chains(MODEL, 6, 8)
+    engines = [FakeEngine(sync, MODEL, f"e{i}") for i in range(3)]
+    envelopes = []
+    for _ in range(100):
+        engine = rng.choice(engines)
+        envelopes += engine.publish(*random_events(rng, MODEL, cs, 3))
+    for engine in engines:
+        engine.heartbeat()
+    sync.xadd(stream_key(MODEL), {"v": "1", "type": "stored", "body": "{not json"})  # malformed
+    sync.xadd(
+        stream_key(MODEL),
+        {"v": "99", "type": "cleared", "instance": "e0", "model": MODEL, "lease": "x", "seq": "1", "body": "{}"},
+    )
+
+    async def main():
+        reference = MemoryIndex()
+        await reference.apply(envelopes)
+        for engine in engines:
+            await reference.renew(MODEL, engine.instance, engine.lease, 60)
+
+        client = aredis.from_url(redis_server.url, decode_responses=True)
+        index = RedisIndex(aredis.from_url(redis_server.url))
+        first = EventConsumer(client, index, consumer="first", batch=50, block_ms=50)
+        acks = 0
+        real_xack = client.xack
+
+        async def xack(*args):
+            nonlocal acks
+            acks += 1
+            if acks == 3:
+                raise DiesBeforeAck  # the third batch was applied, never acknowledged
+            return await real_xack(*args)
+
+        client.xack = xack
+        try:
+            for _ in range(10):
+                await first.step()
+        except DiesBeforeAck:
+            pass
+        assert first.stats.applied == 150 and acks == 3
+        client.xack = real_xack
+        # A new replica: the dead one's lock lapses, then it claims the pending batch and goes on.
+        await client.delete(first.lock_key)
+        second = EventConsumer(client, index, consumer="second", batch=50, block_ms=50)
+        for _ in range(10):
+            await second.step()
+        assert second.stats.claimed == 50
+        assert second.stats.duplicates == 50  # the unacknowledged batch is not applied again
+        assert first.stats.applied + second.stats.applied == len(envelopes) == 300
+        assert dict(second.stats.malformed) == {"invalid": 1, "version": 1}
+        pending = await client.xpending(stream_key(MODEL), second.group)
+        assert pending["pending"] == 0
+        await same_state(index, reference, [h for c in cs for h in c])
+        await second.stop()
+        await client.aclose()
+        await index.close()
+
+    asyncio.run(main())
+
+
+def test_only_one_replica_consumes(redis_server):
+    sync = redis.Redis.from_url(redis_server.url)
+    sync.flushdb()
+    engine = FakeEngine(sync, MODEL, "e0")
+    engine.heartbeat()
+    engine.publish(engine.stored(chains(MODEL, 1, 4)[0]))
+
+    async def main():
+        client = aredis.from_url(redis_server.url, decode_responses=True)
+        index = RedisIndex(aredis.from_url(redis_server.url))
+        a = EventConsumer(client, index, consumer="a", block_ms=50)
+        b = EventConsumer(client, index, consumer="b", block_ms=50, lock_ttl=0.3)
+        await a.step()
+        await b.step()
+        assert a.stats.leader and not b.stats.leader
+        assert a.stats.applied == 1 and b.stats.applied == 0
+        await a.stop()  # releases the lock: b takes over
+        await b.step()
+        assert b.stats.leader
+        await b.stop()
+        await client.aclose()
+        await index.close()
+
+    asyncio.run(main())
