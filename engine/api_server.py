@@ -48,6 +48,7 @@ class ServerState:
     max_body_bytes: int
     draining: bool = False
     ready: bool = True
+    kv_store: Any = None  # kv_offload.KVStoreClient when a shared block store is configured
     background: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -166,10 +167,10 @@ class _Routes:
             raise APIError(400, "this model has no tokenizer: send prompt_token_ids", param="prompt")
 
     def _params(self, body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-        if body.kv_prefix_source == "shared":
+        if body.kv_prefix_source == "shared" and self.state.kv_store is None:
             raise APIError(
                 400,
-                "kv_prefix_source=shared needs a shared block store, and none is configured",
+                "kv_prefix_source=shared needs a shared block store: start the engine with --redis-url",
                 param="kv_prefix_source",
             )
         try:
@@ -179,10 +180,25 @@ class _Routes:
         return params
 
     async def _submit(self, rid: str, ids: list[int], params: SamplingParams, body: Any) -> RequestStream:
+        store = self.state.kv_store
+        ext = (
+            await store.pull(ids, body.cache_salt) if store is not None and body.kv_prefix_source == "shared" else None
+        )
         try:
-            return await self.loop.add(
-                NewRequest(rid, ids, params, priority=body.priority, tenant=body.user, cache_salt=body.cache_salt)
+            stream = await self.loop.add(
+                NewRequest(
+                    rid,
+                    ids,
+                    params,
+                    priority=body.priority,
+                    tenant=body.user,
+                    cache_salt=body.cache_salt,
+                    external_prefix=ext,
+                )
             )
+            if stream.imported_blocks:
+                store.pulled(stream.imported_blocks)
+            return stream
         except EngineDead as exc:
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
         except ValueError as exc:
@@ -376,8 +392,16 @@ class _Run:
 
     def _finish(self, status: int) -> None:
         self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
+        store = self.state.kv_store
+        pulled = {engine_id: stream.imported_blocks for engine_id, stream in self.streams}
         for engine_id, final in self.finals.items():
             self.state.metrics.observe_request(self.arrival, self.token_times[engine_id], len(final.prompt_token_ids))
+            if store is not None and not final.error:
+                task = asyncio.ensure_future(
+                    store.record_reuse(len(final.prompt_token_ids), final.num_cached_tokens, pulled[engine_id])
+                )
+                self.state.background.append(task)
+                task.add_done_callback(self.state.background.remove)
         times = [t for ts in self.token_times.values() for t in ts]
         log.info(
             "finished",
@@ -387,6 +411,7 @@ class _Run:
                 "finish_reasons": sorted({c.finish_reason or "none" for o in self.finals.values() for c in o.outputs}),
                 "prompt_tokens": sum(len(o.prompt_token_ids) for o in self.finals.values()),
                 "cached_tokens": sum(o.num_cached_tokens for o in self.finals.values()),
+                "pulled_blocks": sum(pulled.values()),
                 "output_tokens": len(times),
                 "ttft_ms": round((min(times) - self.arrival) * 1000, 1) if times else None,
                 "e2e_ms": round((time.monotonic() - self.arrival) * 1000, 1),

@@ -11,7 +11,7 @@ hands it out again; only then does it leave the hash map and a `BlockRemoved` ev
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
@@ -69,6 +69,15 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free += 1
 
+    def peek(self, n: int) -> list[Block]:
+        """The first `n` blocks `popleft` would hand out, without taking them."""
+        out = []
+        block = self._head.next_free
+        while block is not self._tail and len(out) < n:
+            out.append(block)
+            block = block.next_free
+        return out
+
     def __iter__(self):
         block = self._head.next_free
         while block is not self._tail and block is not None:
@@ -100,6 +109,11 @@ class BlockPool:
         # through `events_dropped` and must re-sync from `cached_hashes()`.
         self._events: deque[KVEvent] = deque(maxlen=max_queued_events)
         self.events_dropped = 0
+        # Hooks for the shared block store (engine/kv_offload.py); None costs nothing.
+        # on_evict sees cached blocks about to be reused while their KV is still intact;
+        # new_cached collects blocks cached since the last take_new_cached().
+        self.on_evict: Callable[[list[Block]], None] | None = None
+        self.new_cached: list[Block] | None = None
 
     @property
     def num_free(self) -> int:
@@ -119,6 +133,10 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks but only {self.num_free} are free")
         out = []
         evicted: list[BlockHash] = []
+        if self.on_evict is not None:
+            victims = [b for b in self.free_queue.peek(n) if b.block_hash is not None]
+            if victims:
+                self.on_evict(victims)
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
@@ -172,6 +190,8 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
             run.append(block_hash)
+            if self.new_cached is not None:
+                self.new_cached.append(block)
         self._emit_stored(run, run_parent)
 
     def _emit_stored(self, run: list[BlockHash], parent: BlockHash | None) -> None:

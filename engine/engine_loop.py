@@ -37,6 +37,7 @@ class NewRequest:
     tenant: str | None = None
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    external_prefix: Any = None  # kv_offload.ExternalPrefix: blocks to load into the cache first
 
 
 class RequestStream:
@@ -44,6 +45,7 @@ class RequestStream:
     monotonic time the loop produced it (for TTFT/ITL)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.imported_blocks = 0  # prefix blocks loaded from the shared store for this request
         self._loop = loop
         self._queue: asyncio.Queue[tuple[RequestOutput, float] | BaseException] = asyncio.Queue()
 
@@ -66,9 +68,15 @@ class EngineDead(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, event_sink: Callable[[list], None] | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        event_sink: Callable[[list], None] | None = None,
+        after_step: Callable[[LLMEngine], None] | None = None,
+    ) -> None:
         self.engine = engine
         self._event_sink = event_sink
+        self._after_step = after_step  # runs in the engine thread after each step (KV copy-out)
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, RequestStream] = {}
@@ -175,6 +183,12 @@ class EngineLoop:
                     done.set_exception(exc)
 
     def _add(self, request: NewRequest, stream: RequestStream, done: concurrent.futures.Future) -> None:
+        ext = request.external_prefix
+        if ext is not None:
+            try:
+                stream.imported_blocks = self.engine.import_prefix(ext.hashes, ext.payloads, ext.prefix)
+            except Exception:
+                log.exception("could not load pulled KV blocks; computing the prefill instead")
         try:
             self.engine.add_request(
                 request.request_id,
@@ -201,6 +215,8 @@ class EngineLoop:
                 stream.put((out, now))
                 if out.finished:
                     del self._streams[out.request_id]
+        if self._after_step is not None:
+            self._after_step(self.engine)
         if self._event_sink is not None:
             events = self.engine.pool.take_events()
             if events:

@@ -11,17 +11,18 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from kvharbor.common.block_hash import namespace_hash
+from kvharbor.common.block_hash import BlockHash, namespace_hash
 from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.capacity import KVCapacity, plan_capacity
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.detokenizer import Detokenizer
 from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
 from kvharbor.engine.loader import LoadedModel, load_model
 from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.outputs import CompletionOutput, RequestOutput
@@ -140,6 +141,7 @@ class LLMEngine:
         )
         self.model = LlamaModel(self.arch, self.dtype, self.device)
         self.model.load_hf_state_dict({k: v.to(self.dtype) for k, v in loaded.state_dict.items()})
+        fingerprint = weights_fingerprint(loaded.state_dict)
         del loaded
         if config.runtime.prepack_weights and self.model.pack_for_cpu():
             say("prepacked weights for oneDNN")
@@ -162,6 +164,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.eos_token_ids)
         self.sampler = Sampler(self.arch.vocab_size, self.eos_token_ids, config.model.engine_seed)
         self.runner = ModelRunner(self.model, self.kv, self.sampler, self.dtype, self.device)
+        self.kv_io = KVBlockIO(self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint)
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._touched: set[str] = set()
@@ -377,6 +380,41 @@ class LLMEngine:
             num_cached_tokens=max(0, first.num_cached_tokens),
             error=group.error,
         )
+
+    def import_prefix(
+        self, hashes: Sequence[BlockHash], payloads: Sequence[bytes], prefix: Sequence[BlockHash] = ()
+    ) -> int:
+        """Put KV blocks pulled from elsewhere into the prefix cache, as if computed here.
+
+        `hashes` continues the chain `prefix` (the blocks before it, cached here; empty when the
+        chain starts at block 0) and `payloads[i]` is block i's KV in `kv_io.format`. Blocks already
+        cached are skipped; the rest take free blocks (evicting the least recently used cached ones,
+        never the prefix's) and join the free list as cached, so the next request with this prefix
+        hits them. Returns how many blocks were loaded.
+        """
+        if len(hashes) != len(payloads):
+            raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
+        pool = self.pool
+        pinned = [pool.cached[h] for h in prefix if h in pool.cached]
+        pool.touch(pinned)  # out of the free list while we allocate: the chain's head must survive
+        try:
+            todo = [(h, p) for h, p in zip(hashes, payloads, strict=True) if h not in pool.cached]
+            todo = todo[: pool.num_free] if pool.enable_caching else []
+            blocks = pool.get_new_blocks(len(todo)) if todo else []
+            try:
+                self.kv_io.load([b.block_id for b in blocks], [p for _, p in todo])
+            except Exception:
+                pool.free_blocks(blocks)
+                raise
+            chain = [*prefix, *hashes]
+            position = {h: i for i, h in enumerate(chain)}
+            for block, (h, _) in zip(blocks, todo, strict=True):
+                i = position[h]
+                pool.cache_blocks([block], [h], chain[i - 1] if i else None)
+            pool.free_blocks(reversed(blocks))  # tail first: evicted before the blocks it extends
+        finally:
+            pool.free_blocks(reversed(pinned))
+        return len(todo)
 
     # -- introspection ------------------------------------------------------------------------
 

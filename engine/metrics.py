@@ -102,7 +102,20 @@ class ServerMetrics:
         self.kv_events_dropped = Counter(
             "kvharbor_kv_events_dropped", "KV events lost (Redis down, queue full)", registry=self.registry
         )
+        self._store_metrics()
         self.registry.register(_LoadCollector(snapshot, labels))
+
+    def _store_metrics(self) -> None:
+        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"kvharbor_kv_store_{name}", doc, list(labels), registry=self.registry)
+
+        self.kv_store_pulled_blocks = counter("pulled_blocks", "KV blocks loaded from the shared store")
+        self.kv_store_pulled_bytes = counter("pulled_bytes", "Bytes of KV loaded from the shared store")
+        self.kv_store_pushed_blocks = counter("pushed_blocks", "KV blocks written to the shared store")
+        self.kv_store_pushed_bytes = counter("pushed_bytes", "Bytes of KV written to the shared store")
+        self.kv_store_push_dropped = counter("push_dropped_blocks", "KV blocks not written (queue full, store down)")
+        self.kv_store_refused = counter("refused_blocks", "Shared-store blocks refused, by reason", ("reason",))
+        self.kv_store_errors = counter("errors", "Shared-store calls that failed, by operation", ("op",))
 
     def observe_request(self, arrival: float, token_times: list[float], prompt_tokens: int) -> None:
         """Record one finished generation: `token_times` are when each output token appeared."""

@@ -99,8 +99,13 @@ class EngineServer:
                 on_published=self.metrics.kv_events_published.inc,
                 on_dropped=self.metrics.kv_events_dropped.inc,
             )
-        self.loop = EngineLoop(self.engine, event_sink=self.publisher.sink if self.publisher else None)
-        self.state = ServerState(self.loop, self.metrics, self.instance_id, srv.max_body_bytes)
+        self.kv_store = self._kv_store(srv)
+        self.loop = EngineLoop(
+            self.engine,
+            event_sink=self.publisher.sink if self.publisher else None,
+            after_step=self.kv_store.after_step if self.kv_store and self.kv_store.policy == "all" else None,
+        )
+        self.state = ServerState(self.loop, self.metrics, self.instance_id, srv.max_body_bytes, kv_store=self.kv_store)
         app = build_app(self.state, lifespan=self._lifespan)
         uv_config = uvicorn.Config(
             app,
@@ -114,20 +119,34 @@ class EngineServer:
         self.server = DrainingServer(uv_config, self.state, srv.drain_timeout)
         self.config = config
 
+    def _kv_store(self, srv: Any) -> Any:
+        if not srv.redis_url:
+            return None
+        from kvharbor.engine.kv_offload import KVStoreClient
+        from kvharbor.kvcache_service.block_store import RedisBlockStore
+
+        client = KVStoreClient(RedisBlockStore.from_url(srv.redis_url), self.engine, srv.kv_store_push, self.metrics)
+        client.install()
+        return client
+
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Any) -> AsyncIterator[None]:
-        task = None
+        tasks = []
         if self.publisher is not None:
-            task = asyncio.create_task(self.publisher.run(self.loop, self.engine.capacity.block_size))
+            tasks.append(asyncio.create_task(self.publisher.run(self.loop, self.engine.capacity.block_size)))
+        if self.kv_store is not None:
+            tasks.append(asyncio.create_task(self.kv_store.run()))
         try:
             yield
         finally:
             if self.publisher is not None:
                 await self.publisher.stop()
-            if task is not None:
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if self.kv_store is not None:
+                await self.kv_store.stop()
 
     def serve_forever(self) -> int:
         srv = self.config.server

@@ -188,7 +188,7 @@ class RedisBlockStore:
     """`BlockStore` in Redis, under a byte cap with LRU eviction (one Lua call per operation)."""
 
     def __init__(self, client, prefix: str = STORE_PREFIX, default_cap: int = DEFAULT_CAP_BYTES) -> None:
-        self._client = client
+        self.client = client
         self._prefix = prefix
         self._default_cap = default_cap
         self._put = client.register_script(_PUT)
@@ -213,7 +213,7 @@ class RedisBlockStore:
             ) from exc
 
     async def set_cap(self, cap_bytes: int) -> None:
-        await self._call(self._client.set(self._prefix + "cap", cap_bytes))
+        await self._call(self.client.set(self._prefix + "cap", cap_bytes))
 
     async def put(self, fmt: BlockFormat, blocks: Sequence[tuple[BlockHash, bytes]]) -> int:
         if not blocks:
@@ -244,14 +244,14 @@ class RedisBlockStore:
     async def contains_run(self, fmt: BlockFormat, hashes: Sequence[BlockHash]) -> int:
         if not hashes:
             return 0
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=False)
         for h in hashes:
             pipe.exists(fmt.key(h, self._prefix))
         found = await self._call(pipe.execute())
         return next((i for i, hit in enumerate(found) if not hit), len(found))
 
     async def stats(self) -> dict:
-        pipe = self._client.pipeline(transaction=False)
+        pipe = self.client.pipeline(transaction=False)
         for name in ("bytes", "cap", "evictions"):
             pipe.get(self._prefix + name)
         pipe.zcard(self._prefix + "lru")
@@ -264,4 +264,4 @@ class RedisBlockStore:
         }
 
     async def close(self) -> None:
-        await self._client.aclose()
+        await self.client.aclose()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,17 @@ import time
 from pathlib import Path
 
 import httpx
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """One sample of a Prometheus text exposition (0 when absent); `labels` like 'reason="checksum"'."""
+    pattern = (
+        rf"^{name}{{[^}}]*{re.escape(labels)}[^}}]*}} ([0-9.e+-]+)$"
+        if labels
+        else rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$"
+    )
+    m = re.search(pattern, text, re.MULTILINE)
+    return float(m.group(1)) if m else 0.0
 
 
 def free_port() -> int:
@@ -39,8 +51,16 @@ class EngineServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 180.0) -> EngineServerProcess:
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> EngineServerProcess:
+        """Start the process without waiting (several can load their models at once)."""
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        return self
+
+    def wait_ready(self, timeout: float = 180.0) -> EngineServerProcess:
+        assert self.proc is not None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from servers import EngineServerProcess
+from servers import EngineServerProcess, metric
 
 from kvharbor.engine import SamplingParams
 
@@ -166,11 +166,6 @@ def test_16_concurrent_streams_complete_and_return_every_block(server, offline):
     load = httpx.get(server.url + "/load").json()
     assert (load["running"], load["waiting"], load["in_flight"]) == (0, 0, 0)
     assert load["kv_blocks_free"] == load["kv_blocks_total"]
-
-
-def metric(text: str, name: str) -> float:
-    m = re.search(rf"^{name}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
 
 
 def test_a_client_that_disconnects_mid_stream_is_aborted(server):

@@ -1,0 +1,205 @@
+"""KVStoreClient: the engine's side of the shared block store (kvharbor.kvcache_service.block_store).
+
+Pull: for a request with `kv_prefix_source=shared`, the API server asks `pull()` for the longest run
+of the prompt's blocks that this engine lacks and the store holds; the engine thread loads them into
+the prefix cache just before it admits the request (engine_loop.NewRequest.external_prefix), so
+their prefill is skipped. A refused or missing block ends the run; the rest is computed as usual.
+
+Push, by policy:
+- `all`: every block this engine fills is copied out after the step that filled it (write-through).
+- `evict`: a cached block is copied out just before its slot is reused (write-back on eviction).
+- `off`: never.
+Copies are taken in the engine thread (the KV tensor is only consistent there) and written to
+Redis by an asyncio task. The queue is bounded in bytes: beyond it, blocks are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kvharbor.common.block_hash import BlockHash, block_hashes
+from kvharbor.kvcache_service.block_store import BlockStoreUnavailable, RedisBlockStore
+from kvharbor.kvcache_service.reuse_stats import classify, record
+
+log = logging.getLogger("kvharbor.engine.kv_store")
+PushPolicy = Literal["all", "evict", "off"]
+PUSH_BATCH_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class ExternalPrefix:
+    """Blocks pulled for one request: `hashes` continue the chain `prefix` (cached here)."""
+
+    prefix: list[BlockHash]
+    hashes: list[BlockHash]
+    payloads: list[bytes]
+
+
+class _RecentSet:
+    """Hashes pushed or pulled lately, so the same block is not written again (bounded, LRU)."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self._items: collections.OrderedDict[BlockHash, None] = collections.OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def add(self, h: BlockHash) -> None:
+        with self._lock:
+            self._items[h] = None
+            self._items.move_to_end(h)
+            while len(self._items) > self._capacity:
+                self._items.popitem(last=False)
+
+    def __contains__(self, h: BlockHash) -> bool:
+        with self._lock:
+            return h in self._items
+
+
+class KVStoreClient:
+    def __init__(
+        self, store: RedisBlockStore, engine: Any, policy: PushPolicy, metrics: Any, max_queue_bytes: int = 256 << 20
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.policy = policy
+        self.metrics = metrics
+        self.format = engine.kv_io.format
+        self._queue: collections.deque[tuple[BlockHash, bytes]] = collections.deque()
+        self._queued_bytes = 0
+        self._max_queue_bytes = max_queue_bytes
+        self._lock = threading.Lock()
+        self._recent = _RecentSet()
+        self._refused_seen: dict[str, int] = {}
+        self._stopping = asyncio.Event()
+
+    def install(self) -> None:
+        """Hook into the block pool (call before the engine loop starts)."""
+        if self.policy == "evict":
+            self.engine.pool.on_evict = self._evicted
+        elif self.policy == "all":
+            self.engine.pool.new_cached = []
+
+    # -- the engine thread ------------------------------------------------------------------------
+
+    def after_step(self, engine: Any) -> None:
+        if self.policy != "all":
+            return
+        blocks, engine.pool.new_cached = engine.pool.new_cached, []
+        self._copy_out([(b.block_id, b.block_hash) for b in blocks if b.block_hash is not None])
+
+    def _evicted(self, blocks: list) -> None:
+        self._copy_out([(b.block_id, b.block_hash) for b in blocks])
+
+    def _copy_out(self, blocks: list[tuple[int, BlockHash]]) -> None:
+        todo = [(i, h) for i, h in blocks if h not in self._recent]
+        if not todo:
+            return
+        size = self.format.block_bytes
+        with self._lock:
+            room = max(0, (self._max_queue_bytes - self._queued_bytes) // size)
+        if len(todo) > room:
+            self.metrics.kv_store_push_dropped.inc(len(todo) - room)
+            todo = todo[:room]
+        payloads = self.engine.kv_io.export([i for i, _ in todo])
+        with self._lock:
+            for (_, h), payload in zip(todo, payloads, strict=True):
+                self._queue.append((h, payload))
+                self._recent.add(h)
+            self._queued_bytes += size * len(todo)
+
+    # -- the event loop ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Write queued blocks until `stop()`; Redis trouble drops the batch and backs off."""
+        backoff = 0.5
+        while not self._stopping.is_set():
+            batch = self._take_batch()
+            if not batch:
+                await self._sleep(0.02)
+                continue
+            try:
+                await self.store.put(self.format, batch)
+                backoff = 0.5
+                self.metrics.kv_store_pushed_blocks.inc(len(batch))
+                self.metrics.kv_store_pushed_bytes.inc(len(batch) * self.format.block_bytes)
+                pushed = {"blocks_pushed": len(batch), "bytes_pushed": len(batch) * self.format.block_bytes}
+                with contextlib.suppress(Exception):
+                    await record(self.store.client, self.engine.model_name, pushed)
+            except BlockStoreUnavailable as exc:
+                self.metrics.kv_store_errors.labels("push").inc()
+                self.metrics.kv_store_push_dropped.inc(len(batch))
+                log.warning("shared block store unavailable; dropped %d blocks", len(batch), extra={"error": str(exc)})
+                await self._sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+
+    def _take_batch(self) -> list[tuple[BlockHash, bytes]]:
+        batch: list[tuple[BlockHash, bytes]] = []
+        with self._lock:
+            while self._queue and len(batch) * self.format.block_bytes < PUSH_BATCH_BYTES:
+                batch.append(self._queue.popleft())
+            self._queued_bytes -= len(batch) * self.format.block_bytes
+        return batch
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+
+    async def stop(self) -> None:
+        """Stop writing (queued blocks are dropped: the store is a cache) and close the client."""
+        self._stopping.set()
+        await asyncio.sleep(0)
+        await self.store.close()
+
+    async def pull(self, prompt_ids: list[int], cache_salt: str | None) -> ExternalPrefix | None:
+        """The longest run of the prompt's blocks, after those cached here, that the store holds.
+
+        Only blocks before the prompt's last token count (that token is always computed). Never
+        raises for store trouble: the request then computes its prefill as usual.
+        """
+        bs = self.engine.pool.block_size
+        hashes = block_hashes(prompt_ids[:-1], bs, self.engine.model_name, cache_salt)
+        cached = self.engine.pool.cached  # read-only from this thread: membership tests only
+        k = 0
+        while k < len(hashes) and hashes[k] in cached:
+            k += 1
+        if k == len(hashes):
+            return None
+        try:
+            payloads = await self.store.get_run(self.format, hashes[k:])
+        except BlockStoreUnavailable as exc:
+            self.metrics.kv_store_errors.labels("pull").inc()
+            log.warning("shared block store unavailable; computing the prefill", extra={"error": str(exc)})
+            return None
+        finally:
+            self._count_refusals()
+        if not payloads:
+            return None
+        for h in hashes[k : k + len(payloads)]:
+            self._recent.add(h)  # never push back what was just pulled
+        return ExternalPrefix(hashes[:k], hashes[k : k + len(payloads)], payloads)
+
+    def _count_refusals(self) -> None:
+        for reason, n in self.store.refused.items():
+            new = n - self._refused_seen.get(reason, 0)
+            if new:
+                self.metrics.kv_store_refused.labels(reason).inc(new)
+                self._refused_seen[reason] = n
+
+    def pulled(self, blocks: int) -> None:
+        self.metrics.kv_store_pulled_blocks.inc(blocks)
+        self.metrics.kv_store_pulled_bytes.inc(blocks * self.format.block_bytes)
+
+    async def record_reuse(self, prompt_tokens: int, cached_tokens: int, pulled_blocks: int) -> None:
+        """Add one finished request to the model's reuse counters in Redis (best effort)."""
+        bs = self.engine.pool.block_size
+        increments = classify(prompt_tokens // bs, cached_tokens // bs, pulled_blocks)
+        if pulled_blocks:
+            increments["bytes_pulled"] = pulled_blocks * self.format.block_bytes
+        with contextlib.suppress(Exception):
+            await record(self.store.client, self.engine.model_name, increments)

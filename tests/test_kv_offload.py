@@ -1,0 +1,105 @@
+"""The engine's shared-store client on a real redis-server: write-back on eviction and
+write-through push, pulls that skip what is cached locally, and the block pool hooks behind them."""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis
+
+from kvharbor.common.block_hash import block_hashes
+from kvharbor.engine import SamplingParams
+from kvharbor.engine.block_pool import BlockPool
+from kvharbor.engine.kv_offload import KVStoreClient
+from kvharbor.engine.metrics import ServerMetrics
+from kvharbor.kvcache_service.block_store import RedisBlockStore
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def prompt(seed: int, n: int = 100) -> list[int]:
+    return [(seed * 131 + i * 17) % 500 + 3 for i in range(n)]
+
+
+def client_for(llm, url: str, policy: str) -> KVStoreClient:
+    metrics = ServerMetrics(lambda: ({}, {}), "m", "i")
+    client = KVStoreClient(RedisBlockStore.from_url(url), llm.engine, policy, metrics)
+    client.install()
+    return client
+
+
+async def flush(client: KVStoreClient) -> None:
+    task = asyncio.create_task(client.run())
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if not client._queue:
+            break
+    await asyncio.sleep(0.05)
+    await client.stop()
+    task.cancel()
+
+
+def test_evicted_blocks_are_written_back_and_pulled_again(tiny_llama, make_llm, redis_server):
+    redis.Redis.from_url(redis_server.url).flushdb()
+    # 12 blocks of 16 tokens: the second prompt's 7 blocks evict the tail of the first's.
+    llm = make_llm(tiny_llama.loaded, num_kv_blocks=12, max_model_len=192)
+    first = prompt(1)
+    want = make_llm(tiny_llama.loaded).generate([first], GREEDY)[0].outputs[0].token_ids
+    hashes = block_hashes(first[:-1], 16, llm.engine.model_name)
+
+    async def main():
+        client = client_for(llm, redis_server.url, "evict")
+        llm.generate([first], GREEDY)
+        assert not client._queue  # nothing evicted yet
+        llm.generate([prompt(2)], GREEDY)
+        assert client._queue  # the first prompt's tail blocks, copied before their slots were reused
+        await flush(client)
+        pushed = int(client.metrics.kv_store_pushed_blocks._value.get())
+        assert pushed >= 1
+
+        client = client_for(llm, redis_server.url, "off")
+        local = sum(h in llm.engine.pool.cached for h in hashes)
+        assert local == len(hashes) - pushed
+        ext = await client.pull(first, None)  # the head is cached here; the tail comes back from the store
+        assert ext is not None and ext.hashes == hashes[local:] and ext.prefix == hashes[:local]
+        assert llm.engine.import_prefix(ext.hashes, ext.payloads, ext.prefix) == pushed
+        out = llm.generate([first], GREEDY)[0]
+        assert out.num_cached_tokens == 16 * len(hashes)
+        assert out.outputs[0].token_ids == want
+        assert await client.pull(first, None) is None  # all cached again: nothing to pull
+        await client.stop()
+
+    asyncio.run(main())
+
+
+def test_write_through_pushes_each_filled_block_once(tiny_llama, make_llm, redis_server):
+    redis.Redis.from_url(redis_server.url).flushdb()
+    llm = make_llm(tiny_llama.loaded)
+
+    async def main():
+        writer = client_for(llm, redis_server.url, "all")
+        llm.generate([prompt(3, 70)], GREEDY)  # 73 tokens computed: 4 full blocks
+        writer.after_step(llm.engine)
+        llm.generate([prompt(3, 70)], GREEDY)  # the same blocks again: not copied twice
+        writer.after_step(llm.engine)
+        assert len(writer._queue) == 4
+        await flush(writer)
+        stats = await RedisBlockStore.from_url(redis_server.url).stats()
+        assert stats["blocks"] == 4
+
+    asyncio.run(main())
+
+
+def test_pool_hooks_see_evictions_and_new_cached_blocks():
+    pool = BlockPool(4, 2)
+    seen: list[list[int]] = []
+    pool.on_evict = lambda blocks: seen.append([b.block_id for b in blocks])
+    pool.new_cached = []
+    blocks = pool.get_new_blocks(2)
+    pool.cache_blocks(blocks, [b"h" * 16, b"i" * 16], None)
+    assert [b.block_id for b in pool.new_cached] == [b.block_id for b in blocks]
+    pool.free_blocks(blocks)
+    assert [b.block_id for b in pool.free_queue.peek(10)] == [2, 3, *[b.block_id for b in blocks]]
+    pool.get_new_blocks(3)  # two uncached blocks, then the first cached one
+    assert seen == [[blocks[0].block_id]]
+    pool.check_integrity()

@@ -1,0 +1,159 @@
+"""Two real engine servers (SmolLM2, CPU) publish KV events to a real Redis; a real `kvharbor
+kvcache` indexes them. Lookups name the engine that holds a prefix; engine B reuses engine A's
+prefill through the shared block store, token for token; bad blocks are refused; an engine that
+dies without a word drops out when its lease expires."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+from servers import EngineServerProcess, KVCacheServiceProcess, metric
+
+from kvharbor.common.block_hash import block_hashes
+from kvharbor.kvcache_service.block_store import BlockFormat, encode_block
+
+MODEL = "SmolLM2-135M-Instruct"
+ENGINE_ARGS = ("--kv-cache-memory", "192MiB", "--lease-ttl", "2", "--max-num-batched-tokens", "512")
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, redis_server):
+    redis.Redis.from_url(redis_server.url).flushdb()
+    logs = tmp_path_factory.mktemp("kvcache-e2e")
+    url = redis_server.url
+    a = EngineServerProcess(logs, "--redis-url", url, "--instance-id", "A", "--kv-store-push", "all", *ENGINE_ARGS)
+    b = EngineServerProcess(logs, "--redis-url", url, "--instance-id", "B", *ENGINE_ARGS)
+    svc = KVCacheServiceProcess(logs, url, "--lease-sweep-interval", "0.5")
+    try:
+        for proc in (a, b, svc):
+            proc.launch()
+        for proc in (a, b, svc):
+            proc.wait_ready()
+        yield {"a": a, "b": b, "svc": svc, "redis": redis.Redis.from_url(url)}
+    finally:
+        for proc in (a, b, svc):
+            proc.stop()
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 40000 + 1000 for i in range(n)]
+
+
+def complete(engine: EngineServerProcess, ids: list[int], **extra):
+    client = openai.OpenAI(base_url=engine.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0, extra_body=extra or None)
+
+
+def lookup(svc, ids: list[int], salt: str | None = None) -> dict:
+    body = {"model": MODEL, "token_ids": ids, "cache_salt": salt}
+    return httpx.post(svc.url + "/lookup", json=body, timeout=10).json().get("matches", {})
+
+
+def scrape(engine) -> str:
+    return httpx.get(engine.url + "/metrics", timeout=10).text
+
+
+def prefilled(metrics_text: str) -> float:
+    """Prompt tokens the engine computed (looked up in its prefix cache and not found there)."""
+    queries = metric(metrics_text, "kvharbor_prefix_cache_queries_total")
+    return queries - metric(metrics_text, "kvharbor_prefix_cache_hits_total")
+
+
+def test_lookup_names_the_engine_that_served_the_prompt(cluster):
+    ids = prompt_ids(1, 16 * 8 + 5)
+    complete(cluster["a"], ids, cache_salt="tenant-x")
+    # The served prompt and its 12 generated tokens fill 8 full blocks of the prompt (+1 with output).
+    matches = wait_for(lambda: (m := lookup(cluster["svc"], ids, "tenant-x")).get("A") and m, what="index")
+    assert matches == {"A": 8, "B": 0}
+    assert lookup(cluster["svc"], ids, "tenant-y") == {"A": 0, "B": 0}  # another tenant never matches
+
+
+def test_b_reuses_a_prefill_through_the_shared_store(cluster):
+    a, b = cluster["a"], cluster["b"]
+    shared = prompt_ids(2, 1024)
+    complete(a, [*shared, 1500, 1600, 1700])  # A computes the 1,024-token prefix and pushes it
+    blocks = 1024 // 16
+    wait_for(lambda: metric(scrape(a), "kvharbor_kv_store_pushed_blocks_total") >= blocks, what="push")
+
+    question = [*shared, 2500, 2600, 2700, 2800, 2900]
+    before = scrape(b)
+    pulled = complete(b, question, kv_prefix_source="shared")
+    after = scrape(b)
+    assert (
+        metric(after, "kvharbor_kv_store_pulled_blocks_total") - metric(before, "kvharbor_kv_store_pulled_blocks_total")
+        == blocks
+    )
+    assert prefilled(after) - prefilled(before) == len(question) - 1024  # only the uncached tail was prefilled
+    assert pulled.usage.prompt_tokens_details.cached_tokens == 1024
+
+    # B recomputing from scratch (another salt: nothing cached, nothing pulled) says the same.
+    scratch = complete(b, question, cache_salt="from-scratch")
+    assert scratch.usage.prompt_tokens_details.cached_tokens == 0
+    assert pulled.choices[0].text == scratch.choices[0].text
+    stats = wait_for(
+        lambda: (
+            (s := httpx.get(cluster["svc"].url + "/stats").json())["reuse"].get(MODEL, {}).get("requests_shared") and s
+        ),
+        what="reuse stats",
+    )
+    reuse = stats["reuse"][MODEL]
+    assert reuse["blocks_shared"] >= blocks and reuse["bytes_pulled"] > 0 and reuse["requests_miss"] >= 1
+
+
+@pytest.mark.parametrize("damage", ["checksum", "fingerprint"])
+def test_a_bad_block_is_refused_and_the_engine_recomputes(cluster, damage):
+    a, b, r = cluster["a"], cluster["b"], cluster["redis"]
+    ids = prompt_ids(3 if damage == "checksum" else 4, 16 * 6 + 3)
+    complete(a, ids)
+    wait_for(lambda: metric(scrape(a), "kvharbor_kv_store_pushed_blocks_total") > 0, what="push")
+    third = block_hashes(ids, 16, MODEL)[2]
+    key = next(k for k in r.scan_iter(match=f"kvharbor:blk:{MODEL}:*") if k.decode().endswith(third.hex()))
+    blob = r.get(key)
+    if damage == "checksum":
+        r.set(key, blob[:-1] + bytes([blob[-1] ^ 0xFF]))
+    else:
+        size = len(blob) - len(encode_block(BlockFormat(MODEL, "x", "l", "d", 0), third, b""))
+        other = BlockFormat(MODEL, "other-weights", "l", "d", size)
+        r.set(key, encode_block(other, third, blob[-size:]))  # wrong fingerprint (and layout)
+    before = scrape(b)
+    pulled = complete(b, ids, kv_prefix_source="shared")
+    after = scrape(b)
+    refused = metric(after, "kvharbor_kv_store_refused_blocks_total", f'reason="{damage}"')
+    assert refused - metric(before, "kvharbor_kv_store_refused_blocks_total", f'reason="{damage}"') == 1
+    pulled_blocks = metric(after, "kvharbor_kv_store_pulled_blocks_total") - metric(
+        before, "kvharbor_kv_store_pulled_blocks_total"
+    )
+    assert pulled_blocks == 2  # the run stopped at the refused block
+    assert pulled.usage.prompt_tokens_details.cached_tokens == 2 * 16
+    scratch = complete(b, ids, cache_salt="scratch-" + damage)
+    assert pulled.choices[0].text == scratch.choices[0].text
+
+
+def test_an_engine_that_dies_drops_out_when_its_lease_expires(cluster):
+    a, svc = cluster["a"], cluster["svc"]
+    ids = prompt_ids(5, 16 * 4 + 1)
+    complete(a, ids)
+    wait_for(lambda: lookup(svc, ids).get("A") == 4, what="index")
+    a.signal(signal.SIGKILL)  # no cleared event, no lease deletion: only expiry can tell
+    a.wait(10)
+    wait_for(lambda: "A" not in lookup(svc, ids), timeout=15, what="lease expiry")
+    assert lookup(svc, ids) == {"B": 0}
+    wait_for(
+        lambda: [i["instance"] for i in httpx.get(svc.url + "/instances").json()["instances"]] == ["B"],
+        what="sweep",
+    )
