@@ -58,9 +58,16 @@ def make_prompts(n: int, prompt_len: int, shared_prefix: int, vocab: tuple[int, 
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int, temperature: float
+    client: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: list[int],
+    output_len: int,
+    temperature: float,
+    extra: dict | None = None,
 ) -> RequestResult:
     body = {
+        **(extra or {}),
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,

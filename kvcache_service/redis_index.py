@@ -1,23 +1,26 @@
 """RedisIndex: the `Index` contract kept in Redis, shared by every gateway and service replica.
 
 Keys (P = kvharbor:idx: by default, M = model):
-    P M :h: <hash hex>          SET of holders "<tier letter>:<instance>" (d = device, s = shared)
-    P M :i: <tier letter>:<inst> SET of hash hex an instance holds (for `cleared` and sweeps)
+    P M :i: <tier letter>:<inst> SET of the 16-byte hashes an instance holds (tier d = device, s = shared)
     P M :reg                    HASH instance -> lease of the events applied for it
     P models                    SET of models seen
     P cursor                    HASH stream -> last applied entry id (exactly-once intake)
     P block_size                HASH model -> block size of its `stored` events
 
 Every operation is one Lua script call: one round trip, and atomic, so a lookup never sees half an
-event and the intake cursor moves together with the index. Any Redis failure or timeout raises
-`IndexUnavailable` within `timeout` seconds.
+event and the intake cursor moves together with the index. Hash chains travel as one binary
+argument (16 bytes per block): per-argument encoding in the client cost more than the lookup
+itself. A lookup asks each alive instance's set
+about the chain in slices (SMISMEMBER) and stops at its first missing block, so it costs about
+`matched blocks + one slice` per instance. Needs Redis >= 6.2 (SMISMEMBER, XAUTOCLAIM). Any Redis
+failure or timeout raises `IndexUnavailable` within `timeout` seconds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvharbor.common.block_hash import BlockHash, to_hex
+from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
 from kvharbor.common.redis_keys import INDEX_PREFIX, LEASE_PREFIX, lease_key
 from kvharbor.kvcache_service.index import IndexUnavailable, InstanceInfo, StreamEvent
@@ -27,20 +30,19 @@ TIER_LETTER = {"device": "d", "shared": "s"}
 _LUA_COMMON = """
 local P, LP = ARGV[1], ARGV[2]
 local function clear(model, inst)
-  for _, t in ipairs({'d', 's'}) do
-    local ik = P .. model .. ':i:' .. t .. ':' .. inst
-    for _, h in ipairs(redis.call('SMEMBERS', ik)) do
-      redis.call('SREM', P .. model .. ':h:' .. h, t .. ':' .. inst)
-    end
-    redis.call('DEL', ik)
-  end
+  redis.call('DEL', P .. model .. ':i:d:' .. inst, P .. model .. ':i:s:' .. inst)
 end
 local function alive(model, inst, lease)
   return lease and redis.call('GET', LP .. model .. ':' .. inst) == lease
 end
+local function split(blob)
+  local out = {}
+  for k = 1, #blob, 16 do out[#out + 1] = string.sub(blob, k, k + 15) end
+  return out
+end
 """
 
-# ARGV: P, LP, stream, then per event: id, model, instance, lease, type, tier letter, block size, n, hashes...
+# ARGV: P, LP, stream, then per event: id, model, instance, lease, type, tier letter, block size, hashes blob
 _APPLY = (
     _LUA_COMMON
     + """
@@ -60,9 +62,8 @@ end
 local applied, i = 0, 4
 while i <= #ARGV do
   local id, model, inst, lease, typ, t, bs = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5], ARGV[i+6]
-  local n = tonumber(ARGV[i+7])
-  local first = i + 8
-  i = first + n
+  local hashes = split(ARGV[i+7])
+  i = i + 8
   if newer(id) then
     redis.call('SADD', P .. 'models', model)
     local reg = P .. model .. ':reg'
@@ -71,18 +72,15 @@ while i <= #ARGV do
       if cur then clear(model, inst) end
       redis.call('HSET', reg, inst, lease)
     end
-    local member = t .. ':' .. inst
-    local ik = P .. model .. ':i:' .. member
+    local ik = P .. model .. ':i:' .. t .. ':' .. inst
     if typ == 'stored' then
       redis.call('HSET', P .. 'block_size', model, bs)
-      for j = first, i - 1 do
-        redis.call('SADD', P .. model .. ':h:' .. ARGV[j], member)
-        redis.call('SADD', ik, ARGV[j])
+      for j = 1, #hashes, 4000 do
+        redis.call('SADD', ik, unpack(hashes, j, math.min(j + 3999, #hashes)))
       end
     elseif typ == 'removed' then
-      for j = first, i - 1 do
-        redis.call('SREM', P .. model .. ':h:' .. ARGV[j], member)
-        redis.call('SREM', ik, ARGV[j])
+      for j = 1, #hashes, 4000 do
+        redis.call('SREM', ik, unpack(hashes, j, math.min(j + 3999, #hashes)))
       end
     else
       clear(model, inst)
@@ -96,7 +94,7 @@ return applied
 """
 )
 
-# ARGV: P, LP, model, tier letter, number of instance filters, filters..., hashes...
+# ARGV: P, LP, model, tier letter, number of instance filters, filters..., hashes blob
 _LOOKUP = (
     _LUA_COMMON
     + """
@@ -108,25 +106,27 @@ if nf > 0 then
   for k = 6, 5 + nf do wanted[ARGV[k]] = true end
 end
 local reg = redis.call('HGETALL', P .. model .. ':reg')
-local counts, still, n = {}, {}, 0
+local hashes = split(ARGV[6 + nf])
+local first, last = 1, #hashes
+local counts = {}
 for k = 1, #reg, 2 do
   local inst = reg[k]
   if (wanted == nil or wanted[inst]) and alive(model, inst, reg[k + 1]) then
-    counts[inst] = 0
-    still[inst] = true
-    n = n + 1
-  end
-end
-for k = 6 + nf, #ARGV do
-  if n == 0 then break end
-  local hk = P .. model .. ':h:' .. ARGV[k]
-  for inst, _ in pairs(still) do
-    if redis.call('SISMEMBER', hk, t .. ':' .. inst) == 1 then
-      counts[inst] = counts[inst] + 1
-    else
-      still[inst] = nil
-      n = n - 1
+    local key = P .. model .. ':i:' .. t .. ':' .. inst
+    local matched, j, broken = 0, first, false
+    -- Slices grow so a long match costs few calls and a short one reads little.
+    local slice = 64
+    while j <= last and not broken do
+      local upto = math.min(j + slice - 1, last)
+      local found = redis.call('SMISMEMBER', key, unpack(hashes, j, upto))
+      for _, hit in ipairs(found) do
+        if hit == 0 then broken = true break end
+        matched = matched + 1
+      end
+      j = upto + 1
+      slice = math.min(slice * 4, 4000)
     end
+    counts[inst] = matched
   end
 end
 local out = {}
@@ -217,7 +217,7 @@ class RedisIndex:
         wanted = list(instances) if instances is not None else []
         if instances is not None and not wanted:
             return {}
-        args = [model, TIER_LETTER[tier], len(wanted), *wanted, *(to_hex(h) for h in block_hashes)]
+        args = [model, TIER_LETTER[tier], len(wanted), *wanted, b"".join(block_hashes)]
         flat = await self._call(self._lookup, args)
         return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
@@ -298,6 +298,5 @@ def _event_args(entry_id: str, env: EventEnvelope) -> list:
         event.type,
         TIER_LETTER[tier],
         block_size,
-        len(hashes),
-        *(to_hex(h) for h in hashes),
+        b"".join(hashes),
     ]
