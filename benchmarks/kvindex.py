@@ -113,7 +113,7 @@ async def bench_intake(redis_url: str, events: int) -> dict:
     await memory.apply(envelopes)
     memory_s = time.perf_counter() - t0
 
-    client = aredis.from_url(redis_url, decode_responses=True)
+    client = aredis.from_url(redis_url)
     index = RedisIndex(aredis.from_url(redis_url))
     consumer = EventConsumer(client, index, block_ms=10)
     t0 = time.perf_counter()

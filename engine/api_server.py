@@ -250,7 +250,7 @@ class _Routes:
                 for k, ids in enumerate(batch):
                     engine_id = rid if len(batch) == 1 else f"{rid}-{k}"
                     streams.append((engine_id, await self._submit(engine_id, ids, params, body)))
-            except APIError:
+            except BaseException:  # a later prompt failed: nobody will read the earlier ones
                 for engine_id, _ in streams:
                     self.loop.abort(engine_id)
                 raise

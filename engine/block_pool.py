@@ -111,8 +111,10 @@ class BlockPool:
         self.events_dropped = 0
         # Hooks for the shared block store (engine/kv_offload.py); None costs nothing.
         # on_evict sees cached blocks about to be reused while their KV is still intact;
-        # new_cached collects blocks cached since the last take_new_cached().
+        # on_reuse sees the blocks of every prefix-cache hit; new_cached collects blocks as
+        # they are cached (its owner empties it).
         self.on_evict: Callable[[list[Block]], None] | None = None
+        self.on_reuse: Callable[[list[Block]], None] | None = None
         self.new_cached: list[Block] | None = None
 
     @property

@@ -88,10 +88,10 @@ class ServerConfig:
     redis_url: str | None = opt(None, "publish KV events to this Redis (redis://host:port/db)")
     kv_events_stream_prefix: str = opt(STREAM_PREFIX, "Redis key prefix of the per-model KV event streams")
     lease_ttl: float = opt(10.0, "seconds an instance lease lives without a heartbeat")
-    kv_store_push: Literal["all", "evict", "off"] = opt(
-        "evict",
+    kv_store_push: Literal["all", "hot", "evict", "off"] = opt(
+        "hot",
         "when to copy KV blocks into the shared block store in --redis-url: all (every filled block), "
-        "evict (before a cached block is reused), off",
+        "hot (a prefix once it is reused here, and evicted blocks), evict (before a cached block is reused), off",
     )
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests before aborting them")
     max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")

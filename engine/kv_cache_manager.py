@@ -82,6 +82,8 @@ class KVCacheManager:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += hit.num_tokens
         if hit_blocks:
+            if self.pool.on_reuse is not None:
+                self.pool.on_reuse(hit_blocks)
             self.pool.touch(hit_blocks)
             table.extend(hit_blocks)
             self._num_hashed[request.request_id] = len(table)

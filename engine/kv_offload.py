@@ -7,6 +7,8 @@ their prefill is skipped. A refused or missing block ends the run; the rest is c
 
 Push, by policy:
 - `all`: every block this engine fills is copied out after the step that filled it (write-through).
+- `hot` (default): a prefix is copied out the first time it is reused here (a system prompt, a
+  shared document: what other engines are likely to want), and blocks on eviction, as `evict`.
 - `evict`: a cached block is copied out just before its slot is reused (write-back on eviction).
 - `off`: never.
 Copies are taken in the engine thread (the KV tensor is only consistent there) and written to
@@ -28,8 +30,9 @@ from kvharbor.kvcache_service.block_store import BlockStoreUnavailable, RedisBlo
 from kvharbor.kvcache_service.reuse_stats import classify, record
 
 log = logging.getLogger("kvharbor.engine.kv_store")
-PushPolicy = Literal["all", "evict", "off"]
+PushPolicy = Literal["all", "hot", "evict", "off"]
 PUSH_BATCH_BYTES = 16 << 20
+PULL_SLICE_BLOCKS = 32
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,13 @@ class _RecentSet:
 
 class KVStoreClient:
     def __init__(
-        self, store: RedisBlockStore, engine: Any, policy: PushPolicy, metrics: Any, max_queue_bytes: int = 256 << 20
+        self,
+        store: RedisBlockStore,
+        engine: Any,
+        policy: PushPolicy,
+        metrics: Any,
+        max_queue_bytes: int = 256 << 20,
+        max_pull_bytes: int = 256 << 20,
     ) -> None:
         self.store = store
         self.engine = engine
@@ -73,6 +82,7 @@ class KVStoreClient:
         self._queue: collections.deque[tuple[BlockHash, bytes]] = collections.deque()
         self._queued_bytes = 0
         self._max_queue_bytes = max_queue_bytes
+        self.max_pull_bytes = max_pull_bytes
         self._lock = threading.Lock()
         self._recent = _RecentSet()
         self._refused_seen: dict[str, int] = {}
@@ -80,10 +90,13 @@ class KVStoreClient:
 
     def install(self) -> None:
         """Hook into the block pool (call before the engine loop starts)."""
-        if self.policy == "evict":
-            self.engine.pool.on_evict = self._evicted
+        pool = self.engine.pool
+        if self.policy in ("hot", "evict"):
+            pool.on_evict = self._evicted
+        if self.policy == "hot":
+            pool.on_reuse = self._evicted  # same copy-out; the blocks are intact and in use
         elif self.policy == "all":
-            self.engine.pool.new_cached = []
+            pool.new_cached = []
 
     # -- the engine thread ------------------------------------------------------------------------
 
@@ -97,6 +110,14 @@ class KVStoreClient:
         self._copy_out([(b.block_id, b.block_hash) for b in blocks])
 
     def _copy_out(self, blocks: list[tuple[int, BlockHash]]) -> None:
+        # Called from inside the scheduler and the step: a cache write must never fail them.
+        try:
+            self._enqueue(blocks)
+        except Exception:
+            log.exception("could not copy KV blocks out for the shared store; dropped them")
+            self.metrics.kv_store_push_dropped.inc(len(blocks))
+
+    def _enqueue(self, blocks: list[tuple[int, BlockHash]]) -> None:
         todo = [(i, h) for i, h in blocks if h not in self._recent]
         if not todo:
             return
@@ -162,16 +183,24 @@ class KVStoreClient:
         Only blocks before the prompt's last token count (that token is always computed). Never
         raises for store trouble: the request then computes its prefill as usual.
         """
-        bs = self.engine.pool.block_size
-        hashes = block_hashes(prompt_ids[:-1], bs, self.engine.model_name, cache_salt)
-        cached = self.engine.pool.cached  # read-only from this thread: membership tests only
+        engine = self.engine
+        if not 1 < len(prompt_ids) <= engine.max_model_len:
+            return None  # the engine refuses it anyway; do not move bytes for it
+        bs = engine.pool.block_size
+        try:
+            hashes = block_hashes(prompt_ids[:-1], bs, engine.model_name, cache_salt)
+        except ValueError:
+            return None  # token ids out of range: the engine answers 400 with its own message
+        cached = engine.pool.cached  # read-only from this thread: membership tests only
         k = 0
         while k < len(hashes) and hashes[k] in cached:
             k += 1
-        if k == len(hashes):
+        # Never more than the pool could take, nor more bytes than one pull may move.
+        limit = min(len(hashes) - k, engine.pool.num_free, max(1, self.max_pull_bytes // self.format.block_bytes))
+        if limit <= 0:
             return None
         try:
-            payloads = await self.store.get_run(self.format, hashes[k:])
+            payloads = await self._get_run(hashes[k : k + limit])
         except BlockStoreUnavailable as exc:
             self.metrics.kv_store_errors.labels("pull").inc()
             log.warning("shared block store unavailable; computing the prefill", extra={"error": str(exc)})
@@ -183,6 +212,17 @@ class KVStoreClient:
         for h in hashes[k : k + len(payloads)]:
             self._recent.add(h)  # never push back what was just pulled
         return ExternalPrefix(hashes[:k], hashes[k : k + len(payloads)], payloads)
+
+    async def _get_run(self, hashes: list[BlockHash]) -> list[bytes]:
+        # In slices, so one pull never blocks Redis (and its index lookups) for long.
+        out: list[bytes] = []
+        for i in range(0, len(hashes), PULL_SLICE_BLOCKS):
+            part = hashes[i : i + PULL_SLICE_BLOCKS]
+            got = await self.store.get_run(self.format, part)
+            out += got
+            if len(got) < len(part):
+                break
+        return out
 
     def _count_refusals(self) -> None:
         for reason, n in self.store.refused.items():

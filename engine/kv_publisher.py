@@ -26,6 +26,18 @@ from kvharbor.engine.engine_loop import EngineLoop
 from kvharbor.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvharbor.engine.kv_events")
+
+# Delete the lease key only if it still holds our lease (a restarted process may own it now).
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class LeaseLapsed(RuntimeError):
+    """Our lease key had expired (a long stall): the index may have swept us, so re-sync."""
+
+
 RESYNC_BATCH = 256
 MAX_BACKOFF = 10.0
 
@@ -99,6 +111,9 @@ class KVEventPublisher:
                 log.info("publishing KV events", extra={"stream": self.stream_key, "lease": self.lease})
                 backoff = 0.5
                 await self._pump(client)
+            except LeaseLapsed:
+                self._disconnect()
+                log.warning("KV event lease lapsed; re-publishing everything this engine holds")
             except (RedisError, OSError) as exc:
                 self._disconnect()
                 log.warning("Redis unavailable for KV events; retrying in %.1fs", backoff, extra={"error": repr(exc)})
@@ -130,7 +145,8 @@ class KVEventPublisher:
                     raise
             now = asyncio.get_running_loop().time()
             if now >= next_beat:
-                await self._heartbeat(client)
+                if not await self._heartbeat(client):
+                    raise LeaseLapsed(self.lease)
                 next_beat = now + self.lease_ttl / 3
             if not batch:
                 await self._sleep(0.02)
@@ -145,8 +161,12 @@ class KVEventPublisher:
         self.published += len(events)
         self._on_published(len(events))
 
-    async def _heartbeat(self, client) -> None:
-        await client.set(lease_key(self.model, self.instance), self.lease, px=int(self.lease_ttl * 1000))
+    async def _heartbeat(self, client) -> bool:
+        """Renew the lease; False when it had lapsed (or was taken) before this renewal."""
+        old = await client.set(
+            lease_key(self.model, self.instance), self.lease, px=int(self.lease_ttl * 1000), get=True
+        )
+        return old is not None and (old.decode() if isinstance(old, bytes) else old) == self.lease
 
     def _disconnect(self) -> None:
         with self._lock:
@@ -169,7 +189,7 @@ class KVEventPublisher:
         client = redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
         try:
             await self._write(client, [AllCleared()])
-            await client.delete(lease_key(self.model, self.instance))
+            await client.eval(_RELEASE, 1, lease_key(self.model, self.instance), self.lease)
         except (RedisError, OSError):
             pass
         finally:

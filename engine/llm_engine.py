@@ -395,8 +395,9 @@ class LLMEngine:
         if len(hashes) != len(payloads):
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         pool = self.pool
-        pinned = [pool.cached[h] for h in prefix if h in pool.cached]
-        pool.touch(pinned)  # out of the free list while we allocate: the chain's head must survive
+        # Out of the free list while we allocate: no block of the chain may be the one evicted.
+        pinned = [pool.cached[h] for h in (*prefix, *hashes) if h in pool.cached]
+        pool.touch(pinned)
         try:
             todo = [(h, p) for h, p in zip(hashes, payloads, strict=True) if h not in pool.cached]
             todo = todo[: pool.num_free] if pool.enable_caching else []

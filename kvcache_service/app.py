@@ -4,7 +4,7 @@
                      -> {model, blocks, matches: {instance: matched_blocks}}
     GET  /instances  every instance in the index, alive or waiting to be swept
     GET  /stats      index, intake, shared store and reuse figures
-    GET  /metrics    the same for Prometheus;  GET /health (alive), GET /ready (Redis answers)
+    GET  /metrics    the same for Prometheus;  GET /health (alive), GET /ready (Redis answers, intake runs)
 
 While Redis is away, /ready is 503 and lookups answer 503 (`index_unavailable`, Retry-After) within
 the Redis timeout: the gateway then routes by load alone.
@@ -22,6 +22,7 @@ from typing import Any, Literal
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from redis.exceptions import RedisError
 
 from kvharbor.common.block_hash import block_hashes, from_hex
 from kvharbor.common.http_errors import install_error_handlers
@@ -58,8 +59,8 @@ class LookupRequest(BaseModel):
         bad = next((h for h in self.block_hashes or () if not _HEX32.match(h)), None)
         if bad is not None:
             raise ValueError(f"block hash {bad[:40]!r} is not 32 lowercase hex digits")
-        if any(t < 0 for t in self.token_ids or ()):
-            raise ValueError("token ids must be >= 0")
+        if any(not 0 <= t < 2**31 for t in self.token_ids or ()):
+            raise ValueError("token ids must be in [0, 2**31)")
         return self
 
 
@@ -166,7 +167,7 @@ class _Routes:
             infos, store, reuse = await asyncio.gather(
                 state.index.instances(), state.store.stats(), read_all(state.reuse_client)
             )
-        except (IndexUnavailable, BlockStoreUnavailable, OSError) as exc:
+        except (IndexUnavailable, BlockStoreUnavailable, RedisError, OSError) as exc:
             snap["error"] = str(exc)
             return snap
         snap["index"] = {

@@ -10,7 +10,7 @@ else is refused loudly (`BlockRefused`, logged, counted), never used. Corrupt bl
 eviction. Another tier (local disk, a dedicated store) only has to implement the same three calls.
 
 Redis keys (S = kvharbor:blk:):
-    S <model>:<layout>:<hash hex>   one block: header + payload
+    S <model>:<layout>:<dtype>:<fingerprint>:<hash hex>   one block: header + payload
     S lru                           ZSET key -> logical clock of last use
     S sizes                         HASH key -> bytes
     S bytes / S clock / S evictions counters;  S cap  the byte cap (set by `kvharbor kvcache`)
@@ -60,7 +60,9 @@ class BlockFormat:
     block_bytes: int  # payload size of one block
 
     def key(self, block_hash: BlockHash, prefix: str = STORE_PREFIX) -> str:
-        return f"{prefix}{self.model}:{self.layout}:{to_hex(block_hash)}"
+        # dtype and weights are in the key too: fleets that differ there keep apart instead of
+        # refusing each other's blocks forever. The header checks still catch a wrong writer.
+        return f"{prefix}{self.model}:{self.layout}:{self.dtype}:{self.fingerprint[:16]}:{to_hex(block_hash)}"
 
 
 def checksum(payload: bytes) -> str:
@@ -131,6 +133,8 @@ class BlockStore(Protocol):
 
 
 # ARGV: prefix, default cap, then key, blob pairs. Returns {stored, evicted}.
+# `sizes` is the ledger: a key counts in `bytes` exactly while it has a `sizes` entry, even if the
+# key itself vanished behind our back (DEL by hand, Redis maxmemory eviction).
 _PUT = """
 local S = ARGV[1]
 local cap = tonumber(redis.call('GET', S .. 'cap') or ARGV[2])
@@ -139,9 +143,10 @@ for i = 3, #ARGV, 2 do
   local k, v = ARGV[i], ARGV[i + 1]
   local tick = redis.call('INCR', S .. 'clock')
   if redis.call('EXISTS', k) == 0 then
+    local stale = tonumber(redis.call('HGET', S .. 'sizes', k) or '0')
     redis.call('SET', k, v)
     redis.call('HSET', S .. 'sizes', k, #v)
-    redis.call('INCRBY', S .. 'bytes', #v)
+    redis.call('INCRBY', S .. 'bytes', #v - stale)
     stored = stored + 1
   end
   redis.call('ZADD', S .. 'lru', tick, k)
@@ -149,7 +154,10 @@ end
 local evicted = 0
 while tonumber(redis.call('GET', S .. 'bytes') or '0') > cap do
   local victim = redis.call('ZPOPMIN', S .. 'lru')
-  if #victim == 0 then break end
+  if #victim == 0 then
+    redis.call('SET', S .. 'bytes', 0)
+    break
+  end
   local size = tonumber(redis.call('HGET', S .. 'sizes', victim[1]) or '0')
   redis.call('DEL', victim[1])
   redis.call('HDEL', S .. 'sizes', victim[1])
@@ -177,7 +185,8 @@ return out
 _DROP = """
 local S, k = ARGV[1], ARGV[2]
 local size = tonumber(redis.call('HGET', S .. 'sizes', k) or '0')
-if redis.call('DEL', k) == 1 then redis.call('DECRBY', S .. 'bytes', size) end
+redis.call('DEL', k)
+redis.call('DECRBY', S .. 'bytes', size)
 redis.call('HDEL', S .. 'sizes', k)
 redis.call('ZREM', S .. 'lru', k)
 return size
@@ -236,8 +245,9 @@ class RedisBlockStore:
             except BlockRefused as exc:
                 self.refused[exc.reason] = self.refused.get(exc.reason, 0) + 1
                 log.error("refused a shared KV block: %s", exc, extra={"reason": exc.reason, "key": key})
-                if exc.reason in ("checksum", "format"):
-                    await self._call(self._drop(args=[self._prefix, key]))
+                # Our key, yet not our block: corrupt, or a misconfigured writer. Either way no
+                # reader with this format can use it, so it goes.
+                await self._call(self._drop(args=[self._prefix, key]))
                 break
         return out
 

@@ -52,7 +52,7 @@ class StoreConfig:
 class ServiceServerConfig:
     host: str = opt("127.0.0.1", "address to listen on")
     port: int = opt(8100, "TCP port to listen on")
-    max_lookup_blocks: int = opt(65536, "longest block chain one lookup may ask about")
+    max_lookup_blocks: int = opt(16384, "longest block chain one lookup may ask about (each costs Redis time)")
     log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
     log_json: bool = opt(True, "log one JSON object per line")
 

@@ -6,7 +6,9 @@ in order. When a replica becomes the consumer (start-up, restart, lock taken ove
 first claims every entry still pending in the group, from any consumer, in stream order, and applies
 them before it reads new ones. Applying moves the index's per-stream cursor in the same atomic step,
 so entries delivered twice (applied, then the consumer died before XACK) are skipped: nothing is
-lost, nothing is applied twice. Malformed entries are acknowledged, skipped and counted.
+lost, nothing is applied twice. The apply is fenced by the intake lock: a consumer that lost the
+lock while it stalled cannot apply the batch it still holds (LeadershipLost), so it cannot move
+the cursor past entries the new consumer has not applied yet. Malformed entries are acknowledged, skipped and counted.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kvharbor.common.kv_events import MalformedEvent, from_fields
 from kvharbor.common.redis_keys import INDEX_PREFIX, STREAM_PREFIX, model_from_stream
-from kvharbor.kvcache_service.index import Index, IndexUnavailable, StreamEvent
+from kvharbor.kvcache_service.index import Index, IndexUnavailable, LeadershipLost, StreamEvent
 
 log = logging.getLogger("kvharbor.kvcache.intake")
 
@@ -68,7 +70,9 @@ class EventConsumer:
         discover_interval: float = 2.0,
         sweep_interval: float = 2.0,
     ) -> None:
-        self.client = client  # redis.asyncio client with decode_responses=True
+        # A redis.asyncio client that returns bytes: decoding is from_fields' job, so one bad
+        # byte in an entry makes that entry malformed instead of failing the whole read.
+        self.client = client
         self.index = index
         self.group = group
         self.consumer = consumer or default_consumer_name()
@@ -97,10 +101,14 @@ class EventConsumer:
             try:
                 await self.step()
                 backoff = 0.2
-            except (RedisError, OSError, TimeoutError, IndexUnavailable) as exc:
+            except (RedisError, OSError, TimeoutError, IndexUnavailable, LeadershipLost) as exc:
                 self._lost(exc)
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, 5.0)
+            except Exception as exc:  # a bug must not silently end intake: log, count, retry
+                log.exception("KV event intake failed unexpectedly; retrying")
+                self._lost(exc)
+                await self._sleep(5.0)
 
     async def step(self) -> None:
         """One round: keep the lock, find streams, read and apply one batch, sweep dead leases."""
@@ -134,7 +142,7 @@ class EventConsumer:
         self._stopping.set()
         if self.stats.leader:
             with contextlib.suppress(Exception):
-                if await self.client.get(self.lock_key) == self.consumer:
+                if _text(await self.client.get(self.lock_key)) == self.consumer:
                     await self.client.delete(self.lock_key)
 
     async def _sleep(self, seconds: float) -> None:
@@ -156,7 +164,8 @@ class EventConsumer:
     async def _discover(self) -> None:
         from redis.exceptions import ResponseError
 
-        async for key in self.client.scan_iter(match=self.stream_prefix + "*", _type="stream", count=500):
+        async for raw in self.client.scan_iter(match=self.stream_prefix + "*", _type="stream", count=500):
+            key = _text(raw)
             if key in self.streams:
                 continue
             try:
@@ -172,11 +181,11 @@ class EventConsumer:
         start = "0-0"
         while True:
             reply = await self.client.xautoclaim(stream, self.group, self.consumer, 0, start, count=self.batch)
-            start, entries = reply[0], reply[1]
+            start, entries = _text(reply[0]), reply[1]
             if entries:
                 self.stats.claimed += len(entries)
                 await self._process(stream, entries)
-            if start in ("0-0", b"0-0"):
+            if start == "0-0":
                 return
 
     async def _read_new(self) -> None:
@@ -195,11 +204,12 @@ class EventConsumer:
             self._next_discover = 0.0
             return
         for stream, entries in reply or []:
-            await self._process(stream, entries)
+            await self._process(_text(stream), entries)
 
     async def _process(self, stream: str, entries: list) -> None:
         model = model_from_stream(stream, self.stream_prefix)
         good: list[StreamEvent] = []
+        entries = [(_text(entry_id), fields) for entry_id, fields in entries]
         for entry_id, fields in entries:
             try:
                 if not fields:
@@ -215,7 +225,7 @@ class EventConsumer:
                     "skipped a malformed KV event",
                     extra={"stream": stream, "entry": entry_id, "reason": reason, "error": str(exc)},
                 )
-        applied = await self.index.apply(good) if good else 0
+        applied = await self.index.apply(good, fence=(self.lock_key, self.consumer)) if good else 0
         self.stats.applied += applied
         self.stats.duplicates += len(good) - applied
         await self.client.xack(stream, self.group, *[entry_id for entry_id, _ in entries])
@@ -226,6 +236,10 @@ class EventConsumer:
         for model, instance in swept:
             log.info("instance lease expired; its KV entries were swept", extra={"model": model, "instance": instance})
         self.stats.swept += len(swept)
+
+
+def _text(value: bytes | str | None) -> str | None:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def _reason(exc: MalformedEvent) -> str:

@@ -30,6 +30,10 @@ class IndexUnavailable(RuntimeError):
     """The index cannot answer now (Redis down or too slow). Callers fall back to load-only routing."""
 
 
+class LeadershipLost(RuntimeError):
+    """A fenced apply found the intake lock held by another consumer; nothing was applied."""
+
+
 @dataclass(frozen=True)
 class StreamEvent:
     """An event and where it sits in its Redis Stream, for exactly-once application."""
@@ -58,8 +62,11 @@ def stream_position(entry_id: str) -> tuple[int, int]:
 
 
 class Index(Protocol):
-    async def apply(self, events: Sequence[EventEnvelope | StreamEvent]) -> int:
-        """Apply events in order; returns how many were applied (not skipped as already applied)."""
+    async def apply(self, events: Sequence[EventEnvelope | StreamEvent], fence: tuple[str, str] | None = None) -> int:
+        """Apply events in order; returns how many were applied (not skipped as already applied).
+
+        `fence=(lock key, owner)`: apply only while the lock is held by `owner`, atomically with
+        the check (LeadershipLost otherwise). Backends without a shared lock ignore it."""
 
     async def lookup(
         self,

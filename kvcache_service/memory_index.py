@@ -23,7 +23,8 @@ class MemoryIndex:
         self._cursors: dict[str, tuple[int, int]] = {}
         self._block_sizes: dict[str, int] = {}
 
-    async def apply(self, events: Sequence[EventEnvelope | StreamEvent]) -> int:
+    async def apply(self, events: Sequence[EventEnvelope | StreamEvent], fence: tuple[str, str] | None = None) -> int:
+        del fence  # one process: there is no shared intake lock to check
         applied = 0
         for item in events:
             if isinstance(item, StreamEvent):
@@ -32,12 +33,14 @@ class MemoryIndex:
                     continue
                 self._cursors[item.stream] = pos
                 item = item.envelope
-            self._apply_one(item)
-            applied += 1
+            applied += self._apply_one(item)
         return applied
 
-    def _apply_one(self, env: EventEnvelope) -> None:
+    def _apply_one(self, env: EventEnvelope) -> bool:
         key = (env.model, env.instance)
+        live = self._leases.get(key)
+        if live is not None and live[1] > self._clock() and live[0] != env.lease:
+            return False  # a previous life's event: the instance runs under another lease now
         if self._registered.get(key) != env.lease:
             self._clear(env.model, env.instance)
             self._registered[key] = env.lease
@@ -55,6 +58,7 @@ class MemoryIndex:
                 held.discard(h)
         elif isinstance(event, AllCleared):
             self._clear(env.model, env.instance)
+        return True
 
     def _drop_holder(self, model: str, block_hash: BlockHash, holder: Holder) -> None:
         holders = self._holders[model].get(block_hash)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
 from kvharbor.common.redis_keys import INDEX_PREFIX, LEASE_PREFIX, lease_key
-from kvharbor.kvcache_service.index import IndexUnavailable, InstanceInfo, StreamEvent
+from kvharbor.kvcache_service.index import IndexUnavailable, InstanceInfo, LeadershipLost, StreamEvent
 
 TIER_LETTER = {"device": "d", "shared": "s"}
 
@@ -42,11 +42,14 @@ local function split(blob)
 end
 """
 
-# ARGV: P, LP, stream, then per event: id, model, instance, lease, type, tier letter, block size, hashes blob
+# ARGV: P, LP, stream, fence lock key ('' = none), fence owner, then per event:
+#       id, model, instance, lease, type, tier letter, block size, hashes blob
+# Returns the number applied, or -1 (nothing done) when the fence lock is not held by its owner.
 _APPLY = (
     _LUA_COMMON
     + """
 local stream = ARGV[3]
+if ARGV[4] ~= '' and redis.call('GET', ARGV[4]) ~= ARGV[5] then return -1 end
 local cursor = false
 if stream ~= '' then cursor = redis.call('HGET', P .. 'cursor', stream) end
 local function pos(id)
@@ -59,12 +62,13 @@ local function newer(id)
   local c, d = pos(cursor)
   return a > c or (a == c and b > d)
 end
-local applied, i = 0, 4
+local applied, i = 0, 6
 while i <= #ARGV do
   local id, model, inst, lease, typ, t, bs = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5], ARGV[i+6]
   local hashes = split(ARGV[i+7])
   i = i + 8
-  if newer(id) then
+  local live = redis.call('GET', LP .. model .. ':' .. inst)
+  if newer(id) and (not live or live == lease) then
     redis.call('SADD', P .. 'models', model)
     local reg = P .. model .. ':reg'
     local cur = redis.call('HGET', reg, inst)
@@ -86,8 +90,9 @@ while i <= #ARGV do
       clear(model, inst)
     end
     applied = applied + 1
-    if id ~= '' then cursor = id end
   end
+  -- Stale events (another life's lease) are consumed too: the cursor moves past them.
+  if id ~= '' and newer(id) then cursor = id end
 end
 if stream ~= '' and cursor then redis.call('HSET', P .. 'cursor', stream, cursor) end
 return applied
@@ -198,13 +203,16 @@ class RedisIndex:
         except (RedisError, OSError, TimeoutError) as exc:
             raise IndexUnavailable(f"KV index in Redis unavailable: {type(exc).__name__}: {exc}") from exc
 
-    async def apply(self, events: Sequence[EventEnvelope | StreamEvent]) -> int:
+    async def apply(self, events: Sequence[EventEnvelope | StreamEvent], fence: tuple[str, str] | None = None) -> int:
         applied = 0
         for stream, batch in _group_by_stream(events):
-            args: list = [stream]
+            args: list = [stream, *(fence or ("", ""))]
             for entry_id, env in batch:
                 args += _event_args(entry_id, env)
-            applied += int(await self._call(self._apply, args))
+            done = int(await self._call(self._apply, args))
+            if done < 0:
+                raise LeadershipLost(f"intake lock {fence[0]!r} is no longer held by {fence[1]!r}")
+            applied += done
         return applied
 
     async def lookup(

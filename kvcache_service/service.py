@@ -64,9 +64,7 @@ def build_state(config: Any):
 
     index = RedisIndex(client())
     # The intake connection blocks in XREADGROUP for up to a second, so its timeout must be longer.
-    stream_client = redis.from_url(
-        intake.redis_url, socket_timeout=timeout + 2.0, socket_connect_timeout=timeout, decode_responses=True
-    )
+    stream_client = redis.from_url(intake.redis_url, socket_timeout=timeout + 2.0, socket_connect_timeout=timeout)
     consumer = EventConsumer(
         stream_client,
         index,
@@ -96,18 +94,25 @@ def serve(config: Any) -> int:
 
     state = build_state(config)
 
+    async def keep_cap() -> None:
+        # Engines read the cap from Redis on every put; after an outage, or a Redis that lost
+        # the key, it must come back before they fall back to their built-in default.
+        while True:
+            with contextlib.suppress(BlockStoreUnavailable):
+                await state.store.set_cap(config.store.cap_bytes)
+            await asyncio.sleep(5.0)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
-        with contextlib.suppress(BlockStoreUnavailable):
-            await state.store.set_cap(config.store.cap_bytes)  # also re-set by the first put after an outage
-        task = asyncio.create_task(state.consumer.run())
+        tasks = [asyncio.create_task(state.consumer.run()), asyncio.create_task(keep_cap())]
         try:
             yield
         finally:
             await state.consumer.stop()
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             for closer in (
                 state.index.close,
                 state.store.close,

@@ -48,8 +48,10 @@ def test_put_then_get_longest_run(redis_server):
         assert await store.get_run(FMT, HASHES) == [payload(0), payload(1), payload(2)]
         assert await store.contains_run(FMT, HASHES) == 3
         assert await store.get_run(FMT, HASHES[3:]) == []
-        other = dataclasses.replace(FMT, layout="hm1:L2:H1:D4:B8")  # another layout is another key space
-        assert await store.get_run(other, HASHES) == []
+        for field, value in (("layout", "hm1:L2:H1:D4:B8"), ("dtype", "float16"), ("fingerprint", "fp-2")):
+            other = dataclasses.replace(FMT, **{field: value})  # another key space: no refusals, no hits
+            assert await store.get_run(other, HASHES) == []
+        assert store.refused == {}
         stats = await store.stats()
         assert stats["blocks"] == 4 and stats["bytes"] >= 4 * FMT.block_bytes
 
@@ -68,6 +70,24 @@ def test_byte_cap_evicts_least_recently_used(redis_server):
         assert await store.contains_run(FMT, HASHES[2:4]) == 2
         stats = await store.stats()
         assert stats == {"bytes": 3 * size, "cap_bytes": 3 * size, "blocks": 3, "evictions": 1}
+
+    run(redis_server.url, body)
+
+
+def test_accounting_survives_keys_vanishing_behind_its_back(redis_server):
+    async def body(store, client):
+        size = len(encode_block(FMT, HASHES[0], payload(0)))
+        await store.put(FMT, [(HASHES[0], payload(0))])
+        await client.delete(FMT.key(HASHES[0]))  # by hand, or Redis maxmemory eviction
+        assert await store.put(FMT, [(HASHES[0], payload(0))]) == 1
+        stats = await store.stats()
+        assert (stats["bytes"], stats["blocks"]) == (size, 1)
+        await store.set_cap(size)
+        await client.delete(FMT.key(HASHES[0]))
+        await store.put(FMT, [(HASHES[1], payload(1))])  # evicts the vanished one; the ledger follows
+        stats = await store.stats()
+        assert (stats["bytes"], stats["blocks"]) == (size, 1)
+        assert await store.get_run(FMT, HASHES[1:2]) == [payload(1)]
 
     run(redis_server.url, body)
 
@@ -95,6 +115,7 @@ def test_foreign_block_is_refused_loudly(redis_server, field, value, caplog):
         await client.set(FMT.key(HASHES[0]), encode_block(foreign, HASHES[0], payload(0)))
         assert await store.get_run(FMT, HASHES) == []
         assert sum(store.refused.values()) == 1
+        assert await client.exists(FMT.key(HASHES[0])) == 0  # not usable by anyone reading this key
 
     run(redis_server.url, body)
     assert "refused a shared KV block" in caplog.text

@@ -90,6 +90,27 @@ def test_write_through_pushes_each_filled_block_once(tiny_llama, make_llm, redis
     asyncio.run(main())
 
 
+def test_hot_pushes_a_prefix_when_it_is_reused(tiny_llama, make_llm, redis_server):
+    redis.Redis.from_url(redis_server.url).flushdb()
+    llm = make_llm(tiny_llama.loaded)
+    system = prompt(4, 64)  # 4 full blocks, shared by two requests
+
+    async def main():
+        client = client_for(llm, redis_server.url, "hot")
+        llm.generate([[*system, 5, 6, 7]], GREEDY)
+        assert not client._queue  # seen once: not hot yet
+        llm.generate([[*system, 8, 9]], GREEDY)
+        hashes = block_hashes(system, 16, llm.engine.model_name)
+        assert [h for h, _ in client._queue] == hashes  # reused: the whole prefix, in chain order
+        await flush(client)
+        reader = client_for(make_llm(tiny_llama.loaded), redis_server.url, "off")
+        ext = await reader.pull([*system, 1], None)
+        assert ext is not None and ext.hashes == hashes
+        await reader.stop()
+
+    asyncio.run(main())
+
+
 def test_pool_hooks_see_evictions_and_new_cached_blocks():
     pool = BlockPool(4, 2)
     seen: list[list[int]] = []

@@ -13,6 +13,7 @@ from kv_event_writer import FakeEngine, chains, random_events
 
 from kvharbor.common.redis_keys import stream_key
 from kvharbor.kvcache_service.consumer import EventConsumer
+from kvharbor.kvcache_service.index import LeadershipLost
 from kvharbor.kvcache_service.memory_index import MemoryIndex
 from kvharbor.kvcache_service.redis_index import RedisIndex
 
@@ -56,7 +57,7 @@ def test_consumer_dies_between_apply_and_ack_and_a_new_one_resumes(redis_server)
         for engine in engines:
             await reference.renew(MODEL, engine.instance, engine.lease, 60)
 
-        client = aredis.from_url(redis_server.url, decode_responses=True)
+        client = aredis.from_url(redis_server.url)
         index = RedisIndex(aredis.from_url(redis_server.url))
         first = EventConsumer(client, index, consumer="first", batch=50, block_ms=50)
         acks = 0
@@ -104,7 +105,7 @@ def test_only_one_replica_consumes(redis_server):
     engine.publish(engine.stored(chains(MODEL, 1, 4)[0]))
 
     async def main():
-        client = aredis.from_url(redis_server.url, decode_responses=True)
+        client = aredis.from_url(redis_server.url)
         index = RedisIndex(aredis.from_url(redis_server.url))
         a = EventConsumer(client, index, consumer="a", block_ms=50)
         b = EventConsumer(client, index, consumer="b", block_ms=50, lock_ttl=0.3)
@@ -116,6 +117,59 @@ def test_only_one_replica_consumes(redis_server):
         await b.step()
         assert b.stats.leader
         await b.stop()
+        await client.aclose()
+        await index.close()
+
+    asyncio.run(main())
+
+
+def test_undecodable_bytes_make_one_entry_malformed_not_the_intake_dead(redis_server):
+    sync = redis.Redis.from_url(redis_server.url)
+    sync.flushdb()
+    engine = FakeEngine(sync, MODEL, "e0")
+    engine.heartbeat()
+    hashes = chains(MODEL, 1, 4)[0]
+    engine.publish(engine.stored(hashes[:2]))
+    sync.xadd(stream_key(MODEL), {"v": "1", "type": "cleared", "instance": b"\xff\xfe", "model": MODEL, "body": "{}"})
+    engine.publish(engine.stored(hashes[2:]))
+
+    async def main():
+        client = aredis.from_url(redis_server.url)
+        index = RedisIndex(aredis.from_url(redis_server.url))
+        consumer = EventConsumer(client, index, block_ms=50)
+        for _ in range(3):
+            await consumer.step()
+        assert consumer.stats.applied == 2 and sum(consumer.stats.malformed.values()) == 1
+        assert await index.lookup(MODEL, hashes) == {"e0": 4}
+        await consumer.stop()
+        await client.aclose()
+        await index.close()
+
+    asyncio.run(main())
+
+
+def test_a_consumer_that_lost_the_lock_cannot_apply(redis_server):
+    sync = redis.Redis.from_url(redis_server.url)
+    sync.flushdb()
+    engine = FakeEngine(sync, MODEL, "e0")
+    engine.heartbeat()
+    engine.publish(engine.stored(chains(MODEL, 1, 4)[0]))
+
+    async def main():
+        client = aredis.from_url(redis_server.url)
+        index = RedisIndex(aredis.from_url(redis_server.url))
+        stale = EventConsumer(client, index, consumer="stale", block_ms=50)
+        await stale._lead()
+        await stale._discover()  # claims nothing yet; the entry is still new
+        await client.set(stale.lock_key, "someone-else")  # it stalled; another replica took over
+        try:
+            await stale._read_new()
+        except LeadershipLost:
+            pass
+        else:
+            raise AssertionError("a fenced apply went through without the lock")
+        assert stale.stats.applied == 0
+        assert await index.instances() == []
         await client.aclose()
         await index.close()
 

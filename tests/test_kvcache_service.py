@@ -98,6 +98,8 @@ def test_lookup_instances_stats_and_leases(redis_fresh, tmp_path):
         ({"model": MODEL, "block_hashes": [], "token_ids": []}, 400, None),
         ({"model": "", "block_hashes": []}, 400, "model"),
         ({"model": MODEL, "token_ids": [1, -2]}, 400, None),
+        ({"model": MODEL, "token_ids": [2**31]}, 400, None),
+        ({"model": MODEL, "block_hashes": ["ab" * 16] * 16385}, 400, "block_hashes"),
         ({"model": MODEL, "block_hashes": [], "cache_salt": "x"}, 400, None),
         ({"model": "never-seen", "token_ids": [1] * 40}, 404, "model"),
         ({"model": MODEL, "block_hashes": [], "tier": "disk"}, 400, "tier"),

@@ -231,3 +231,15 @@ def test_redis_down_raises_typed_error_fast():
         await index.close()
 
     asyncio.run(body())
+
+
+def test_events_of_a_previous_life_are_ignored(backend):
+    async def body(index):
+        h = chain(3)
+        await index.renew(MODEL, "a", "second", 60)
+        await index.apply([stored("a", h[:2], lease="second")])
+        # A late `cleared` and store from the previous process, still in the stream.
+        assert await index.apply([env("a", AllCleared(), lease="first"), stored("a", h, lease="first")]) == 0
+        assert await index.lookup(MODEL, h) == {"a": 2}
+
+    run(backend, body)

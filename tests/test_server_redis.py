@@ -105,6 +105,21 @@ def test_events_match_the_pool_and_survive_a_redis_restart(tmp_path, tiny_folder
         salted_other = block_hashes(list(range(300, 340)), 16, MODEL, None)[:2]
         assert resent == set(expected) | set(salted_other)
         assert wait_for(lambda: client.get(LEASE)).decode() == lease
+
+        # The lease lapses (a stall longer than its TTL; the index may have swept us): the next
+        # heartbeat notices and the publisher re-sends everything under the same lease.
+        resyncs = len([1 for _, env in read_events(client) if isinstance(env.event, AllCleared)])
+        client.delete(LEASE)
+        wait_for(
+            lambda: len([1 for _, env in read_events(client) if isinstance(env.event, AllCleared)]) > resyncs,
+            timeout=10,
+        )
+        last_clear = max(i for i, (_, env) in enumerate(read_events(client)) if isinstance(env.event, AllCleared))
+        after = wait_for(
+            lambda: [env for _, env in read_events(client)[last_clear:] if isinstance(env.event, BlockStored)]
+        )
+        assert {h for env in after for h in env.event.hashes} == resent
+        assert client.get(LEASE).decode() == lease
     finally:
         if proc is not None:
             proc.stop()
