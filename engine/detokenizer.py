@@ -7,8 +7,8 @@ be the start of a stop string, so a client never sees half of one.
 
 from __future__ import annotations
 
+from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.sampling_params import SamplingParams
-from kvharbor.engine.tokenizer import Tokenizer
 
 
 class Detokenizer:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvharbor.common.model_files import read_gguf_metadata
 from kvharbor.engine.model_arch import ModelArch
 
 # GGUF tensor name -> Hugging Face name ("{i}" is the layer index).
@@ -40,16 +41,6 @@ class GGUFModel:
     arch: ModelArch
     state_dict: dict[str, torch.Tensor]  # float32, Hugging Face names and layouts
     metadata: dict[str, Any]  # every scalar/array field, decoded (tokenizer.* included)
-
-
-def read_metadata(reader: Any) -> dict[str, Any]:
-    """All key-value fields of a GGUFReader as Python values."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        out[key] = field.contents()
-    return out
 
 
 def arch_from_metadata(meta: dict[str, Any]) -> ModelArch:
@@ -115,7 +106,7 @@ def load_gguf(path: str | Path) -> GGUFModel:
         reader = GGUFReader(str(path))
     except (ValueError, OSError) as exc:
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
-    meta = read_metadata(reader)
+    meta = read_gguf_metadata(reader)
     arch = arch_from_metadata(meta)
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:

@@ -7,12 +7,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvharbor.common.config import load_config
+from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.llm_engine import LLMEngine, Progress
 from kvharbor.engine.loader import LoadedModel
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.sampling_params import SamplingParams
-from kvharbor.engine.tokenizer import Tokenizer
 
 PromptInput = str | list[int] | dict[str, Any]
 

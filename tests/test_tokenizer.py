@@ -93,3 +93,21 @@ def test_stop_string_spanning_tokens_is_cut_and_never_half_streamed(tok):
     assert stop == "forty-two"
     assert "".join(deltas) == detok.text == "The answer is "
     assert all("fort" not in d for d in deltas)
+
+
+def test_the_tokenizer_loads_without_weights_or_torch():
+    """The gateway tokenizes with common.model_files: same ids as the engine, and no torch."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from kvharbor.common.model_files import load_tokenizer\n"
+        "name, tok = load_tokenizer(None)\n"
+        "print(name, tok.encode('The year 2026, twice: 2026!'), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
+    from kvharbor.engine.loader import load_model
+
+    loaded = load_model(None)
+    assert out[0] == loaded.name == "SmolLM2-135M-Instruct"
+    assert out[1].strip() == f"{loaded.tokenizer.encode('The year 2026, twice: 2026!')} False"
