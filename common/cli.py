@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvharbor.engine.cli", "complete a prompt offline with the engine"),
     "chat": ("kvharbor.engine.cli", "answer one chat message offline with the engine"),
     "serve": ("kvharbor.engine.serve", "serve the OpenAI API from one engine (FastAPI on uvicorn)"),
+    "gateway": ("kvharbor.gateway.service", "serve the tenants' OpenAI API: auth, limits, prefix routing, admission"),
     "kvcache": (
         "kvharbor.kvcache_service.service",
         "run the KV cache service: prefix index, leases, shared block store",

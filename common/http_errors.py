@@ -7,6 +7,7 @@ raised, validation errors and malformed JSON as 400, unknown paths as 404, anyth
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable
 
@@ -48,3 +49,58 @@ def install_error_handlers(
     async def _crash(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return respond(APIError(500, "internal error; see the server log", type="internal_error"), request)
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI: POST bodies under `prefixes` over `limit` bytes get 413. The body is read (up to
+    the limit) before the app runs, then replayed to it."""
+
+    def __init__(self, app, limit: int, prefixes: tuple[str, ...] = ("/",)) -> None:
+        self.app = app
+        self.limit = limit
+        self.prefixes = prefixes
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith(self.prefixes):
+            await self.app(scope, receive, send)
+            return
+        body = await self._read(scope, receive)
+        if body is None:
+            await send_error(send, APIError(413, f"request body exceeds {self.limit} bytes", code="request_too_large"))
+            return
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, scope: dict, receive) -> bytes | None:
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return None
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return b""
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return b"".join(chunks)
+
+
+async def send_error(send, err: APIError) -> None:
+    """Answer an ASGI request with `err` as OpenAI's error JSON (for middleware)."""
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

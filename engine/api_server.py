@@ -8,7 +8,6 @@ and its KV blocks are back in the pool before the next engine step.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
@@ -19,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvharbor.common.http_errors import install_error_handlers
+from kvharbor.common.http_errors import BodyLimitMiddleware, install_error_handlers, send_error
 from kvharbor.common.logs import request_context
 from kvharbor.common.openai_api import (
     APIError,
@@ -29,6 +28,7 @@ from kvharbor.common.openai_api import (
     TokenizeRequest,
     error_body,
 )
+from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.engine_loop import EngineDead, EngineLoop, NewRequest, RequestStream
 from kvharbor.engine.metrics import ServerMetrics
 from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
@@ -49,6 +49,7 @@ class ServerState:
     draining: bool = False
     ready: bool = True
     kv_store: Any = None  # kv_offload.KVStoreClient when a shared block store is configured
+    tracer: Any = field(default_factory=lambda: setup_tracing("engine"))
     background: list[asyncio.Task] = field(default_factory=list)
 
     @property
@@ -60,17 +61,15 @@ class ServerState:
 
 
 class GateMiddleware:
-    """Pure ASGI: refuse new work while draining (503) and bodies over the limit (413)."""
+    """Pure ASGI: refuse new work while draining (503 + Retry-After)."""
 
     def __init__(self, app: Any, state: ServerState) -> None:
         self.app = app
         self.state = state
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith(_GUARDED_PREFIXES):
-            await self.app(scope, receive, send)
-            return
-        if self.state.draining:
+        guarded = scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith(_GUARDED_PREFIXES)
+        if guarded and self.state.draining:
             err = APIError(
                 503,
                 "this engine is draining; retry on another instance",
@@ -78,49 +77,9 @@ class GateMiddleware:
                 code="draining",
                 headers={"Retry-After": RETRY_AFTER_S},
             )
-            await _send_error(send, err)
+            await send_error(send, err)
             return
-        body = await self._read_body(scope, receive)
-        if body is None:
-            limit = self.state.max_body_bytes
-            await _send_error(send, APIError(413, f"request body exceeds {limit} bytes", code="request_too_large"))
-            return
-        replayed = False
-
-        async def replay() -> dict:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _read_body(self, scope: dict, receive: Any) -> bytes | None:
-        limit = self.state.max_body_bytes
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            return None
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return b"".join(chunks)
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
-
-
-async def _send_error(send: Any, err: APIError) -> None:
-    payload = json.dumps(err.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in err.headers.items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": payload})
+        await self.app(scope, receive, send)
 
 
 # -- the app --------------------------------------------------------------------------------------
@@ -140,7 +99,8 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app.get("/ready")(routes.ready)
     app.get("/load")(routes.load)
     app.get("/metrics")(routes.metrics)
-    app.add_middleware(GateMiddleware, state=state)
+    app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes, prefixes=_GUARDED_PREFIXES)
+    app.add_middleware(GateMiddleware, state=state)  # outermost: a draining engine reads no bodies
     return app
 
 
@@ -244,6 +204,10 @@ class _Routes:
     ) -> Response:
         params = self._params(body)
         arrival = time.monotonic()
+        # Continues the caller's trace (the gateway's traceparent); ends when the request does.
+        span = self.state.tracer.start_span(f"engine {request.url.path}", context=extract(request.headers))
+        span.set_attribute("kvharbor.request_id", rid)
+        span.set_attribute("kvharbor.instance_id", self.state.instance_id)
         with request_context(rid):
             streams = []
             try:
@@ -253,6 +217,7 @@ class _Routes:
             except BaseException:  # a later prompt failed: nobody will read the earlier ones
                 for engine_id, _ in streams:
                     self.loop.abort(engine_id)
+                span.end()
                 raise
             log.info(
                 "admitted",
@@ -266,7 +231,7 @@ class _Routes:
                 },
             )
         builder = ResponseBuilder(kind, rid, self.state.model, self.tokenizer, params.n)
-        run = _Run(self.state, streams, arrival, request.url.path, rid)
+        run = _Run(self.state, streams, arrival, request.url.path, rid, span)
         if body.stream:
             return StreamingResponse(
                 run.stream(builder, kind, body.num_logprobs() is not None, echo, body.include_usage),
@@ -349,8 +314,15 @@ class _Run:
     """One API request in flight: its engine streams, their timing, and their cancellation."""
 
     def __init__(
-        self, state: ServerState, streams: list[tuple[str, RequestStream]], arrival: float, endpoint: str, rid: str
+        self,
+        state: ServerState,
+        streams: list[tuple[str, RequestStream]],
+        arrival: float,
+        endpoint: str,
+        rid: str,
+        span: Any = None,
     ) -> None:
+        self.span = span
         self.state = state
         self.streams = streams
         self.arrival = arrival
@@ -392,6 +364,9 @@ class _Run:
 
     def _finish(self, status: int) -> None:
         self.state.metrics.requests.labels(self.endpoint, str(status)).inc()
+        if self.span is not None:
+            self.span.set_attribute("http.status_code", status)
+            self.span.end()
         store = self.state.kv_store
         pulled = {engine_id: stream.imported_blocks for engine_id, stream in self.streams}
         for engine_id, final in self.finals.items():

@@ -94,6 +94,7 @@ class ServerConfig:
         "hot (a prefix once it is reused here, and evicted blocks), evict (before a cached block is reused), off",
     )
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests before aborting them")
+    otlp_endpoint: str | None = opt(None, "OTLP/HTTP endpoint for traces, e.g. http://collector:4318/v1/traces")
     max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")
     log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
     log_json: bool = opt(True, "log one JSON object per line")

@@ -105,7 +105,16 @@ class EngineServer:
             event_sink=self.publisher.sink if self.publisher else None,
             after_step=self.kv_store.after_step if self.kv_store and self.kv_store.policy == "all" else None,
         )
-        self.state = ServerState(self.loop, self.metrics, self.instance_id, srv.max_body_bytes, kv_store=self.kv_store)
+        from kvharbor.common.tracing import setup_tracing
+
+        self.state = ServerState(
+            self.loop,
+            self.metrics,
+            self.instance_id,
+            srv.max_body_bytes,
+            kv_store=self.kv_store,
+            tracer=setup_tracing("engine", srv.otlp_endpoint),
+        )
         app = build_app(self.state, lifespan=self._lifespan)
         uv_config = uvicorn.Config(
             app,
@@ -147,6 +156,9 @@ class EngineServer:
                     await task
             if self.kv_store is not None:
                 await self.kv_store.stop()
+            from kvharbor.common.tracing import shutdown
+
+            shutdown()  # flushes spans still batched
 
     def serve_forever(self) -> int:
         srv = self.config.server

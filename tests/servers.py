@@ -145,3 +145,32 @@ class KVCacheServiceProcess(EngineServerProcess):
             "--redis-url", redis_url, "--port", str(self.port), *args,
         ]  # fmt: skip
         self.log_path = log_dir / f"kvcache-{self.port}.log"
+
+
+class GatewayProcess(EngineServerProcess):
+    """`kvharbor gateway` in a subprocess; `url` once it answers /health."""
+
+    title = "kvharbor gateway"
+    probe = "/health"
+
+    def __init__(self, log_dir: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
+        super().__init__(log_dir, port=port, env=env)
+        self.args = [sys.executable, "-m", "kvharbor.common.cli", "gateway", "--port", str(self.port), *args]
+        self.log_path = log_dir / f"gateway-{self.port}.log"
+
+
+def write_tenants(path: Path, tenants: list[dict]) -> dict[str, str]:
+    """Write a tenants file; each tenant dict has `key` (clear text, hashed here). Returns name -> key."""
+    import hashlib
+
+    import yaml
+
+    rows = []
+    for t in tenants:
+        row = {k: v for k, v in t.items() if k != "key"}
+        row["api_keys"] = ["sha256:" + hashlib.sha256(t["key"].encode()).hexdigest()]
+        rows.append(row)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump({"tenants": rows}))
+    tmp.replace(path)  # atomic: the gateway never reads half a file
+    return {t["name"]: t["key"] for t in tenants}

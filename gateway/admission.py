@@ -1,0 +1,118 @@
+"""SLO-aware admission (DESIGN §5): admit a request now if some engine is predicted to give its
+first token within the model's TTFT SLO; otherwise queue it (priority >= 0) or shed it (< 0).
+
+Prediction for one engine: (prefill tokens queued there + the request's uncached tokens) /
+the engine's measured prefill rate. "Queued there" is the larger of what the engine reported and
+what this gateway has sent it that has not produced a first token yet (polls lag behind bursts).
+
+The queue is bounded. It serves the highest priority first and, within a priority, takes tenants
+in turn (deficit round robin with a quantum of one request), so one tenant's burst cannot starve
+another. Every queued request has a deadline; at it, it leaves with 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Shed(Exception):
+    """Refused now: sheddable traffic over the SLO, or the queue is full."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class QueueTimeout(Exception):
+    """The request waited its whole deadline without an engine meeting the SLO."""
+
+
+def predict_ttft_s(waiting_prefill_tokens: int, uncached_tokens: int, prefill_tokens_per_s: float) -> float:
+    if prefill_tokens_per_s <= 0:
+        return 0.0  # not measured yet: no evidence against admitting
+    return (waiting_prefill_tokens + uncached_tokens) / prefill_tokens_per_s
+
+
+@dataclass(eq=False)
+class _Waiter:
+    tenant: str
+    priority: int
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class AdmissionQueue:
+    def __init__(self, max_queue: int, timeout: float) -> None:
+        self.max_queue = max_queue
+        self.timeout = timeout
+        # priority -> tenant -> waiters, in arrival order; tenants rotate within a priority
+        self._levels: dict[int, collections.OrderedDict[str, collections.deque[_Waiter]]] = {}
+        self._signal = asyncio.Event()
+        self.size = 0
+
+    def wake(self) -> None:
+        """Capacity may have changed (load polled, a request started or ended): re-check the head."""
+        self._signal.set()
+        self._signal = asyncio.Event()
+
+    def _head(self) -> _Waiter | None:
+        if not self._levels:
+            return None
+        tenants = self._levels[max(self._levels)]
+        return next(iter(tenants.values()))[0]
+
+    def _remove(self, waiter: _Waiter, served: bool) -> None:
+        tenants = self._levels[waiter.priority]
+        queue = tenants[waiter.tenant]
+        queue.remove(waiter)
+        if not queue:
+            del tenants[waiter.tenant]
+        elif served:
+            tenants.move_to_end(waiter.tenant)  # its turn is used: the next tenant goes first
+        if not tenants:
+            del self._levels[waiter.priority]
+        self.size -= 1
+
+    async def admit(
+        self, tenant: str, priority: int, sheddable: bool, try_now: Callable[[], Awaitable[Any | None]]
+    ) -> tuple[Any, float]:
+        """`try_now()` returns a route when an engine meets the SLO, else None. Returns (route,
+        seconds queued). Raises Shed or QueueTimeout."""
+        if not self._levels:
+            route = await try_now()
+            if route is not None:
+                return route, 0.0
+        if sheddable:
+            raise Shed("slo")
+        if self.size >= self.max_queue:
+            raise Shed("queue_full")
+        waiter = _Waiter(tenant, priority)
+        self._levels.setdefault(priority, collections.OrderedDict()).setdefault(tenant, collections.deque()).append(
+            waiter
+        )
+        self.size += 1
+        deadline = waiter.enqueued + self.timeout
+        try:
+            while True:
+                if self._head() is waiter:
+                    route = await try_now()
+                    if route is not None:
+                        self._remove(waiter, served=True)
+                        self.wake()  # the next head may fit too
+                        return route, time.monotonic() - waiter.enqueued
+                signal = self._signal
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise QueueTimeout()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(signal.wait(), timeout=min(remaining, 0.1))
+        except BaseException:
+            if waiter in self._levels.get(priority, {}).get(tenant, ()):
+                self._remove(waiter, served=False)
+                self.wake()
+            raise

@@ -1,0 +1,495 @@
+"""The gateway's HTTP API: the tenants' OpenAI endpoints in front of the engines.
+
+For each request: authenticate the key, validate the body, check the model and the tenant's right
+to it, tokenize once (chat template included), take the rate limits, hash the prompt's blocks under
+the tenant's cache salt, wait for admission (SLO), route, and relay the engine's answer. The
+engine gets `prompt_token_ids`, `cache_salt`, `priority`, `request_id` and, when another engine
+holds more of the prefix, `kv_prefix_source=shared`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from kvharbor.common.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
+from kvharbor.common.http_errors import BodyLimitMiddleware, install_error_handlers
+from kvharbor.common.logs import request_context, request_id_var
+from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest
+from kvharbor.common.tokenizer import Tokenizer
+from kvharbor.common.tracing import inject
+from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, predict_ttft_s
+from kvharbor.gateway.engines import Engine, EnginePool
+from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
+from kvharbor.gateway.metrics import GatewayMetrics
+from kvharbor.gateway.proxy import EngineCaller, StreamStats, with_retries
+from kvharbor.gateway.router import Route, Router
+from kvharbor.gateway.tenants import Tenant, TenantRegistry
+
+log = logging.getLogger("kvharbor.gateway.api")
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    tokenizer: Tokenizer | None
+    slo_ttft_s: float
+    slo_itl_s: float
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+
+@dataclass
+class GatewayState:
+    models: dict[str, ModelEntry]
+    tenants: TenantRegistry
+    limiter: RateLimiter
+    pool: EnginePool
+    router: Router
+    admission: AdmissionQueue
+    caller: EngineCaller
+    metrics: GatewayMetrics
+    tracer: Any
+    max_attempts: int
+    max_prompt_tokens: int
+    max_body_bytes: int
+    index: Any = None
+    _tenants_checked: float = field(default=0.0)
+
+    def tenants_fresh(self) -> TenantRegistry:
+        now = time.monotonic()
+        if now - self._tenants_checked > 1.0:  # a stat() per second, not per request
+            self._tenants_checked = now
+            self.tenants.refresh()
+        return self.tenants
+
+
+def build_app(state: GatewayState, lifespan: Any = None) -> FastAPI:
+    app = FastAPI(title="kvharbor gateway", version="v1", lifespan=lifespan)
+    install_error_handlers(app, log)
+    handler = _Handler(state)
+    app.post("/v1/chat/completions")(handler.chat)
+    app.post("/v1/completions")(handler.completions)
+    app.get("/v1/models")(handler.models)
+    app.get("/health")(handler.health)
+    app.get("/ready")(handler.ready)
+    app.get("/metrics")(handler.metrics)
+    app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes, prefixes=("/v1/",))
+    return app
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise APIError(
+            401,
+            "missing API key: send the header 'Authorization: Bearer <your key>'",
+            type="authentication_error",
+            code="missing_api_key",
+        )
+    return key.strip()
+
+
+@dataclass
+class _Call:
+    """One request on its way through the gateway."""
+
+    kind: str  # chat | completion
+    tenant: Tenant
+    model: ModelEntry
+    body: ChatCompletionRequest | CompletionRequest
+    raw: dict
+    prompts: list[list[int]]
+    rid: str
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
+
+
+class _Handler:
+    def __init__(self, state: GatewayState) -> None:
+        self.state = state
+
+    # -- front matter -------------------------------------------------------------------------------
+
+    def _tenant(self, request: Request) -> Tenant:
+        tenant = self.state.tenants_fresh().authenticate(_bearer(request))
+        if tenant is None:
+            raise APIError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
+        return tenant
+
+    async def _parse(self, request: Request, model_cls: type) -> tuple[Any, dict]:
+        try:
+            raw = json.loads(await request.body())
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise APIError(400, "the request body must be a JSON object")
+        try:
+            return model_cls.model_validate(raw), raw
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ()))
+            raise APIError(
+                400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
+            ) from None
+
+    def _model(self, tenant: Tenant, name: str) -> ModelEntry:
+        entry = self.state.models.get(name)
+        if entry is None:
+            known = ", ".join(sorted(m for m in self.state.models if tenant.may_use(m))) or "none"
+            raise APIError(
+                404,
+                f"model {name!r} does not exist; models you may use: {known}",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )
+        if not tenant.may_use(name):
+            raise APIError(
+                403,
+                f"tenant {tenant.name!r} may not use model {name!r}",
+                type="permission_error",
+                param="model",
+                code="model_not_allowed",
+            )
+        return entry
+
+    def _tokenize(self, kind: str, body: Any, model: ModelEntry) -> list[list[int]]:
+        tok = model.tokenizer
+        if body.prompt_token_ids is not None:
+            return [list(body.prompt_token_ids)]
+        if tok is None:
+            raise APIError(400, f"model {model.name!r} has no tokenizer here: send prompt_token_ids", param="prompt")
+        if kind == "chat":
+            try:
+                text = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="messages") from None
+            return [tok.encode(text, add_special_tokens=False)]
+        prompts = body.prompts()
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        return [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+
+    async def _call(self, request: Request, kind: str) -> _Call:
+        tenant = self._tenant(request)
+        body, raw = await self._parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        model = self._model(tenant, body.model)
+        prompts = self._tokenize(kind, body, model)
+        longest = max(map(len, prompts))
+        if longest > self.state.max_prompt_tokens:
+            raise APIError(
+                400,
+                f"the prompt has {longest} tokens; this gateway accepts at most {self.state.max_prompt_tokens}",
+                param="messages" if kind == "chat" else "prompt",
+                code="prompt_too_long",
+            )
+        if longest == 0:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        rid = body.request_id or request.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}"
+        if not rid.isprintable() or len(rid) > 256:
+            raise APIError(400, "request id must be printable and at most 256 characters", param="request_id")
+        return _Call(kind, tenant, model, body, raw, prompts, rid)
+
+    # -- endpoints ------------------------------------------------------------------------------------
+
+    async def chat(self, request: Request) -> Response:
+        return await self._serve(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, "completion")
+
+    async def models(self, request: Request) -> dict:
+        tenant = self._tenant(request)
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": "kvharbor"}
+            for m in sorted(self.state.models)
+            if tenant.may_use(m)
+        ]
+        return {"object": "list", "data": data}
+
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    async def ready(self) -> JSONResponse:
+        up = {m: len(self.state.pool.routable(m)) for m in self.state.models}
+        ok = all(up.values())
+        return JSONResponse({"ready": ok, "engines": up}, status_code=200 if ok else 503)
+
+    async def metrics(self) -> Response:
+        m = self.state.metrics
+        for model in self.state.models:
+            m.engines_up.labels(model).set(len(self.state.pool.routable(model)))
+        m.queued.set(self.state.admission.size)
+        return Response(m.render(), media_type="text/plain; version=0.0.4")
+
+    # -- the request path -------------------------------------------------------------------------------
+
+    async def _serve(self, request: Request, kind: str) -> Response:
+        call = await self._call(request, kind)
+        state = self.state
+        with request_context(call.rid), state.tracer.start_as_current_span(f"gateway {call.path}") as span:
+            span.set_attribute("kvharbor.tenant", call.tenant.name)
+            span.set_attribute("kvharbor.model", call.model.name)
+            span.set_attribute("kvharbor.request_id", call.rid)
+            headers = await self._take_limits(call)
+            try:
+                route = await self._admit(call)
+                response = await self._forward(call, route, headers)
+            except BaseException:
+                await state.limiter.release(call.tenant, call.rid)
+                raise
+            if not isinstance(response, StreamingResponse):
+                await state.limiter.release(call.tenant, call.rid)
+            return response
+
+    async def _take_limits(self, call: _Call) -> dict[str, str]:
+        tokens = sum(map(len, call.prompts))
+        try:
+            decision = await self.state.limiter.admit(call.tenant, tokens, call.rid)
+        except LimiterUnavailable as exc:
+            self._reject(call, "limiter_unavailable")
+            raise APIError(
+                503, str(exc), type="service_unavailable", code="limiter_unavailable", headers={"Retry-After": "1"}
+            ) from None
+        if not decision.ok:
+            self._reject(call, decision.reason)
+            retry = str(max(1, math.ceil(decision.retry_after_s)))
+            raise APIError(
+                429,
+                f"rate limit reached for tenant {call.tenant.name!r} ({decision.reason}); retry after {retry}s",
+                type="rate_limit_error",
+                code=f"rate_limit_{decision.reason}",
+                headers={**decision.headers, "Retry-After": retry},
+            )
+        self.state.metrics.tokens.labels(call.tenant.name, "prompt").inc(tokens)
+        return decision.headers
+
+    def _reject(self, call: _Call, reason: str) -> None:
+        self.state.metrics.rejections.labels(call.tenant.name, reason).inc()
+        self.state.metrics.requests.labels(call.tenant.name, call.model.name, "rejected").inc()
+        log.info("rejected", extra={"tenant": call.tenant.name, "reason": reason})
+
+    def _hashes(self, call: _Call) -> list[bytes]:
+        return block_hashes(call.prompts[0], call.model.block_size, call.model.name, call.tenant.cache_salt)
+
+    async def _admit(self, call: _Call) -> Route:
+        state = self.state
+        hashes = self._hashes(call)
+        model = call.model
+
+        async def try_now() -> Route | None:
+            engines = state.pool.routable(model.name)
+            if not engines:
+                return None
+            route = await state.router.choose(model.name, engines, hashes)
+            if route is None:
+                return None
+            fits = [e for e in engines if self._predicted_ttft(call, e, route) <= model.slo_ttft_s]
+            if route.engine in fits:
+                return route
+            if not fits:
+                return None
+            best = min(fits, key=lambda e: self._predicted_ttft(call, e, route))
+            return Route(best, "slo", 0, route.best_matched, route.prompt_blocks)
+
+        try:
+            route, queued = await state.admission.admit(
+                call.tenant.name, call.tenant.priority, call.tenant.sheddable, try_now
+            )
+        except Shed as exc:
+            self._reject(call, "shed_" + exc.reason)
+            raise APIError(
+                503,
+                "the service is over its latency target and sheds low-priority requests; retry later"
+                if exc.reason == "slo"
+                else "the admission queue is full; retry later",
+                type="service_unavailable",
+                code=f"shed_{exc.reason}",
+                headers={"Retry-After": "2"},
+            ) from None
+        except QueueTimeout:
+            self._reject(call, "queue_timeout")
+            raise APIError(
+                503,
+                f"no engine could take the request within {state.admission.timeout:.0f}s; retry later",
+                type="service_unavailable",
+                code="queue_timeout",
+                headers={"Retry-After": "5"},
+            ) from None
+        state.metrics.queue_seconds.labels(call.tenant.name).observe(queued)
+        state.metrics.routes.labels(model.name, route.reason).inc()
+        state.metrics.prompt_blocks.labels(model.name).inc(route.prompt_blocks)
+        state.metrics.matched_blocks.labels(model.name).inc(route.matched_blocks)
+        return route
+
+    def _predicted_ttft(self, call: _Call, engine: Engine, route: Route) -> float:
+        matched = route.matched_blocks if engine is route.engine else 0
+        uncached = max(0, len(call.prompts[0]) - matched * call.model.block_size)
+        return predict_ttft_s(engine.waiting_prefill_tokens, uncached, engine.prefill_tokens_per_s)
+
+    def _payload(self, call: _Call, route: Route, engine: Engine) -> dict:
+        payload = {
+            **call.raw,
+            "cache_salt": call.tenant.cache_salt,
+            "priority": call.tenant.priority,
+            "request_id": call.rid,
+            "user": call.tenant.name,
+        }
+        if len(call.prompts) == 1:
+            payload["prompt_token_ids"] = call.prompts[0]
+            payload.pop("prompt", None)
+        else:
+            payload["prompt"] = call.prompts
+        payload.pop("kv_prefix_source", None)
+        if engine is route.engine and route.kv_prefix_source:
+            payload["kv_prefix_source"] = route.kv_prefix_source
+        elif engine is not route.engine and route.best_matched:
+            payload["kv_prefix_source"] = "shared"
+        if call.body.stream:
+            payload["stream_options"] = {"include_usage": True}  # the gateway counts tokens
+        return payload
+
+    async def _forward(self, call: _Call, route: Route, limit_headers: dict[str, str]) -> Response:
+        state = self.state
+        headers = inject({"x-request-id": call.rid})
+        first = route.engine
+
+        async def pick_next(tried: set[str]) -> Engine | None:
+            state.metrics.retries.labels(call.model.name).inc()
+            others = [e for e in state.pool.routable(call.model.name) if e.url not in tried]
+            nxt = await state.router.choose(call.model.name, others, self._hashes(call)) if others else None
+            return nxt.engine if nxt else None
+
+        uncached = max(0, len(call.prompts[0]) - route.matched_blocks * call.model.block_size)
+        if not call.body.stream:
+
+            async def run(engine: Engine) -> dict:
+                async with _Busy(engine, uncached):
+                    return await state.caller.call(engine, call.path, self._payload(call, route, engine), headers)
+
+            result = await with_retries(state.max_attempts, first, pick_next, run)
+            self._finished(call, result.get("usage") or {}, None)
+            return JSONResponse(result, headers={"x-request-id": call.rid, **limit_headers})
+
+        stats = StreamStats(started=call.arrival)
+
+        async def open_stream(engine: Engine):
+            busy = _Busy(engine, uncached)
+            await busy.__aenter__()
+            try:
+                lines = await state.caller.open_stream(
+                    engine, call.path, self._payload(call, route, engine), headers, stats
+                )
+            except BaseException:
+                await busy.__aexit__(None, None, None)
+                raise
+            busy.first_token()
+            return lines, busy
+
+        lines, busy = await with_retries(state.max_attempts, first, pick_next, open_stream)
+        return StreamingResponse(
+            self._relay(call, lines, busy, stats),
+            media_type="text/event-stream",
+            headers={"x-request-id": call.rid, "Cache-Control": "no-cache", **limit_headers},
+        )
+
+    async def _relay(
+        self, call: _Call, lines: AsyncIterator[str], busy: _Busy, stats: StreamStats
+    ) -> AsyncIterator[str]:
+        want_usage = call.body.include_usage
+        usage: dict = {}
+        counted = 0
+        request_id_var.set(call.rid)  # the body streams after the handler returned: log under its id
+        try:
+            async for line in lines:
+                if line.startswith("data: {") and '"usage"' in line:
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage") and not chunk.get("choices"):
+                        usage = chunk["usage"]
+                        if not want_usage:
+                            continue
+                if not line:
+                    continue
+                yield line + "\n\n"
+                # Output tokens count toward TPM as they flow, in batches of 16 to spare Redis.
+                if len(stats.chunk_times) + 1 - counted >= 16:
+                    n = len(stats.chunk_times) + 1 - counted
+                    counted += n
+                    await self.state.limiter.debit_tokens(call.tenant, n)
+        finally:
+            await busy.__aexit__(None, None, None)
+            total = int(usage.get("completion_tokens", len(stats.chunk_times) + (1 if stats.first_token else 0)))
+            await self.state.limiter.debit_tokens(call.tenant, total - counted)
+            await self.state.limiter.release(call.tenant, call.rid)
+            self._finished(call, usage, stats)
+
+    def _finished(self, call: _Call, usage: dict, stats: StreamStats | None) -> None:
+        m = self.state.metrics
+        tenant, model = call.tenant.name, call.model.name
+        completion = int(usage.get("completion_tokens", 0))
+        m.tokens.labels(tenant, "completion").inc(completion)
+        error = stats.error if stats else None
+        m.requests.labels(tenant, model, "error" if error else "ok").inc()
+        now = time.monotonic()
+        if stats is not None and stats.first_token is not None:
+            ttft = stats.first_token - call.arrival
+            m.ttft.labels(tenant).observe(ttft)
+            gaps = [b - a for a, b in zip([stats.first_token, *stats.chunk_times], stats.chunk_times, strict=False)]
+            for gap in gaps:
+                m.itl.labels(tenant).observe(gap)
+            itl_p95 = sorted(gaps)[int(0.95 * (len(gaps) - 1))] if gaps else 0.0
+            good = ttft <= call.model.slo_ttft_s and itl_p95 <= call.model.slo_itl_s and not error
+        else:
+            good = stats is None and (now - call.arrival) <= call.model.slo_ttft_s + completion * call.model.slo_itl_s
+        if good:
+            m.goodput.labels(tenant, model).inc()
+        log.info(
+            "finished",
+            extra={
+                "tenant": tenant,
+                "model": model,
+                "completion_tokens": completion,
+                "e2e_ms": round((now - call.arrival) * 1000, 1),
+                "error": error,
+            },
+        )
+
+
+class _Busy:
+    """Marks an engine as holding one more request of ours (and its unprefilled tokens)."""
+
+    def __init__(self, engine: Engine, prefill_tokens: int) -> None:
+        self.engine = engine
+        self.prefill = prefill_tokens
+        self._open = False
+
+    async def __aenter__(self) -> _Busy:
+        self.engine.in_flight += 1
+        self.engine.pending_prefill += self.prefill
+        self._open = True
+        return self
+
+    def first_token(self) -> None:
+        if self.prefill:
+            self.engine.pending_prefill -= self.prefill
+            self.prefill = 0
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._open:
+            self._open = False
+            self.first_token()
+            self.engine.in_flight -= 1

@@ -1,0 +1,103 @@
+"""`kvharbor gateway` configuration: flags, KVHARBOR_* variables or a YAML file, with the same names.
+
+One model is configured with flags (`--engines`, `--model`, `--served-model-name`, the SLOs);
+several with `--models-file` (see gateway/README.md). Names shared with other parts (redis_url,
+host, port, log_*, max_body_bytes) mean the same thing everywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvharbor.common.config import opt
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    engines: str = opt("", "comma-separated engine URLs of the model (static discovery)")
+    model: str | None = opt(None, "the model's files, for its tokenizer: .gguf or HF folder (default: bundled SmolLM2)")
+    served_model_name: str | None = opt(None, "the model id clients and engines use (default: from the files)")
+    models_file: str | None = opt(None, "YAML file of models, their files, engines and SLOs (instead of --engines)")
+    slo_ttft_ms: float = opt(2000.0, "TTFT p95 target (ms): admission queues or sheds beyond it")
+    slo_itl_ms: float = opt(200.0, "inter-token latency p95 target (ms), for goodput")
+
+    def __post_init__(self) -> None:
+        if self.slo_ttft_ms <= 0 or self.slo_itl_ms <= 0:
+            raise ValueError("slo_ttft_ms and slo_itl_ms must be > 0")
+
+
+@dataclass(frozen=True)
+class TenancyConfig:
+    tenants_file: str | None = opt(None, "YAML file of tenants and their hashed API keys (hot-reloaded)")
+    redis_url: str | None = opt(None, "Redis for shared rate limits and the KV index (redis://host:port/db)")
+    limits_on_redis_failure: Literal["open", "closed"] = opt(
+        "open", "when Redis is down: open (local buckets per gateway) or closed (503)"
+    )
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    routing: Literal["prefix", "round_robin", "least_loaded"] = opt("prefix", "how to pick an engine")
+    prefix_weight: float = opt(2.0, "weight of the prefix score (matched blocks / prompt blocks)")
+    kv_weight: float = opt(1.0, "weight of the free-KV score")
+    queue_weight: float = opt(1.0, "weight of the short-queue score")
+    imbalance_threshold: int = opt(8, "queue-length gap between engines beyond which routing looks at load only")
+    index_timeout: float = opt(0.2, "seconds a KV index lookup may take before routing falls back to load")
+    load_interval: float = opt(0.5, "seconds between /load polls of each engine")
+
+    def __post_init__(self) -> None:
+        if min(self.prefix_weight, self.kv_weight, self.queue_weight) < 0:
+            raise ValueError("routing weights must be >= 0")
+        if self.imbalance_threshold < 1:
+            raise ValueError(f"imbalance_threshold must be >= 1, got {self.imbalance_threshold}")
+
+
+@dataclass(frozen=True)
+class AdmissionConfig:
+    max_queue: int = opt(256, "requests that may wait in the gateway for an engine that meets the SLO")
+    queue_timeout: float = opt(30.0, "seconds a queued request waits before it gets 503")
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0 or self.queue_timeout <= 0:
+            raise ValueError("max_queue must be >= 0 and queue_timeout > 0")
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    connect_timeout: float = opt(2.0, "seconds to connect to an engine")
+    first_token_timeout: float = opt(120.0, "seconds an engine may take to start answering")
+    request_timeout: float = opt(600.0, "seconds one request may take in all")
+    max_attempts: int = opt(3, "engines tried for one request before it fails (only before its first token)")
+    eject_after_failures: int = opt(3, "consecutive failures that eject an engine until it is healthy again")
+    max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")
+    max_prompt_tokens: int = opt(32768, "longest accepted prompt, in tokens (400 above)")
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.eject_after_failures < 1:
+            raise ValueError("max_attempts and eject_after_failures must be >= 1")
+
+
+@dataclass(frozen=True)
+class GatewayServerConfig:
+    host: str = opt("127.0.0.1", "address to listen on")
+    port: int = opt(8000, "TCP port to listen on")
+    otlp_endpoint: str | None = opt(None, "OTLP/HTTP endpoint for traces, e.g. http://collector:4318/v1/traces")
+    log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
+    log_json: bool = opt(True, "log one JSON object per line")
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """`kvharbor gateway`: the tenants' OpenAI API in front of the engines."""
+
+    serving: ServingConfig = field(default_factory=ServingConfig)
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    server: GatewayServerConfig = field(default_factory=GatewayServerConfig)

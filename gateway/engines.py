@@ -1,0 +1,139 @@
+"""The engine instances behind the gateway, their load, and their health.
+
+Active checks: every `interval` each engine's `/load` is polled; it tells the load (DESIGN §2)
+and, by answering, that the engine is alive. Passive checks: the proxy reports failed calls.
+`eject_after` consecutive failures (or one refused connection) eject an engine from routing; it
+keeps being polled and returns with its first good answer. A draining engine is not routed to.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("kvharbor.gateway.engines")
+
+
+@dataclass
+class Engine:
+    url: str
+    model: str
+    instance_id: str | None = None  # from /load: the id its KV events carry
+    load: dict[str, Any] = field(default_factory=dict)
+    polled: bool = False
+    ejected: bool = False
+    draining: bool = False
+    failures: int = 0
+    in_flight: int = 0  # requests this gateway has open on it (fresher than the last poll)
+    pending_prefill: int = 0  # prompt tokens this gateway sent that have no first token yet
+
+    @property
+    def routable(self) -> bool:
+        return self.polled and not self.ejected and not self.draining
+
+    @property
+    def queue(self) -> int:
+        """Requests on the engine: the polled count, or this gateway's own when that is higher."""
+        polled = int(self.load.get("running", 0)) + int(self.load.get("waiting", 0))
+        return max(polled, self.in_flight)
+
+    @property
+    def kv_free(self) -> float:
+        total = self.load.get("kv_blocks_total") or 0
+        return (self.load.get("kv_blocks_free", 0) / total) if total else 1.0
+
+    @property
+    def waiting_prefill_tokens(self) -> int:
+        return max(int(self.load.get("waiting_prefill_tokens", 0)), self.pending_prefill)
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return float(self.load.get("prefill_tokens_per_s", 0.0))
+
+
+class EnginePool:
+    def __init__(
+        self,
+        client: httpx.AsyncClient,
+        eject_after: int = 3,
+        interval: float = 0.5,
+        on_change: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.client = client
+        self.eject_after = eject_after
+        self.interval = interval
+        self.on_change = on_change  # wakes the admission queue when capacity may have appeared
+        self._engines: dict[str, Engine] = {}
+        self.ejections = 0
+
+    def set_engines(self, model: str, urls: list[str]) -> None:
+        """Make `urls` the engines of `model` (discovery); known ones keep their state."""
+        for url in urls:
+            self._engines.setdefault(url, Engine(url, model))
+        for url in [u for u, e in self._engines.items() if e.model == model and u not in urls]:
+            del self._engines[url]
+
+    def all(self, model: str | None = None) -> list[Engine]:
+        return [e for e in self._engines.values() if model is None or e.model == model]
+
+    def routable(self, model: str) -> list[Engine]:
+        return [e for e in self.all(model) if e.routable]
+
+    # -- health -----------------------------------------------------------------------------------
+
+    def failed(self, engine: Engine, reason: str, hard: bool = False) -> None:
+        """A call to `engine` failed; `hard` (connection refused) ejects at once."""
+        engine.failures += 1
+        if not engine.ejected and (hard or engine.failures >= self.eject_after):
+            engine.ejected = True
+            self.ejections += 1
+            log.warning("engine ejected", extra={"engine": engine.url, "reason": reason, "failures": engine.failures})
+
+    def succeeded(self, engine: Engine) -> None:
+        engine.failures = 0
+        if engine.ejected:
+            engine.ejected = False
+            log.info("engine healthy again; back in rotation", extra={"engine": engine.url})
+            self.on_change()
+
+    async def poll_once(self, engine: Engine) -> None:
+        try:
+            resp = await self.client.get(engine.url + "/load", timeout=max(1.0, self.interval * 2))
+            resp.raise_for_status()
+            load = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            self.failed(engine, f"/load: {type(exc).__name__}", hard=isinstance(exc, httpx.ConnectError))
+            return
+        engine.load = load
+        engine.instance_id = load.get("instance_id") or engine.instance_id
+        engine.draining = bool(load.get("draining"))
+        first = not engine.polled
+        engine.polled = True
+        self.succeeded(engine)
+        if first:
+            log.info("engine up", extra={"engine": engine.url, "instance_id": engine.instance_id})
+        self.on_change()
+
+    async def poll_forever(self) -> None:
+        while True:
+            started = time.monotonic()
+            await asyncio.gather(*(self.poll_once(e) for e in list(self._engines.values())))
+            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Poll until every engine answered once (start-up); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            await asyncio.gather(*(self.poll_once(e) for e in self.all() if not e.polled))
+            if all(e.polled for e in self.all()):
+                return True
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(0.5)
+        return False

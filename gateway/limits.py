@@ -1,0 +1,229 @@
+"""Per-tenant limits: requests per minute, tokens per minute and concurrent requests.
+
+RPM and TPM are token buckets that refill continuously (capacity = the per-minute limit); the
+concurrency limit is a set of in-flight request ids with an expiry, so a gateway that dies
+cannot leak slots forever. All three are checked and taken in one Lua script on Redis, on Redis's
+clock, so one limit holds across every gateway replica. TPM takes the prompt's tokens on admission
+and output tokens as they stream (the bucket may go below zero; the next request then waits).
+
+While Redis is down the `open` policy falls back to the same buckets in this process (each
+replica then enforces the limits alone), and `closed` refuses with LimiterUnavailable.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from kvharbor.gateway.tenants import Tenant
+
+log = logging.getLogger("kvharbor.gateway.limits")
+PREFIX = "kvharbor:rl:"
+CONCURRENCY_TTL_S = 900.0  # a slot's lease: longer than any request may take
+
+# KEYS: rpm bucket, tpm bucket, concurrency set. ARGV: rpm, tpm, max_concurrent (0 = none),
+# prompt tokens, request id, slot ttl ms. Returns {ok, reason, retry_after_ms, rpm_left, tpm_left}.
+_ADMIT = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local rpm, tpm, conc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local need = tonumber(ARGV[4])
+local function level(key, cap)
+  if cap == 0 then return 0 end
+  local b = redis.call('HMGET', key, 'tokens', 'ts')
+  local tokens, ts = tonumber(b[1]), tonumber(b[2])
+  if not tokens then return cap end
+  return math.min(cap, tokens + (now - ts) * cap / 60000)
+end
+local r, k = level(KEYS[1], rpm), level(KEYS[2], tpm)
+if tpm > 0 then need = math.min(need, tpm) else need = 0 end
+if rpm > 0 and r < 1 then
+  return {0, 'rpm', math.ceil((1 - r) * 60000 / rpm), tostring(r), tostring(k)}
+end
+if tpm > 0 and k < need then
+  return {0, 'tpm', math.ceil((need - k) * 60000 / tpm), tostring(r), tostring(k)}
+end
+if conc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  if redis.call('ZCARD', KEYS[3]) >= conc then
+    return {0, 'concurrency', 1000, tostring(r), tostring(k)}
+  end
+  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
+  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]))
+end
+if rpm > 0 then
+  r = r - 1
+  redis.call('HSET', KEYS[1], 'tokens', r, 'ts', now)
+  redis.call('PEXPIRE', KEYS[1], 120000)
+end
+if tpm > 0 then
+  k = k - need
+  redis.call('HSET', KEYS[2], 'tokens', k, 'ts', now)
+  redis.call('PEXPIRE', KEYS[2], 120000)
+end
+return {1, '', 0, tostring(r), tostring(k)}
+"""
+
+# KEYS: tpm bucket. ARGV: tpm, tokens. Takes streamed output tokens (down to -tpm at most).
+_DEBIT = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local cap, n = tonumber(ARGV[1]), tonumber(ARGV[2])
+local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+local tokens, ts = tonumber(b[1]), tonumber(b[2])
+if not tokens then tokens, ts = cap, now end
+tokens = math.max(-cap, math.min(cap, tokens + (now - ts) * cap / 60000) - n)
+redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
+redis.call('PEXPIRE', KEYS[1], 120000)
+return tostring(tokens)
+"""
+
+
+class LimiterUnavailable(RuntimeError):
+    """Redis is down and the policy is fail-closed."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    ok: bool
+    reason: str = ""  # rpm | tpm | concurrency
+    retry_after_s: float = 0.0
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _headers(tenant: Tenant, rpm_left: float, tpm_left: float) -> dict[str, str]:
+    h: dict[str, str] = {}
+    lim = tenant.limits
+    if lim.rpm:
+        h["x-ratelimit-limit-requests"] = str(lim.rpm)
+        h["x-ratelimit-remaining-requests"] = str(max(0, math.floor(rpm_left)))
+        h["x-ratelimit-reset-requests"] = f"{max(0.0, (lim.rpm - rpm_left) * 60 / lim.rpm):.1f}s"
+    if lim.tpm:
+        h["x-ratelimit-limit-tokens"] = str(lim.tpm)
+        h["x-ratelimit-remaining-tokens"] = str(max(0, math.floor(tpm_left)))
+        h["x-ratelimit-reset-tokens"] = f"{max(0.0, (lim.tpm - tpm_left) * 60 / lim.tpm):.1f}s"
+    return h
+
+
+class _LocalBuckets:
+    """The same buckets in this process, for when Redis is away (fail-open)."""
+
+    def __init__(self) -> None:
+        self._levels: dict[str, tuple[float, float]] = {}
+        self._slots: dict[str, dict[str, float]] = {}
+
+    def _level(self, key: str, cap: int, now: float) -> float:
+        tokens, ts = self._levels.get(key, (cap, now))
+        return min(cap, tokens + (now - ts) * cap / 60)
+
+    def admit(self, tenant: Tenant, prompt_tokens: int, request_id: str) -> tuple[int, str, float, float, float]:
+        now = time.monotonic()
+        lim = tenant.limits
+        r = self._level(tenant.name + ":rpm", lim.rpm, now) if lim.rpm else 0.0
+        k = self._level(tenant.name + ":tpm", lim.tpm, now) if lim.tpm else 0.0
+        need = min(prompt_tokens, lim.tpm) if lim.tpm else 0
+        if lim.rpm and r < 1:
+            return 0, "rpm", (1 - r) * 60 / lim.rpm, r, k
+        if lim.tpm and k < need:
+            return 0, "tpm", (need - k) * 60 / lim.tpm, r, k
+        slots = self._slots.setdefault(tenant.name, {})
+        for rid in [rid for rid, until in slots.items() if until <= now]:
+            del slots[rid]
+        if lim.max_concurrent and len(slots) >= lim.max_concurrent:
+            return 0, "concurrency", 1.0, r, k
+        slots[request_id] = now + CONCURRENCY_TTL_S
+        if lim.rpm:
+            r -= 1
+            self._levels[tenant.name + ":rpm"] = (r, now)
+        if lim.tpm:
+            k -= need
+            self._levels[tenant.name + ":tpm"] = (k, now)
+        return 1, "", 0.0, r, k
+
+    def debit(self, tenant: Tenant, tokens: int) -> None:
+        if tenant.limits.tpm:
+            now = time.monotonic()
+            cap = tenant.limits.tpm
+            level = self._level(tenant.name + ":tpm", cap, now)
+            self._levels[tenant.name + ":tpm"] = (max(-cap, level - tokens), now)
+
+    def release(self, tenant: Tenant, request_id: str) -> None:
+        self._slots.get(tenant.name, {}).pop(request_id, None)
+
+
+class RateLimiter:
+    def __init__(self, client=None, policy: str = "open", prefix: str = PREFIX) -> None:
+        self.client = client  # redis.asyncio client, or None: local buckets only
+        self.policy = policy
+        self.prefix = prefix
+        self._local = _LocalBuckets()
+        self._admit = client.register_script(_ADMIT) if client is not None else None
+        self._debit = client.register_script(_DEBIT) if client is not None else None
+        self.redis_failures = 0
+
+    def _keys(self, tenant: Tenant) -> list[str]:
+        base = f"{self.prefix}{tenant.name}:"
+        return [base + "rpm", base + "tpm", base + "conc"]
+
+    async def admit(self, tenant: Tenant, prompt_tokens: int, request_id: str) -> Decision:
+        lim = tenant.limits
+        if not (lim.rpm or lim.tpm or lim.max_concurrent):
+            return Decision(True)
+        args = [
+            lim.rpm or 0,
+            lim.tpm or 0,
+            lim.max_concurrent or 0,
+            prompt_tokens,
+            request_id,
+            int(CONCURRENCY_TTL_S * 1000),
+        ]
+        try:
+            if self._admit is None:
+                raise ConnectionError("no Redis configured")
+            ok, reason, retry_ms, r, k = await self._admit(keys=self._keys(tenant), args=args)
+            ok, reason, retry_s, r, k = int(ok), _text(reason), int(retry_ms) / 1000, float(r), float(k)
+        except Exception as exc:
+            if not self._redis_down(exc):
+                raise
+            ok, reason, retry_s, r, k = self._local.admit(tenant, prompt_tokens, request_id)
+        return Decision(bool(ok), reason, retry_s, _headers(tenant, r, k))
+
+    def _redis_down(self, exc: Exception) -> bool:
+        from redis.exceptions import RedisError
+
+        if not isinstance(exc, RedisError | OSError | TimeoutError | ConnectionError):
+            return False
+        self.redis_failures += 1
+        if self.policy == "closed":
+            raise LimiterUnavailable(f"rate limits unavailable (Redis: {exc}); retry shortly") from exc
+        if self.redis_failures == 1 or self.redis_failures % 100 == 0:
+            log.warning(
+                "Redis unavailable for rate limits; enforcing them in this gateway only", extra={"error": repr(exc)}
+            )
+        return True
+
+    async def debit_tokens(self, tenant: Tenant, tokens: int) -> None:
+        if not tenant.limits.tpm or tokens <= 0:
+            return
+        try:
+            if self._debit is None:
+                raise ConnectionError("no Redis configured")
+            await self._debit(keys=self._keys(tenant)[1:2], args=[tenant.limits.tpm, tokens])
+        except Exception:
+            self._local.debit(tenant, tokens)
+
+    async def release(self, tenant: Tenant, request_id: str) -> None:
+        if not tenant.limits.max_concurrent:
+            return
+        self._local.release(tenant, request_id)
+        if self.client is not None:
+            try:
+                await self.client.zrem(self._keys(tenant)[2], request_id)
+            except Exception:
+                log.debug("could not release a concurrency slot; it will expire", extra={"tenant": tenant.name})
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,71 @@
+"""Prometheus metrics of the gateway (prefix `kvharbor_gateway_`), in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "kvharbor_gateway_requests",
+            "Requests by tenant, model and status",
+            ["tenant", "model", "status"],
+            registry=r,
+        )
+        self.tokens = Counter(
+            "kvharbor_gateway_tokens", "Tokens by tenant and kind (prompt, completion)", ["tenant", "kind"], registry=r
+        )
+        self.rejections = Counter(
+            "kvharbor_gateway_rejections", "Refused requests by tenant and reason", ["tenant", "reason"], registry=r
+        )
+        self.queue_seconds = Histogram(
+            "kvharbor_gateway_queue_seconds",
+            "Time waiting for admission",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvharbor_gateway_time_to_first_token_seconds",
+            "Arrival to first token",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvharbor_gateway_inter_token_latency_seconds",
+            "Between streamed chunks",
+            ["tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.routes = Counter(
+            "kvharbor_gateway_routing_decisions", "Routing decisions by reason", ["model", "reason"], registry=r
+        )
+        self.prompt_blocks = Counter(
+            "kvharbor_gateway_prompt_blocks", "Full prompt blocks of routed requests", ["model"], registry=r
+        )
+        self.matched_blocks = Counter(
+            "kvharbor_gateway_matched_blocks", "Of those, held by the chosen engine", ["model"], registry=r
+        )
+        self.goodput = Counter(
+            "kvharbor_gateway_goodput_requests",
+            "Requests that met their TTFT and ITL SLOs",
+            ["tenant", "model"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvharbor_gateway_retries",
+            "Requests moved to another engine before their first token",
+            ["model"],
+            registry=r,
+        )
+        self.engines_up = Gauge("kvharbor_gateway_engines_routable", "Engines in rotation", ["model"], registry=r)
+        self.queued = Gauge("kvharbor_gateway_queue_length", "Requests waiting for admission", registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

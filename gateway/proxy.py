@@ -1,0 +1,196 @@
+"""Calling engines: retries before the first token, streaming relay, and OpenAI-shaped failures.
+
+A call is retried on another engine when the engine cannot be reached, answers 5xx (draining
+included), or its stream ends before the first token. Once a token has reached the client the
+request is bound to its engine: if that stream breaks, the client gets an OpenAI error event and
+`data: [DONE]`, never a hang (every read has a timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvharbor.common.openai_api import APIError, error_body
+from kvharbor.gateway.engines import Engine, EnginePool
+
+log = logging.getLogger("kvharbor.gateway.proxy")
+
+
+class EngineFailed(Exception):
+    """This engine could not serve the request before its first token: try another."""
+
+
+@dataclass
+class StreamStats:
+    """What the relay saw, for metrics, goodput and TPM."""
+
+    started: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0  # from usage when the engine sent it, else counted chunks
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+def _engine_error(resp_status: int, text: str) -> APIError:
+    try:
+        err = json.loads(text)["error"]
+        return APIError(
+            resp_status,
+            err.get("message", text),
+            type=err.get("type", "invalid_request_error"),
+            param=err.get("param"),
+            code=err.get("code"),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return APIError(resp_status, text[:500] or f"engine answered {resp_status}")
+
+
+class EngineCaller:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        pool: EnginePool,
+        connect_timeout: float,
+        first_token_timeout: float,
+        request_timeout: float,
+    ) -> None:
+        self.http = http
+        self.pool = pool
+        self.timeout = httpx.Timeout(request_timeout, connect=connect_timeout, read=first_token_timeout)
+
+    async def call(self, engine: Engine, path: str, payload: dict, headers: dict[str, str]) -> dict:
+        """One unstreamed call. Raises EngineFailed (retry elsewhere) or APIError (the client's fault)."""
+        try:
+            resp = await self.http.post(engine.url + path, json=payload, headers=headers, timeout=self.timeout)
+        except httpx.ConnectError as exc:
+            self.pool.failed(engine, "connect", hard=True)
+            raise EngineFailed(f"{engine.url}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            self.pool.failed(engine, type(exc).__name__)
+            raise EngineFailed(f"{engine.url}: {type(exc).__name__}") from exc
+        if resp.status_code >= 500:
+            self._server_error(engine, resp.status_code)
+            raise EngineFailed(f"{engine.url} answered {resp.status_code}")
+        if resp.status_code != 200:
+            raise _engine_error(resp.status_code, resp.text)
+        self.pool.succeeded(engine)
+        return resp.json()
+
+    def _server_error(self, engine: Engine, status: int) -> None:
+        if status == 503:
+            engine.draining = True  # until the next poll says otherwise
+        else:
+            self.pool.failed(engine, f"HTTP {status}")
+
+    async def open_stream(
+        self, engine: Engine, path: str, payload: dict, headers: dict[str, str], stats: StreamStats
+    ) -> AsyncIterator[str]:
+        """Open a stream and read up to its first token; returns an iterator over every SSE line
+        (the ones already read first). Raises EngineFailed or APIError before anything is sent."""
+        request = self.http.build_request(
+            "POST", engine.url + path, json=payload, headers=headers, timeout=self.timeout
+        )
+        try:
+            resp = await self.http.send(request, stream=True)
+        except httpx.ConnectError as exc:
+            self.pool.failed(engine, "connect", hard=True)
+            raise EngineFailed(f"{engine.url}: {exc}") from exc
+        except httpx.HTTPError as exc:
+            self.pool.failed(engine, type(exc).__name__)
+            raise EngineFailed(f"{engine.url}: {type(exc).__name__}") from exc
+        try:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                if resp.status_code >= 500:
+                    self._server_error(engine, resp.status_code)
+                    raise EngineFailed(f"{engine.url} answered {resp.status_code}")
+                raise _engine_error(resp.status_code, text)
+            lines = resp.aiter_lines()
+            head: list[str] = []
+            async for line in lines:
+                head.append(line)
+                if _has_token(line):
+                    stats.first_token = time.monotonic()
+                    break
+                if line.strip() == "data: [DONE]":
+                    break
+            else:
+                raise EngineFailed(f"{engine.url} closed the stream before the first token")
+        except httpx.HTTPError as exc:
+            await resp.aclose()
+            self.pool.failed(engine, type(exc).__name__)
+            raise EngineFailed(f"{engine.url}: stream broke before the first token ({type(exc).__name__})") from exc
+        except BaseException:
+            await resp.aclose()
+            raise
+        self.pool.succeeded(engine)
+        return self._relay(resp, head, lines, stats)
+
+    async def _relay(
+        self, resp: httpx.Response, head: list[str], lines: AsyncIterator[str], stats: StreamStats
+    ) -> AsyncIterator[str]:
+        try:
+            for line in head:
+                yield line
+            async for line in lines:
+                if _has_token(line):
+                    stats.chunk_times.append(time.monotonic())
+                yield line
+        except httpx.HTTPError as exc:
+            stats.error = f"the engine stream broke: {type(exc).__name__}"
+            log.warning("engine stream broke mid-way", extra={"error": repr(exc)})
+            yield "data: " + json.dumps(error_body(stats.error + "; retry the request", "service_unavailable"))
+            yield "data: [DONE]"
+        finally:
+            await resp.aclose()
+
+
+def _has_token(line: str) -> bool:
+    if not line.startswith("data: {"):
+        return False
+    try:
+        chunk = json.loads(line[6:])
+    except ValueError:
+        return False
+    for choice in chunk.get("choices") or ():
+        delta = choice.get("delta") or {}
+        if choice.get("text") or delta.get("content"):
+            return True
+    return False
+
+
+async def with_retries(
+    attempts: int,
+    first: Engine,
+    pick_next: Callable[[set[str]], Awaitable[Engine | None]],
+    run: Callable[[Engine], Awaitable],
+):
+    """run(engine) on `first`, then on other engines while it raises EngineFailed."""
+    tried: set[str] = set()
+    engine: Engine | None = first
+    last: EngineFailed | None = None
+    for _ in range(attempts):
+        if engine is None:
+            break
+        tried.add(engine.url)
+        try:
+            return await run(engine)
+        except EngineFailed as exc:
+            last = exc
+            log.warning("engine failed before the first token; trying another", extra={"error": str(exc)})
+            engine = await pick_next(tried)
+    raise APIError(
+        503,
+        f"no engine could serve the request ({last})",
+        type="service_unavailable",
+        code="engines_unavailable",
+        headers={"Retry-After": "2"},
+    )

@@ -1,0 +1,96 @@
+"""Which engine gets a request (DESIGN §5).
+
+- `prefix` (default): for each routable engine, score = prefix_weight x matched/prompt blocks
+  (from the KV index) + kv_weight x free KV share + queue_weight x (1 - queue / longest queue).
+  When the queues differ by more than `imbalance_threshold`, or the index cannot answer in
+  time, load alone decides. When the chosen engine holds less of the prefix than another, the
+  request carries `kv_prefix_source=shared` so the engine pulls the rest from the block store.
+- `least_loaded`: the shortest queue, then the most free KV.
+- `round_robin`: in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvharbor.common.block_hash import BlockHash
+from kvharbor.gateway.config import RoutingConfig
+from kvharbor.gateway.engines import Engine
+from kvharbor.kvcache_service.index import IndexUnavailable
+
+log = logging.getLogger("kvharbor.gateway.router")
+
+
+@dataclass(frozen=True)
+class Route:
+    engine: Engine
+    reason: str  # prefix | load | imbalance | index_unavailable | least_loaded | round_robin
+    matched_blocks: int = 0  # of the prompt, held by the chosen engine
+    best_matched: int = 0  # held by the best holder among the candidates
+    prompt_blocks: int = 0
+
+    @property
+    def kv_prefix_source(self) -> str | None:
+        return "shared" if self.best_matched > self.matched_blocks else None
+
+
+class Router:
+    def __init__(self, config: RoutingConfig, index=None) -> None:
+        self.config = config
+        self.index = index  # kvcache_service Index (RedisIndex), or None: no prefix information
+        self._turns: dict[str, itertools.count] = {}
+
+    async def matches(
+        self, model: str, hashes: Sequence[BlockHash], engines: Sequence[Engine]
+    ) -> dict[str, int] | None:
+        """Blocks each engine holds, by instance id; None when the index cannot answer."""
+        if self.index is None or not hashes:
+            return {} if self.index is not None else None
+        ids = [e.instance_id for e in engines if e.instance_id]
+        try:
+            return await asyncio.wait_for(self.index.lookup(model, hashes, ids), self.config.index_timeout)
+        except (IndexUnavailable, TimeoutError) as exc:
+            log.debug("KV index unavailable; routing by load", extra={"error": repr(exc)})
+            return None
+
+    async def choose(self, model: str, engines: Sequence[Engine], hashes: Sequence[BlockHash]) -> Route | None:
+        if not engines:
+            return None
+        strategy = self.config.routing
+        if strategy == "round_robin":
+            turn = next(self._turns.setdefault(model, itertools.count()))
+            return Route(engines[turn % len(engines)], "round_robin", prompt_blocks=len(hashes))
+        if strategy == "least_loaded":
+            return Route(_least_loaded(engines), "least_loaded", prompt_blocks=len(hashes))
+        matches = await self.matches(model, hashes, engines)
+        return self.by_prefix(engines, hashes, matches)
+
+    def by_prefix(
+        self, engines: Sequence[Engine], hashes: Sequence[BlockHash], matches: dict[str, int] | None
+    ) -> Route:
+        blocks = len(hashes)
+        held = {e.url: (matches or {}).get(e.instance_id or "", 0) for e in engines}
+        best = max(held.values(), default=0)
+        queues = [e.queue for e in engines]
+        if matches is None:
+            reason, chosen = "index_unavailable", _least_loaded(engines)
+        elif max(queues) - min(queues) > self.config.imbalance_threshold:
+            reason, chosen = "imbalance", _least_loaded(engines)
+        else:
+            chosen = max(engines, key=lambda e: (self._score(e, held[e.url], blocks, max(queues)), -e.queue))
+            reason = "prefix" if held[chosen.url] else "load"
+        return Route(chosen, reason, held[chosen.url], best, blocks)
+
+    def _score(self, engine: Engine, held: int, blocks: int, longest_queue: int) -> float:
+        c = self.config
+        prefix = held / blocks if blocks else 0.0
+        queue = 1.0 - engine.queue / longest_queue if longest_queue else 1.0
+        return c.prefix_weight * prefix + c.kv_weight * engine.kv_free + c.queue_weight * queue
+
+
+def _least_loaded(engines: Sequence[Engine]) -> Engine:
+    return min(engines, key=lambda e: (e.queue, -e.kv_free))

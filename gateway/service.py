@@ -1,0 +1,190 @@
+"""`kvharbor gateway`: serve the tenants' OpenAI API in front of the engines (auth, limits, routing, admission).
+
+Options are flags, KVHARBOR_* variables or a YAML file (--config), with the same names. One model
+is set with --engines (and --model / --served-model-name for its tokenizer); several with
+--models-file. Tenants come from --tenants-file, re-read when it changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvharbor.common.config import ConfigError, add_arguments, load_config
+from kvharbor.common.logs import setup_logging
+
+log = logging.getLogger("kvharbor.gateway.service")
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    from kvharbor.gateway.config import GatewayConfig
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--config", metavar="FILE", help="YAML file of options [env KVHARBOR_CONFIG]")
+    add_arguments(parser, GatewayConfig)
+    return parser
+
+
+def main(argv: list[str], prog: str = "kvharbor gateway", command: str = "gateway") -> int:
+    from kvharbor.gateway.config import GatewayConfig
+    from kvharbor.gateway.tenants import TenantsError
+
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(
+            GatewayConfig, file=args.config, overrides={k: v for k, v in vars(args).items() if k != "config"}
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+    setup_logging(config.server.log_level, config.server.log_json)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
+    try:
+        return serve(config)
+    except (ValueError, FileNotFoundError, TenantsError) as exc:
+        print(f"kvharbor gateway: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _discovery(config: Any):
+    from kvharbor.gateway.discovery import StaticDiscovery
+
+    s = config.serving
+    if s.models_file:
+        return StaticDiscovery.from_file(s.models_file, s.slo_ttft_ms, s.slo_itl_ms)
+    return StaticDiscovery.from_flags(s.engines, s.model, s.served_model_name, s.slo_ttft_ms, s.slo_itl_ms)
+
+
+def build_state(config: Any, tracer: Any = None):
+    """Everything the app needs; raises ValueError / FileNotFoundError / TenantsError with a hint."""
+    import httpx
+
+    from kvharbor.common.model_files import load_tokenizer
+    from kvharbor.common.tracing import setup_tracing
+    from kvharbor.gateway.admission import AdmissionQueue
+    from kvharbor.gateway.app import GatewayState, ModelEntry
+    from kvharbor.gateway.engines import EnginePool
+    from kvharbor.gateway.limits import RateLimiter
+    from kvharbor.gateway.metrics import GatewayMetrics
+    from kvharbor.gateway.proxy import EngineCaller
+    from kvharbor.gateway.router import Router
+    from kvharbor.gateway.tenants import TenantRegistry
+
+    if not config.tenancy.tenants_file:
+        raise ValueError("no tenants: pass --tenants-file FILE (gateway/README.md shows the format)")
+    tenants = TenantRegistry(config.tenancy.tenants_file)
+    discovery = _discovery(config)
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+    admission = AdmissionQueue(config.admission.max_queue, config.admission.queue_timeout)
+    pool = EnginePool(
+        http, config.resilience.eject_after_failures, config.routing.load_interval, on_change=admission.wake
+    )
+    models = {}
+    for spec in discovery.models():
+        print(
+            f"[kvharbor] reading the tokenizer of {spec.name or spec.files or 'the bundled model'} ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        name, tokenizer = load_tokenizer(spec.files, spec.name)
+        models[name] = ModelEntry(name, tokenizer, spec.slo_ttft_ms / 1000, spec.slo_itl_ms / 1000)
+        pool.set_engines(name, list(spec.engines))
+    limiter_client = index = None
+    if config.tenancy.redis_url:
+        import redis.asyncio as redis
+
+        from kvharbor.kvcache_service.redis_index import RedisIndex
+
+        limiter_client = redis.from_url(config.tenancy.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        index = RedisIndex.from_url(config.tenancy.redis_url, timeout=config.routing.index_timeout)
+    res = config.resilience
+    return GatewayState(
+        models=models,
+        tenants=tenants,
+        limiter=RateLimiter(limiter_client, config.tenancy.limits_on_redis_failure),
+        pool=pool,
+        router=Router(config.routing, index),
+        admission=admission,
+        caller=EngineCaller(http, pool, res.connect_timeout, res.first_token_timeout, res.request_timeout),
+        metrics=GatewayMetrics(),
+        tracer=tracer or setup_tracing("gateway", config.server.otlp_endpoint),
+        max_attempts=res.max_attempts,
+        max_prompt_tokens=res.max_prompt_tokens,
+        max_body_bytes=res.max_body_bytes,
+        index=index,
+    )
+
+
+async def _learn_block_sizes(state: Any) -> None:
+    """Engines publish their block size with their KV events; hash prompts with the same one."""
+    if state.index is None:
+        return
+    while True:
+        for entry in state.models.values():
+            with contextlib.suppress(Exception):
+                size = await state.index.block_size(entry.name)
+                if size and size != entry.block_size:
+                    log.info("block size learned from the KV index", extra={"model": entry.name, "block_size": size})
+                    entry.block_size = size
+        await asyncio.sleep(5.0)
+
+
+def lifespan_for(state: Any):
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        from kvharbor.common.tracing import shutdown
+
+        tasks = [asyncio.create_task(state.pool.poll_forever()), asyncio.create_task(_learn_block_sizes(state))]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await state.caller.http.aclose()
+            if state.index is not None:
+                await state.index.close()
+            if state.limiter.client is not None:
+                await state.limiter.client.aclose()
+            shutdown()
+
+    return lifespan
+
+
+def serve(config: Any) -> int:
+    import uvicorn
+
+    from kvharbor.gateway.app import build_app
+
+    state = build_state(config)
+    srv = config.server
+    url = f"http://{srv.host}:{srv.port}"
+    engines = {m: [e.url for e in state.pool.all(m)] for m in state.models}
+    print(
+        f"[kvharbor] gateway on {url}: models {engines}, routing {config.routing.routing}, "
+        f"tenants from {config.tenancy.tenants_file}\n"
+        f"[kvharbor] try: curl -s {url}/v1/models -H 'Authorization: Bearer <your key>'",
+        file=sys.stderr,
+        flush=True,
+    )
+    uv_config = uvicorn.Config(
+        build_app(state, lifespan=lifespan_for(state)),
+        host=srv.host,
+        port=srv.port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+    try:
+        uvicorn.Server(uv_config).run()
+    except OSError as exc:
+        print(f"kvharbor gateway: error: cannot listen on {srv.host}:{srv.port}: {exc}", file=sys.stderr)
+        return 2
+    return 0
