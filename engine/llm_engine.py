@@ -421,12 +421,14 @@ class LLMEngine:
 
     def load(self) -> dict:
         """The engine load report (DESIGN §2)."""
-        waiting = self.scheduler.waiting
+        waiting, running = self.scheduler.waiting, self.scheduler.running
+        # Prompt tokens not computed yet, queued or mid-prefill: what a new request waits behind.
+        prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*waiting, *running))
         return {
             "model": self.model_name,
-            "running": len(self.scheduler.running),
+            "running": len(running),
             "waiting": len(waiting),
-            "waiting_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in waiting),
+            "waiting_prefill_tokens": prefill,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
             "kv_blocks_cached": self.pool.num_cached,

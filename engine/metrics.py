@@ -41,7 +41,7 @@ class _LoadCollector:
         yield gauge("requests_waiting", "Requests queued for admission", load["waiting"])
         yield gauge(
             "waiting_prefill_tokens",
-            "Prompt tokens of waiting requests still to compute",
+            "Prompt tokens not computed yet (queued or mid-prefill)",
             load["waiting_prefill_tokens"],
         )
         yield gauge("kv_blocks_total", "KV blocks in the pool", load["kv_blocks_total"])

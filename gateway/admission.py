@@ -2,7 +2,8 @@
 first token within the model's TTFT SLO; otherwise queue it (priority >= 0) or shed it (< 0).
 
 Prediction for one engine: (prefill tokens queued there + the request's uncached tokens) /
-the engine's measured prefill rate. "Queued there" is the larger of what the engine reported and
+the engine's measured prefill rate. An engine with nothing queued always fits: waiting would not
+make the request's own prefill shorter. "Queued there" is the larger of what the engine reported and
 what this gateway has sent it that has not produced a first token yet (polls lag behind bursts).
 
 The queue is bounded. It serves the highest priority first and, within a priority, takes tenants

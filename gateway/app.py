@@ -298,7 +298,13 @@ class _Handler:
             route = await state.router.choose(model.name, engines, hashes)
             if route is None:
                 return None
-            fits = [e for e in engines if self._predicted_ttft(call, e, route) <= model.slo_ttft_s]
+            # An engine with nothing to prefill takes the request whatever its length: waiting
+            # cannot make its own prefill shorter.
+            fits = [
+                e
+                for e in engines
+                if e.waiting_prefill_tokens == 0 or self._predicted_ttft(call, e, route) <= model.slo_ttft_s
+            ]
             if route.engine in fits:
                 return route
             if not fits:

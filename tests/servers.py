@@ -174,3 +174,56 @@ def write_tenants(path: Path, tenants: list[dict]) -> dict[str, str]:
     tmp.write_text(yaml.safe_dump({"tenants": rows}))
     tmp.replace(path)  # atomic: the gateway never reads half a file
     return {t["name"]: t["key"] for t in tenants}
+
+
+class OTLPCollector:
+    """A minimal OTLP/HTTP trace receiver on a loopback port: the spans every process exported."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+        self.spans: list[dict] = []
+        collector = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                request = trace_service_pb2.ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                for rs in request.resource_spans:
+                    service = next(
+                        (a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), ""
+                    )
+                    for ss in rs.scope_spans:
+                        for span in ss.spans:
+                            attrs = {a.key: a.value.string_value for a in span.attributes}
+                            collector.spans.append(
+                                {
+                                    "service": service,
+                                    "name": span.name,
+                                    "trace_id": span.trace_id.hex(),
+                                    "attributes": attrs,
+                                }
+                            )
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.end_headers()
+                self.wfile.write(trace_service_pb2.ExportTraceServiceResponse().SerializeToString())
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> OTLPCollector:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()

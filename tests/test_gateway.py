@@ -1,0 +1,381 @@
+"""The gateway against real engines (SmolLM2, CPU), a real redis-server, the real KV cache service
+and real gateway processes, over loopback, driven by the `openai` client: tenancy, limits, prefix
+routing, isolation, tracing, bad input, admission and failover."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import redis
+from servers import (
+    EngineServerProcess,
+    GatewayProcess,
+    KVCacheServiceProcess,
+    OTLPCollector,
+    RedisProcess,
+    metric,
+    write_tenants,
+)
+
+MODEL = "SmolLM2-135M-Instruct"
+ENGINE_ARGS = ("--kv-cache-memory", "256MiB", "--max-num-batched-tokens", "512", "--lease-ttl", "3")
+FAST_SPANS = {"OTEL_BSP_SCHEDULE_DELAY": "200"}
+TENANTS = [
+    {"name": "acme", "key": "sk-acme", "priority": 0},
+    {"name": "limited", "key": "sk-limited", "limits": {"rpm": 5}},
+    {"name": "metered", "key": "sk-metered", "limits": {"tpm": 100}},
+    {"name": "elsewhere", "key": "sk-elsewhere", "models": ["another-model"]},
+    {"name": "t1", "key": "sk-t1"},
+    {"name": "t2", "key": "sk-t2"},
+    {"name": "g1a", "key": "sk-g1a", "cache_sharing_group": "g1"},
+    {"name": "g1b", "key": "sk-g1b", "cache_sharing_group": "g1"},
+    {"name": "rr", "key": "sk-rr"},
+    {"name": "px", "key": "sk-px"},
+    {"name": "batch", "key": "sk-batch", "priority": -1},
+    {"name": "vip", "key": "sk-vip", "priority": 5},
+]
+
+
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("gateway")
+    tenants_file = logs / "tenants.yaml"
+    write_tenants(tenants_file, TENANTS)
+    with OTLPCollector() as otlp, RedisProcess(logs / "redis") as rds:
+        common = ("--redis-url", rds.url, "--otlp-endpoint", otlp.url, *ENGINE_ARGS)
+        a = EngineServerProcess(logs, "--instance-id", "A", *common, env=FAST_SPANS)
+        b = EngineServerProcess(logs, "--instance-id", "B", *common, env=FAST_SPANS)
+        svc = KVCacheServiceProcess(logs, rds.url, "--lease-sweep-interval", "0.5")
+        procs = [a, b, svc]
+        try:
+            for p in procs:
+                p.launch()
+            for p in procs:
+                p.wait_ready()
+            gw_args = ("--tenants-file", str(tenants_file), "--redis-url", rds.url, "--max-body-bytes", "200000")
+            engines = f"{a.url},{b.url}"
+            g1 = GatewayProcess(logs, "--engines", engines, *gw_args, "--otlp-endpoint", otlp.url, env=FAST_SPANS)
+            g2 = GatewayProcess(logs, "--engines", engines, *gw_args)
+            rr = GatewayProcess(logs, "--engines", engines, *gw_args, "--routing", "round_robin")
+            for g in (g1, g2, rr):
+                procs.append(g)
+                g.launch()
+            for g in (g1, g2, rr):
+                g.wait_ready()
+                wait_for(lambda g=g: httpx.get(g.url + "/ready").status_code == 200, what="gateway sees engines")
+            yield {"a": a, "b": b, "g1": g1, "g2": g2, "rr": rr, "redis": redis.Redis.from_url(rds.url), "otlp": otlp,
+                   "tenants_file": tenants_file, "logs": logs, "redis_url": rds.url}  # fmt: skip
+        finally:
+            for p in reversed(procs):
+                p.stop()
+
+
+def client(gateway, key: str = "sk-acme") -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def chat(gateway, key: str, content: str, **kw):
+    kw.setdefault("max_tokens", 4)
+    return client(gateway, key).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": content}], temperature=0, **kw
+    )
+
+
+# -- tenancy ---------------------------------------------------------------------------------------
+
+
+def test_chat_and_completions_streamed_and_not(cluster):
+    g1 = cluster["g1"]
+    resp = chat(g1, "sk-acme", "What is the capital of France?", max_tokens=12)
+    assert "Paris" in resp.choices[0].message.content and resp.usage.prompt_tokens > 0
+    stream = client(g1).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+    )
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == resp.choices[0].message.content
+    assert all(c.usage is None for c in chunks)  # the gateway's own usage chunk is not leaked
+    comp = client(g1).completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0)
+    assert comp.choices[0].text and comp.usage.completion_tokens == 5
+    streamed = client(g1).completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    parts = list(streamed)
+    assert "".join(p.choices[0].text for p in parts if p.choices) == comp.choices[0].text
+    assert parts[-1].usage.completion_tokens == 5
+
+
+def test_auth_errors_and_model_listing(cluster):
+    g1 = cluster["g1"]
+    no_key = httpx.post(
+        g1.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    )
+    assert no_key.status_code == 401 and no_key.json()["error"]["code"] == "missing_api_key"
+    basic = httpx.get(g1.url + "/v1/models", headers={"Authorization": "Basic abc"})
+    assert basic.status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        chat(g1, "sk-wrong", "hi")
+    with pytest.raises(openai.PermissionDeniedError):
+        chat(g1, "sk-elsewhere", "hi")
+    with pytest.raises(openai.NotFoundError):
+        client(g1).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert [m.id for m in client(g1).models.list()] == [MODEL]
+    assert [m.id for m in client(g1, "sk-elsewhere").models.list()] == []
+
+
+def test_tenants_file_hot_reloads(cluster):
+    g1 = cluster["g1"]
+    with pytest.raises(openai.AuthenticationError):
+        chat(g1, "sk-newcomer", "hi")
+    write_tenants(cluster["tenants_file"], [*TENANTS, {"name": "newcomer", "key": "sk-newcomer"}])
+    newcomer = {"Authorization": "Bearer sk-newcomer"}
+    wait_for(lambda: httpx.get(g1.url + "/v1/models", headers=newcomer).status_code == 200, timeout=10, what="reload")
+    assert chat(g1, "sk-newcomer", "hi").choices[0].message.content is not None
+
+
+@pytest.mark.parametrize(
+    ("send", "status"),
+    [
+        (dict(content=b"{not json"), 400),
+        (dict(content=b"x" * 300_000), 413),
+        (dict(json={"model": MODEL, "messages": "hello"}), 400),
+        (dict(json={"model": MODEL, "messages": []}), 400),
+        (dict(json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}), 400),
+        (dict(json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), 400),
+        (dict(json=[1, 2]), 400),
+    ],
+)
+def test_bad_input_gets_the_right_4xx(cluster, send, status):
+    headers = {"Authorization": "Bearer sk-acme", "content-type": "application/json"}
+    resp = httpx.post(cluster["g1"].url + "/v1/chat/completions", headers=headers, timeout=30, **send)
+    assert resp.status_code == status, resp.text
+    assert resp.json()["error"]["message"]
+
+
+# -- limits ----------------------------------------------------------------------------------------
+
+
+def test_rpm_holds_across_two_gateways(cluster):
+    gateways = [cluster["g1"], cluster["g2"]]
+
+    def one(i: int) -> int:
+        try:
+            chat(gateways[i % 2], "sk-limited", f"count {i}", max_tokens=1)
+            return 200
+        except openai.RateLimitError as exc:
+            assert int(exc.response.headers["retry-after"]) >= 1
+            assert exc.response.headers["x-ratelimit-limit-requests"] == "5"
+            return 429
+
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        codes = list(pool.map(one, range(10)))
+    assert codes.count(200) == 5 and codes.count(429) == 5
+
+
+def test_streamed_output_tokens_count_toward_tpm(cluster):
+    g1 = cluster["g1"]
+    stream = client(g1, "sk-metered").chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=60, temperature=0,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert sum(1 for c in stream if c.choices and c.choices[0].delta.content) >= 50
+    # ~35 prompt + 60 output tokens of a 100-token minute: the next prompt no longer fits (it would
+    # if only prompts counted).
+    with pytest.raises(openai.RateLimitError) as err:
+        chat(g1, "sk-metered", "Tell me a story.")
+    assert err.value.response.json()["error"]["code"] == "rate_limit_tpm"
+
+
+# -- caching and routing --------------------------------------------------------------------------
+
+
+def test_tenants_never_share_cached_blocks_unless_grouped(cluster):
+    g1 = cluster["g1"]
+    text = "Summarize the history of the Roman Empire in detail. " * 6
+    assert chat(g1, "sk-t1", text).usage.prompt_tokens_details.cached_tokens == 0
+    time.sleep(0.5)
+    assert chat(g1, "sk-t2", text).usage.prompt_tokens_details.cached_tokens == 0  # another tenant: a miss
+    time.sleep(0.5)
+    assert chat(g1, "sk-t1", text).usage.prompt_tokens_details.cached_tokens > 0  # its own blocks: a hit
+    assert chat(g1, "sk-g1a", text).usage.prompt_tokens_details.cached_tokens == 0
+    time.sleep(0.5)
+    assert chat(g1, "sk-g1b", text).usage.prompt_tokens_details.cached_tokens > 0  # same sharing group
+
+
+def hit_rate_delta(cluster, run) -> float:
+    def totals():
+        q = h = 0.0
+        for e in (cluster["a"], cluster["b"]):
+            text = httpx.get(e.url + "/metrics").text
+            q += metric(text, "kvharbor_prefix_cache_queries_total")
+            h += metric(text, "kvharbor_prefix_cache_hits_total")
+        return q, h
+
+    q0, h0 = totals()
+    run()
+    q1, h1 = totals()
+    return (h1 - h0) / (q1 - q0)
+
+
+def test_prefix_routing_follows_the_holder_and_beats_round_robin(cluster):
+    rng = random.Random(5)
+    words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
+    systems = [" ".join(rng.choice(words) for _ in range(500)) for _ in range(4)]
+    order = [0, 1, 2, 3, *[rng.randrange(4) for _ in range(12)]]
+    cached: list[int] = []
+
+    def run(gateway, key):
+        def go():
+            for i in order:
+                messages = [{"role": "system", "content": systems[i]}, {"role": "user", "content": "Go."}]
+                resp = client(gateway, key).chat.completions.create(
+                    model=MODEL, messages=messages, max_tokens=1, temperature=0
+                )
+                if key == "sk-px":
+                    cached.append(resp.usage.prompt_tokens_details.cached_tokens)
+                time.sleep(0.3)  # let the KV index hear of the blocks
+
+        return go
+
+    prefix_rate = hit_rate_delta(cluster, run(cluster["g1"], "sk-px"))
+    rr_rate = hit_rate_delta(cluster, run(cluster["rr"], "sk-rr"))
+    # Every repeat of a system prompt went where that prompt already was.
+    assert all(c >= 480 for c in cached[4:]), cached
+    assert prefix_rate > rr_rate + 0.1, (prefix_rate, rr_rate)
+
+
+def served_by(cluster, send) -> str:
+    """Which engine ("a" or "b") answered the one chat request `send()` makes."""
+
+    def counts():
+        ok_chats = 'endpoint="/v1/chat/completions",status="200"'
+        return {
+            k: metric(httpx.get(cluster[k].url + "/metrics").text, "kvharbor_requests_total", ok_chats) for k in "ab"
+        }
+
+    before = counts()
+    send()
+    after = counts()
+    (engine,) = [k for k in before if after[k] > before[k]]
+    return engine
+
+
+def test_imbalance_routes_by_load(cluster):
+    g1 = cluster["g1"]
+    text = "Explain photosynthesis to a child. " * 8
+    chat(g1, "sk-acme", text)
+    time.sleep(0.5)
+    holder = served_by(cluster, lambda: chat(g1, "sk-acme", text))  # prefix routing: the holder again
+    idle = "b" if holder == "a" else "a"
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as http:
+        streams = [http.stream("POST", cluster[holder].url + "/v1/completions", json=body) for _ in range(12)]
+        for s in streams:
+            s.__enter__()
+        try:
+            wait_for(lambda: httpx.get(cluster[holder].url + "/load").json()["running"] >= 10, what="load")
+            time.sleep(1.2)  # two polls
+            decisions = 'reason="imbalance"'
+            before = metric(httpx.get(g1.url + "/metrics").text, "kvharbor_gateway_routing_decisions_total", decisions)
+            assert served_by(cluster, lambda: chat(g1, "sk-acme", text)) == idle
+            after = metric(httpx.get(g1.url + "/metrics").text, "kvharbor_gateway_routing_decisions_total", decisions)
+            assert after == before + 1
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+
+
+# -- tracing ---------------------------------------------------------------------------------------
+
+
+def test_one_trace_spans_gateway_and_engine(cluster):
+    rid = "trace-me-1"
+    chat(cluster["g1"], "sk-acme", "Say hi.", extra_headers={"x-request-id": rid})
+    spans = wait_for(
+        lambda: (
+            (s := [x for x in cluster["otlp"].spans if x["attributes"].get("kvharbor.request_id") == rid])
+            and len(s) >= 2
+            and s
+        ),
+        timeout=20,
+        what="spans",
+    )
+    by_service = {s["service"]: s for s in spans}
+    assert set(by_service) == {"gateway", "engine"}
+    assert by_service["gateway"]["trace_id"] == by_service["engine"]["trace_id"]
+    assert by_service["engine"]["name"] == "engine /v1/chat/completions"
+
+
+# -- admission and failover (they load and kill engines: last) -------------------------------------
+
+
+def test_admission_sheds_queues_and_times_out(cluster, tmp_path):
+    a = cluster["a"]
+    args = ("--engines", a.url, "--tenants-file", str(cluster["tenants_file"]), "--slo-ttft-ms", "1500")
+    with (
+        GatewayProcess(tmp_path, *args, "--queue-timeout", "60") as patient,
+        GatewayProcess(tmp_path, *args, "--queue-timeout", "1") as hasty,
+    ):
+        long_prompt = [1000 + (i * 37) % 30000 for i in range(1500)]
+        body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 1}
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            fillers = [
+                pool.submit(
+                    httpx.post, a.url + "/v1/completions", json={**body, "cache_salt": f"fill-{i}"}, timeout=300
+                )
+                for i in range(6)
+            ]
+            wait_for(lambda: httpx.get(a.url + "/load").json()["waiting_prefill_tokens"] > 4000, what="saturation")
+            time.sleep(1.0)  # the gateways poll it
+            started = time.monotonic()
+            with pytest.raises(openai.InternalServerError) as shed:
+                chat(patient, "sk-batch", "hello")
+            assert time.monotonic() - started < 2 and shed.value.status_code == 503
+            assert shed.value.response.json()["error"]["code"] == "shed_slo"
+            with pytest.raises(openai.InternalServerError) as late:
+                chat(hasty, "sk-acme", "hello")
+            assert late.value.response.json()["error"]["code"] == "queue_timeout"
+            queued = chat(patient, "sk-vip", "hello")  # waits for the fillers, then is served
+            assert queued.choices[0].message.content is not None
+            assert all(f.result().status_code == 200 for f in fillers)
+        text = httpx.get(patient.url + "/metrics").text
+        assert metric(text, "kvharbor_gateway_rejections_total", 'reason="shed_slo"') == 1
+        assert metric(text, "kvharbor_gateway_queue_seconds_count", 'tenant="vip"') == 1
+
+
+def test_failover_ejects_a_dead_engine_and_takes_it_back(cluster):
+    b, g1 = cluster["b"], cluster["g1"]
+    b.signal(signal.SIGKILL)
+    b.wait(10)
+    for i in range(4):  # right away: B is still in rotation until a call or a poll fails
+        assert chat(g1, "sk-acme", f"Quick question number {i}?").choices[0].message.content is not None
+    wait_for(lambda: httpx.get(g1.url + "/ready").json()["engines"][MODEL] == 1, what="ejection")
+    b2 = EngineServerProcess(
+        cluster["logs"], "--instance-id", "B", "--redis-url", cluster["redis_url"], *ENGINE_ARGS, port=b.port
+    )
+    try:
+        b2.start()
+        wait_for(lambda: httpx.get(g1.url + "/ready").json()["engines"][MODEL] == 2, what="return")
+        assert chat(g1, "sk-acme", "Welcome back?").choices[0].message.content is not None
+    finally:
+        b2.stop()
