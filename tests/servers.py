@@ -20,6 +20,17 @@ import httpx
 from kvharbor.kvcache_service.embedded_redis import EmbeddedRedis, free_port
 
 
+def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
+    """Poll `predicate` until it returns something truthy (and return that), or fail after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 def metric(text: str, name: str, labels: str = "") -> float:
     """One sample of a Prometheus text exposition (0 when absent); `labels` like 'reason="checksum"'."""
     pattern = (

@@ -20,6 +20,7 @@ from servers import (
     OTLPCollector,
     RedisProcess,
     metric,
+    wait_for,
     write_tenants,
 )
 
@@ -40,16 +41,6 @@ TENANTS = [
     {"name": "batch", "key": "sk-batch", "priority": -1},
     {"name": "vip", "key": "sk-vip", "priority": 5},
 ]
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

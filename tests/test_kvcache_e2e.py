@@ -6,29 +6,18 @@ dies without a word drops out when its lease expires."""
 from __future__ import annotations
 
 import signal
-import time
 
 import httpx
 import openai
 import pytest
 import redis
-from servers import EngineServerProcess, KVCacheServiceProcess, metric
+from servers import EngineServerProcess, KVCacheServiceProcess, metric, wait_for
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.kvcache_service.block_store import BlockFormat, encode_block
 
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE_ARGS = ("--kv-cache-memory", "192MiB", "--lease-ttl", "2", "--max-num-batched-tokens", "512")
-
-
-def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="module")

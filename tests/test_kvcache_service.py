@@ -12,23 +12,13 @@ import httpx
 import pytest
 import redis
 from kv_event_writer import FakeEngine, chains, random_events
-from servers import KVCacheServiceProcess, RedisProcess
+from servers import KVCacheServiceProcess, RedisProcess, wait_for
 
 from kvharbor.common.block_hash import block_hashes, to_hex
 from kvharbor.common.redis_keys import stream_key
 from kvharbor.kvcache_service.memory_index import MemoryIndex
 
 MODEL = "svc-model"
-
-
-def wait_for(predicate, timeout: float = 20.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def lookup(url: str, hashes, **extra) -> httpx.Response:

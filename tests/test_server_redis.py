@@ -5,12 +5,11 @@ restarts, the publisher re-sends `cleared` and then the full set."""
 from __future__ import annotations
 
 import re
-import time
 
 import httpx
 import pytest
 import redis
-from servers import EngineServerProcess, RedisProcess, free_port, make_tiny_chat_model
+from servers import EngineServerProcess, RedisProcess, free_port, make_tiny_chat_model, wait_for
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.common.kv_events import AllCleared, BlockStored, from_fields
@@ -33,16 +32,6 @@ def dropped_events(url: str) -> float:
     text = httpx.get(url + "/metrics").text
     m = re.search(r"^kvharbor_kv_events_dropped_total ([0-9.]+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else 0.0
-
-
-def wait_for(predicate, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not met in time")
 
 
 def test_events_match_the_pool_and_survive_a_redis_restart(tmp_path, tiny_folder):
