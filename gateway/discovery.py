@@ -46,7 +46,10 @@ class StaticDiscovery:
             raise ValueError("no models configured: pass --engines URL[,URL...] or --models-file FILE")
         for spec in specs:
             if not spec.engines:
-                raise ValueError(f"model {spec.name or spec.files or 'default'} has no engines")
+                raise ValueError(
+                    f"model {spec.name or spec.files or '(bundled)'} has no engines: pass --engines URL[,URL...] "
+                    "or list them under 'engines:' in --models-file"
+                )
         self._specs = specs
 
     def models(self) -> list[ModelSpec]:

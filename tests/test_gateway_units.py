@@ -1,0 +1,239 @@
+"""Gateway parts on their own: tenants files, rate limits (Redis and the local fallback),
+the admission queue's order, routing scores and discovery files."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis.asyncio as aredis
+import yaml
+
+from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, predict_ttft_s
+from kvharbor.gateway.config import RoutingConfig
+from kvharbor.gateway.discovery import StaticDiscovery
+from kvharbor.gateway.engines import Engine
+from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
+from kvharbor.gateway.router import Router
+from kvharbor.gateway.tenants import Limits, Tenant, TenantRegistry, TenantsError, hash_key, parse_tenants
+
+# -- tenants ---------------------------------------------------------------------------------------
+
+
+def tenants_doc(**fields) -> dict:
+    return {"tenants": [{"name": "acme", "api_keys": [hash_key("k1")], **fields}]}
+
+
+def test_tenants_parse_and_authenticate(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(tenants_doc(priority=-2, limits={"rpm": 3}, cache_sharing_group="public")))
+    registry = TenantRegistry(path)
+    tenant = registry.authenticate("k1")
+    assert tenant.name == "acme" and tenant.sheddable and tenant.limits == Limits(rpm=3)
+    assert tenant.cache_salt == "group:public" and tenant.may_use("anything")
+    assert registry.authenticate("k2") is None
+    assert "k1" not in path.read_text()  # only the hash is stored
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ({"tenants": "x"}, "'tenants' list"),
+        ({"tenants": [{"name": "a b", "api_keys": []}]}, "name must be"),
+        ({"tenants": [{"name": "a", "api_keys": ["plaintext-key"]}]}, "sha256"),
+        (tenants_doc(priority="high"), "priority must be an integer"),
+        (tenants_doc(limits={"rpm": 0}), "limits.rpm must be a positive integer"),
+        (tenants_doc(limits={"rps": 3}), "limits takes"),
+        (tenants_doc(models="*"), "models must be a list"),
+        (tenants_doc(colour="blue"), "unknown fields"),
+        (
+            {"tenants": [{"name": "a", "api_keys": [hash_key("k")]}, {"name": "b", "api_keys": [hash_key("k")]}]},
+            "also belongs",
+        ),
+        ({"tenants": [{"name": "a", "api_keys": []}, {"name": "a", "api_keys": []}]}, "appears twice"),
+    ],
+)
+def test_bad_tenants_files_are_refused_with_the_reason(doc, message):
+    with pytest.raises(TenantsError, match=message):
+        parse_tenants(doc)
+
+
+def test_a_broken_edit_keeps_the_last_good_tenants(tmp_path):
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(tenants_doc()))
+    registry = TenantRegistry(path)
+    path.write_text("tenants: [ {name: ")  # half-written
+    assert registry.refresh() is False and "not valid YAML" in registry.last_error
+    assert registry.authenticate("k1").name == "acme"
+    path.write_text(yaml.safe_dump({"tenants": [{"name": "beta", "api_keys": [hash_key("k2")]}]}))
+    assert registry.refresh() is True
+    assert registry.authenticate("k1") is None and registry.authenticate("k2").name == "beta"
+    with pytest.raises(TenantsError, match="does not exist"):
+        TenantRegistry(tmp_path / "missing.yaml")
+
+
+# -- limits ----------------------------------------------------------------------------------------
+
+
+def tenant(name="t", **limits) -> Tenant:
+    return Tenant(name, frozenset(), limits=Limits(**limits))
+
+
+@pytest.mark.parametrize("backend", ["redis", "local"])
+def test_limits_rpm_tpm_and_concurrency(backend, redis_server):
+    async def main():
+        client = None
+        if backend == "redis":
+            client = aredis.from_url(redis_server.url)
+            await client.flushdb()
+        limiter = RateLimiter(client)
+        rpm = tenant("r", rpm=2)
+        assert (await limiter.admit(rpm, 10, "1")).ok and (await limiter.admit(rpm, 10, "2")).ok
+        third = await limiter.admit(rpm, 10, "3")
+        assert not third.ok and third.reason == "rpm" and 0 < third.retry_after_s <= 30
+        assert third.headers["x-ratelimit-remaining-requests"] == "0"
+        tpm = tenant("k", tpm=100)
+        assert (await limiter.admit(tpm, 60, "1")).ok
+        await limiter.debit_tokens(tpm, 30)  # streamed output
+        assert (await limiter.admit(tpm, 20, "2")).reason == "tpm"
+        assert (
+            await limiter.admit(tenant("big", tpm=100), 5000, "1")
+        ).ok  # a prompt over the minute's budget still fits an idle bucket
+        conc = tenant("c", max_concurrent=1)
+        assert (await limiter.admit(conc, 1, "a")).ok
+        assert (await limiter.admit(conc, 1, "b")).reason == "concurrency"
+        await limiter.release(conc, "a")
+        assert (await limiter.admit(conc, 1, "b")).ok
+        assert (await limiter.admit(tenant("free"), 10**6, "x")).ok
+        if client is not None:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
+def test_redis_down_follows_the_policy():
+    from servers import free_port
+
+    async def main():
+        dead = aredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.3, socket_connect_timeout=0.3)
+        open_limiter = RateLimiter(dead, policy="open")
+        t = tenant("o", rpm=1)
+        assert (await open_limiter.admit(t, 1, "1")).ok
+        assert not (await open_limiter.admit(t, 1, "2")).ok  # still enforced, locally
+        with pytest.raises(LimiterUnavailable, match="retry"):
+            await RateLimiter(dead, policy="closed").admit(t, 1, "1")
+        await dead.aclose()
+
+    asyncio.run(main())
+
+
+# -- admission -------------------------------------------------------------------------------------
+
+
+def test_prediction():
+    assert predict_ttft_s(1000, 500, 1500.0) == 1.0
+    assert predict_ttft_s(10**6, 10, 0.0) == 0.0  # no measurement yet: no evidence against admitting
+
+
+def test_queue_serves_priority_first_and_tenants_in_turn():
+    async def main():
+        queue = AdmissionQueue(max_queue=10, timeout=5)
+        capacity = {"free": 0}
+        order: list[str] = []
+
+        def gate(label):
+            async def try_now():
+                if capacity["free"] > 0:
+                    capacity["free"] -= 1
+                    order.append(label)
+                    return label
+                return None
+
+            return try_now
+
+        arrivals = [("a", 0, "a1"), ("a", 0, "a2"), ("a", 0, "a3"), ("b", 0, "b1"), ("vip", 5, "v1")]
+        tasks = []
+        for tenant_name, prio, label in arrivals:
+            tasks.append(asyncio.create_task(queue.admit(tenant_name, prio, False, gate(label))))
+            await asyncio.sleep(0.01)
+        assert queue.size == 5
+        with pytest.raises(Shed, match="slo"):
+            await queue.admit("low", -1, True, gate("low"))  # sheddable: refused at once while others wait
+        capacity["free"] = 5
+        queue.wake()
+        await asyncio.gather(*tasks)
+        assert order == ["v1", "a1", "b1", "a2", "a3"]  # priority, then tenants take turns
+
+    asyncio.run(main())
+
+
+def test_queue_deadline_and_bound():
+    async def main():
+        queue = AdmissionQueue(max_queue=1, timeout=0.3)
+
+        async def never():
+            return None
+
+        waiter = asyncio.create_task(queue.admit("a", 0, False, never))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Shed, match="queue_full"):
+            await queue.admit("b", 0, False, never)
+        with pytest.raises(QueueTimeout):
+            await waiter
+        assert queue.size == 0
+
+    asyncio.run(main())
+
+
+# -- routing ---------------------------------------------------------------------------------------
+
+
+def engine(url, instance, running=0, waiting=0, free=100, total=100) -> Engine:
+    e = Engine(
+        url, "m", instance, {"running": running, "waiting": waiting, "kv_blocks_free": free, "kv_blocks_total": total}
+    )
+    e.polled = True
+    return e
+
+
+def test_prefix_score_load_imbalance_and_shared_source():
+    router = Router(RoutingConfig(imbalance_threshold=4))
+    a, b = engine("http://a", "A"), engine("http://b", "B", running=2)
+    hashes = [bytes([i]) * 16 for i in range(10)]
+    route = router.by_prefix([a, b], hashes, {"A": 0, "B": 10})
+    assert route.engine is b and route.reason == "prefix" and route.kv_prefix_source is None
+    busy_b = engine("http://b", "B", running=9)
+    route = router.by_prefix([a, busy_b], hashes, {"A": 0, "B": 10})
+    assert route.engine is a and route.reason == "imbalance" and route.kv_prefix_source == "shared"
+    route = router.by_prefix([a, b], hashes, None)
+    assert route.engine is a and route.reason == "index_unavailable"
+    full = engine("http://c", "C", free=0)
+    route = router.by_prefix([full, engine("http://d", "D")], hashes, {"C": 2, "D": 0})
+    assert route.engine.instance_id == "D"  # 2 x 0.2 prefix < 1 x free KV
+
+
+def test_round_robin_and_least_loaded():
+    async def main():
+        es = [engine("http://a", "A", running=3), engine("http://b", "B")]
+        rr = Router(RoutingConfig(routing="round_robin"))
+        assert [(await rr.choose("m", es, [])).engine.url for _ in range(3)] == ["http://a", "http://b", "http://a"]
+        ll = Router(RoutingConfig(routing="least_loaded"))
+        assert (await ll.choose("m", es, [])).engine.url == "http://b"
+
+    asyncio.run(main())
+
+
+def test_discovery_files(tmp_path):
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        yaml.safe_dump({"models": [{"name": "m", "engines": ["http://127.0.0.1:1/"], "slo": {"ttft_p95_ms": 500}}]})
+    )
+    (spec,) = StaticDiscovery.from_file(path, 2000, 200).models()
+    assert spec.engines == ("http://127.0.0.1:1",) and spec.slo_ttft_ms == 500 and spec.slo_itl_ms == 200
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        StaticDiscovery.from_flags("127.0.0.1:8000", None, None, 1, 1)
+    with pytest.raises(ValueError, match="--engines"):
+        StaticDiscovery.from_flags("", None, None, 1, 1)
+    path.write_text("models: nope")
+    with pytest.raises(ValueError, match="'models' list"):
+        StaticDiscovery.from_file(path, 1, 1)
