@@ -84,7 +84,35 @@ def build_app(state: GatewayState, lifespan: Any = None) -> FastAPI:
     app.get("/ready")(handler.ready)
     app.get("/metrics")(handler.metrics)
     app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes, prefixes=("/v1/",))
+    _document_bodies(app)
     return app
+
+
+def _document_bodies(app: FastAPI) -> None:
+    """Bodies are parsed by hand (the API key is checked before the body), so put their schemas
+    into the OpenAPI document explicitly: clients and fuzzers see what the endpoints take."""
+    bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = default()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for path, model in bodies.items():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components[model.__name__] = body
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
+            }
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        schema["security"] = [{"bearer": []}]
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi
 
 
 def _bearer(request: Request) -> str:

@@ -317,6 +317,36 @@ def test_one_trace_spans_gateway_and_engine(cluster):
     assert by_service["engine"]["name"] == "engine /v1/chat/completions"
 
 
+def test_schemathesis_finds_no_server_error(cluster):
+    # Schemathesis' pytest plugin does not load under pytest 9, so its strategies run under plain hypothesis.
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    g1 = cluster["g1"]
+    schema = schemathesis.openapi.from_url(g1.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.label for op in operations} >= {"POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models"}
+    calls = []
+
+    def fuzz(operation):
+        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=operation.as_strategy())
+        def call(case):
+            if isinstance(case.body, dict):  # keep generations short: this checks status codes, not stamina
+                for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+                    if isinstance(case.body.get(field), int) and case.body[field] > 8:
+                        case.body[field] = 8
+            response = case.call(base_url=g1.url, headers={"Authorization": "Bearer sk-acme"}, timeout=120)
+            calls.append(response.status_code)
+            assert response.status_code < 500, (operation.label, case.body, response.text)
+
+        call()
+
+    for operation in operations:
+        fuzz(operation)
+    assert any(code == 200 for code in calls) and any(400 <= code < 500 for code in calls)
+
+
 # -- admission and failover (they load and kill engines: last) -------------------------------------
 
 
