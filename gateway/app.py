@@ -411,13 +411,15 @@ class _Handler:
         uncached = max(0, len(call.prompts[0]) - route.matched_blocks * call.model.block_size)
         if not call.body.stream:
 
-            async def run(engine: Engine) -> dict:
+            async def run(engine: Engine) -> tuple[bytes, dict]:
                 async with _Busy(engine, uncached):
                     return await state.caller.call(engine, call.path, self._payload(call, route, engine), headers)
 
-            result = await with_retries(state.max_attempts, first, pick_next, run)
-            self._finished(call, result.get("usage") or {}, None)
-            return JSONResponse(result, headers={"x-request-id": call.rid, **limit_headers})
+            content, usage = await with_retries(state.max_attempts, first, pick_next, run)
+            self._finished(call, usage, None)
+            # The engine's bytes as they came: parsing and re-encoding would only add latency.
+            headers_out = {"x-request-id": call.rid, **limit_headers}
+            return Response(content, media_type="application/json", headers=headers_out)
 
         stats = StreamStats(started=call.arrival)
 

@@ -66,8 +66,9 @@ class EngineCaller:
         self.pool = pool
         self.timeout = httpx.Timeout(request_timeout, connect=connect_timeout, read=first_token_timeout)
 
-    async def call(self, engine: Engine, path: str, payload: dict, headers: dict[str, str]) -> dict:
-        """One unstreamed call. Raises EngineFailed (retry elsewhere) or APIError (the client's fault)."""
+    async def call(self, engine: Engine, path: str, payload: dict, headers: dict[str, str]) -> tuple[bytes, dict]:
+        """One unstreamed call: (the engine's JSON as sent, its usage). Raises EngineFailed (retry
+        elsewhere) or APIError (the client's fault)."""
         try:
             resp = await self.http.post(engine.url + path, json=payload, headers=headers, timeout=self.timeout)
         except httpx.ConnectError as exc:
@@ -82,7 +83,11 @@ class EngineCaller:
         if resp.status_code != 200:
             raise _engine_error(resp.status_code, resp.text)
         self.pool.succeeded(engine)
-        return resp.json()
+        try:
+            usage = resp.json().get("usage") or {}
+        except (ValueError, AttributeError):
+            usage = {}
+        return resp.content, usage
 
     def _server_error(self, engine: Engine, status: int) -> None:
         if status == 503:

@@ -59,7 +59,8 @@ def cluster(tmp_path_factory):
                 p.launch()
             for p in procs:
                 p.wait_ready()
-            gw_args = ("--tenants-file", str(tenants_file), "--redis-url", rds.url, "--max-body-bytes", "200000")
+            gw_args = ("--tenants-file", str(tenants_file), "--redis-url", rds.url, "--max-body-bytes", "200000",
+                       "--max-prompt-tokens", "20000")  # fmt: skip
             engines = f"{a.url},{b.url}"
             g1 = GatewayProcess(logs, "--engines", engines, *gw_args, "--otlp-endpoint", otlp.url, env=FAST_SPANS)
             g2 = GatewayProcess(logs, "--engines", engines, *gw_args)
@@ -154,6 +155,12 @@ def test_tenants_file_hot_reloads(cluster):
         (dict(json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10**9}), 400),
         (dict(json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), 400),
         (dict(json=[1, 2]), 400),
+        (
+            dict(
+                json={"model": MODEL, "messages": [{"role": "user", "content": "x"}], "prompt_token_ids": [5] * 20001}
+            ),
+            400,
+        ),
     ],
 )
 def test_bad_input_gets_the_right_4xx(cluster, send, status):
@@ -385,18 +392,29 @@ def test_admission_sheds_queues_and_times_out(cluster, tmp_path):
 
 
 def test_failover_ejects_a_dead_engine_and_takes_it_back(cluster):
-    b, g1 = cluster["b"], cluster["g1"]
-    b.signal(signal.SIGKILL)
-    b.wait(10)
-    for i in range(4):  # right away: B is still in rotation until a call or a poll fails
+    g1 = cluster["g1"]
+    stream = client(g1).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a long story."}], max_tokens=400, temperature=0,
+        stream=True, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    assert any(c.choices and c.choices[0].delta.content for c in (next(chunks) for _ in range(5)))
+    victim = next(k for k in "ab" if httpx.get(cluster[k].url + "/load").json()["running"] > 0)
+    dead = cluster[victim]
+    dead.signal(signal.SIGKILL)
+    dead.wait(10)
+    # The broken stream ends with an OpenAI error event (the client raises it), never a hang.
+    with pytest.raises(openai.APIError, match="stream broke"):
+        for _ in chunks:
+            pass
+    for i in range(4):  # at once: the dead engine is still in rotation until a call or a poll fails
         assert chat(g1, "sk-acme", f"Quick question number {i}?").choices[0].message.content is not None
     wait_for(lambda: httpx.get(g1.url + "/ready").json()["engines"][MODEL] == 1, what="ejection")
-    b2 = EngineServerProcess(
-        cluster["logs"], "--instance-id", "B", "--redis-url", cluster["redis_url"], *ENGINE_ARGS, port=b.port
-    )
+    args = ("--instance-id", victim.upper(), "--redis-url", cluster["redis_url"], *ENGINE_ARGS)
+    back = EngineServerProcess(cluster["logs"], *args, port=dead.port)
     try:
-        b2.start()
+        back.start()
         wait_for(lambda: httpx.get(g1.url + "/ready").json()["engines"][MODEL] == 2, what="return")
         assert chat(g1, "sk-acme", "Welcome back?").choices[0].message.content is not None
     finally:
-        b2.stop()
+        back.stop()
