@@ -137,9 +137,11 @@ def plot(result: dict, path: Path) -> None:
         ax.bar(names, [routing[n][key] * scale for n in names], color=["tab:green", "tab:gray", "tab:blue"])
         ax.set_title(title)
     o = result["overhead"]
+    cfg = result["config"]
     fig.suptitle(
-        f"{MODEL}, 2 engines: {result['config']['requests']} requests over {result['config']['systems']} shared "
-        f"{result['config']['system_len']}-token system prompts. Gateway overhead p50 {o['added_p50_ms']:.1f} ms"
+        f"{MODEL}, 2 engines with {cfg['kv_cache_memory']} of KV each: {cfg['requests']} requests over "
+        f"{cfg['systems']} shared {cfg['system_len']}-token system prompts; "
+        f"gateway overhead p50 {o['added_p50_ms']:.1f} ms"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -172,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=16, help="output tokens per request")
     ap.add_argument("--concurrency", type=int, default=4, help="requests in flight")
     ap.add_argument("--overhead-requests", type=int, default=100, help="paired requests for the overhead")
+    ap.add_argument(
+        "--kv-cache-memory",
+        default="512MiB",
+        help="each engine's KV pool; below the prompts' working set, routing decides what stays cached",
+    )
+    ap.add_argument("--max-model-len", type=int, default=2048, help="engines' context length")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=200.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "gateway.json", help="JSON output (PNG beside it)")
@@ -192,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         engines = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
-        common = ["--redis-url", rds.url, "--kv-cache-memory", "512MiB", "--max-num-batched-tokens", "512"]
+        common = ["--redis-url", rds.url, "--kv-cache-memory", args.kv_cache_memory, "--max-model-len",
+                  str(args.max_model_len), "--max-num-batched-tokens", "512"]  # fmt: skip
         print("starting two engines, the KV cache service and three gateways ...", flush=True)
         for i, url in enumerate(engines):
             cmd = [*CLI, "serve", "--port", url.rsplit(":", 1)[1], "--instance-id", f"engine-{i}", *common]

@@ -262,7 +262,7 @@ class _Handler:
         for model in self.state.models:
             m.engines_up.labels(model).set(len(self.state.pool.routable(model)))
         m.queued.set(self.state.admission.size)
-        return Response(m.render(), media_type="text/plain; version=0.0.4")
+        return Response(m.render(list(self.state.models)), media_type="text/plain; version=0.0.4")
 
     # -- the request path -------------------------------------------------------------------------------
 

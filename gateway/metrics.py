@@ -66,6 +66,16 @@ class GatewayMetrics:
         )
         self.engines_up = Gauge("kvharbor_gateway_engines_routable", "Engines in rotation", ["model"], registry=r)
         self.queued = Gauge("kvharbor_gateway_queue_length", "Requests waiting for admission", registry=r)
+        self.prefix_hit_ratio = Gauge(
+            "kvharbor_gateway_prefix_hit_ratio",
+            "Matched / prompt blocks of routed requests, so far",
+            ["model"],
+            registry=r,
+        )
 
-    def render(self) -> bytes:
+    def render(self, models: list[str]) -> bytes:
+        for model in models:
+            prompt = self.prompt_blocks.labels(model)._value.get()
+            matched = self.matched_blocks.labels(model)._value.get()
+            self.prefix_hit_ratio.labels(model).set(matched / prompt if prompt else 0.0)
         return generate_latest(self.registry)

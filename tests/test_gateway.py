@@ -259,6 +259,8 @@ def test_prefix_routing_follows_the_holder_and_beats_round_robin(cluster):
     rr_rate = hit_rate_delta(cluster, run(cluster["rr"], "sk-rr"))
     # Every repeat of a system prompt went where that prompt already was.
     assert all(c >= 480 for c in cached[4:]), cached
+    ratio = metric(httpx.get(cluster["g1"].url + "/metrics").text, "kvharbor_gateway_prefix_hit_ratio")
+    assert 0.3 < ratio <= 1.0
     assert prefix_rate > rr_rate + 0.1, (prefix_rate, rr_rate)
 
 
