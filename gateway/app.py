@@ -437,41 +437,13 @@ class _Handler:
             return lines, busy
 
         lines, busy = await with_retries(state.max_attempts, first, pick_next, open_stream)
-        return StreamingResponse(
-            self._relay(call, lines, busy, stats),
+        relay = _Relay(self, call, lines, busy, stats)
+        return _GuardedStream(
+            relay.lines(),
+            relay.close,
             media_type="text/event-stream",
             headers={"x-request-id": call.rid, "Cache-Control": "no-cache", **limit_headers},
         )
-
-    async def _relay(
-        self, call: _Call, lines: AsyncIterator[str], busy: _Busy, stats: StreamStats
-    ) -> AsyncIterator[str]:
-        want_usage = call.body.include_usage
-        usage: dict = {}
-        counted = 0
-        request_id_var.set(call.rid)  # the body streams after the handler returned: log under its id
-        try:
-            async for line in lines:
-                if line.startswith("data: {") and '"usage"' in line:
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage") and not chunk.get("choices"):
-                        usage = chunk["usage"]
-                        if not want_usage:
-                            continue
-                if not line:
-                    continue
-                yield line + "\n\n"
-                # Output tokens count toward TPM as they flow, in batches of 16 to spare Redis.
-                if len(stats.chunk_times) + 1 - counted >= 16:
-                    n = len(stats.chunk_times) + 1 - counted
-                    counted += n
-                    await self.state.limiter.debit_tokens(call.tenant, n)
-        finally:
-            await busy.__aexit__(None, None, None)
-            total = int(usage.get("completion_tokens", len(stats.chunk_times) + (1 if stats.first_token else 0)))
-            await self.state.limiter.debit_tokens(call.tenant, total - counted)
-            await self.state.limiter.release(call.tenant, call.rid)
-            self._finished(call, usage, stats)
 
     def _finished(self, call: _Call, usage: dict, stats: StreamStats | None) -> None:
         m = self.state.metrics
@@ -503,6 +475,67 @@ class _Handler:
                 "error": error,
             },
         )
+
+
+class _Relay:
+    """One streamed answer on its way to the client, and everything to settle when it ends."""
+
+    def __init__(self, handler: _Handler, call: _Call, lines: AsyncIterator[str], busy: _Busy, stats: StreamStats):
+        self.handler, self.call, self.source, self.busy, self.stats = handler, call, lines, busy, stats
+        self.usage: dict = {}
+        self.counted = 0  # output tokens already taken from the tenant's TPM
+        self.closed = False
+
+    async def lines(self) -> AsyncIterator[str]:
+        call, stats, limiter = self.call, self.stats, self.handler.state.limiter
+        request_id_var.set(call.rid)  # the body streams after the handler returned: log under its id
+        try:
+            async for line in self.source:
+                if line.startswith("data: {") and '"usage"' in line:
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage") and not chunk.get("choices"):
+                        self.usage = chunk["usage"]
+                        if not call.body.include_usage:
+                            continue  # the gateway asked for it; the client did not
+                if not line:
+                    continue
+                yield line + "\n\n"
+                # Output tokens count toward TPM as they flow, in batches of 16 to spare Redis.
+                seen = len(stats.chunk_times) + 1
+                if seen - self.counted >= 16:
+                    await limiter.debit_tokens(call.tenant, seen - self.counted)
+                    self.counted = seen
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Settle once: engine bookkeeping, the engine connection, TPM, the concurrency slot, metrics."""
+        if self.closed:
+            return
+        self.closed = True
+        call, stats, limiter = self.call, self.stats, self.handler.state.limiter
+        await self.busy.__aexit__(None, None, None)
+        if stats.response is not None:
+            await stats.response.aclose()  # the engine sees the disconnect and aborts
+        streamed = len(stats.chunk_times) + (1 if stats.first_token else 0)
+        await limiter.debit_tokens(call.tenant, int(self.usage.get("completion_tokens", streamed)) - self.counted)
+        await limiter.release(call.tenant, call.rid)
+        self.handler._finished(call, self.usage, stats)
+
+
+class _GuardedStream(StreamingResponse):
+    """A StreamingResponse that settles its request even when the body never starts (a client
+    gone before the first byte): Starlette would otherwise drop the generator unrun."""
+
+    def __init__(self, content: AsyncIterator[str], settle: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._settle = settle
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._settle()
 
 
 class _Busy:

@@ -34,9 +34,8 @@ class StreamStats:
     first_token: float | None = None
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0  # from usage when the engine sent it, else counted chunks
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
     error: str | None = None
+    response: httpx.Response | None = None  # the engine's open stream, closed when the request settles
 
 
 def _engine_error(resp_status: int, text: str) -> APIError:
@@ -104,7 +103,7 @@ class EngineCaller:
             "POST", engine.url + path, json=payload, headers=headers, timeout=self.timeout
         )
         try:
-            resp = await self.http.send(request, stream=True)
+            resp = stats.response = await self.http.send(request, stream=True)
         except httpx.ConnectError as exc:
             self.pool.failed(engine, "connect", hard=True)
             raise EngineFailed(f"{engine.url}: {exc}") from exc

@@ -40,6 +40,7 @@ TENANTS = [
     {"name": "px", "key": "sk-px"},
     {"name": "batch", "key": "sk-batch", "priority": -1},
     {"name": "vip", "key": "sk-vip", "priority": 5},
+    {"name": "solo", "key": "sk-solo", "limits": {"max_concurrent": 1}},
 ]
 
 
@@ -202,6 +203,34 @@ def test_streamed_output_tokens_count_toward_tpm(cluster):
     with pytest.raises(openai.RateLimitError) as err:
         chat(g1, "sk-metered", "Tell me a story.")
     assert err.value.response.json()["error"]["code"] == "rate_limit_tpm"
+
+
+def test_a_client_gone_mid_stream_frees_its_slot_and_the_engine(cluster):
+    g1 = cluster["g1"]
+
+    def aborted() -> float:
+        return sum(metric(httpx.get(cluster[k].url + "/metrics").text, "kvharbor_requests_aborted_total") for k in "ab")
+
+    before = aborted()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write an essay."}], "max_tokens": 300,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.stream("POST", g1.url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-solo"},
+                      timeout=60) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        with pytest.raises(openai.RateLimitError):  # its one slot is taken while the stream runs
+            chat(g1, "sk-solo", "hi")
+        next(resp.iter_lines())
+    # Gone: the slot comes back, and the engine aborts the generation.
+    assert wait_for(lambda: _slot_free(g1), timeout=10, what="slot released")
+    wait_for(lambda: aborted() > before, timeout=10, what="engine abort")
+
+
+def _slot_free(gateway) -> bool:
+    try:
+        chat(gateway, "sk-solo", "hi", max_tokens=1)
+        return True
+    except openai.RateLimitError:
+        return False
 
 
 # -- caching and routing --------------------------------------------------------------------------
