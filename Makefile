@@ -10,13 +10,14 @@ TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 PORT ?= 8000
 
-.PHONY: help venv up test lint bench clean
+.PHONY: help venv up test lint bench loadtest clean
 
 help:
-	@echo "make up     - create .venv, install, and serve the default model on http://127.0.0.1:8000"
+	@echo "make up     - create .venv, install, run the platform (gateway on http://127.0.0.1:8000)"
 	@echo "make test   - create .venv, install test deps, run ruff and the whole pytest suite"
 	@echo "make lint   - ruff only"
 	@echo "make bench  - benchmarks/engine_throughput.py (minutes; writes benchmarks/results/)"
+	@echo "make loadtest - Locust personas against the platform, judged against loadtest/slos.yaml"
 	@echo "make clean  - remove .venv and caches"
 
 $(BIN)/python:
@@ -34,9 +35,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 venv: $(STAMP)
 
-# For now one engine server with the default model (the gateway and KV cache service come later).
+# The whole platform: Redis (embedded unless REDIS_URL is set), the KV cache service, ENGINES
+# engine servers with the default model, and the gateway on PORT. Ctrl-C stops everything.
+ENGINES ?= 2
 up: $(STAMP)
-	$(BIN)/kvharbor serve --port $(PORT)
+	$(BIN)/kvharbor up --port $(PORT) --engines $(ENGINES)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -47,6 +50,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py
+
+# A bounded headless run: starts the platform unless HOST is given (e.g. HOST=http://127.0.0.1:8000).
+LOADTEST_ARGS ?= --users 6 --run-time 60s
+loadtest: $(STAMP)
+	$(BIN)/python loadtest/run.py $(if $(HOST),--host $(HOST)) $(LOADTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

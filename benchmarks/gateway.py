@@ -28,8 +28,8 @@ import serve as serve_bench
 from compare_peers import MODEL, free_port, server
 from serve import pct
 
+from kvharbor.common.embedded_redis import EmbeddedRedis
 from kvharbor.gateway.tenants import hash_key
-from kvharbor.kvcache_service.embedded_redis import EmbeddedRedis
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STRATEGIES = ("prefix", "round_robin", "least_loaded")

@@ -26,10 +26,10 @@ import serve as serve_bench
 from compare_peers import MODEL, free_port, server
 
 from kvharbor.common.block_hash import block_hashes
+from kvharbor.common.embedded_redis import EmbeddedRedis
 from kvharbor.common.kv_events import BlockStored, EventEnvelope, to_fields
 from kvharbor.common.redis_keys import lease_key, stream_key
 from kvharbor.kvcache_service.consumer import EventConsumer
-from kvharbor.kvcache_service.embedded_redis import EmbeddedRedis
 from kvharbor.kvcache_service.memory_index import MemoryIndex
 from kvharbor.kvcache_service.redis_index import RedisIndex
 

@@ -16,6 +16,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvharbor.engine.cli", "complete a prompt offline with the engine"),
     "chat": ("kvharbor.engine.cli", "answer one chat message offline with the engine"),
     "serve": ("kvharbor.engine.serve", "serve the OpenAI API from one engine (FastAPI on uvicorn)"),
+    "up": ("kvharbor.common.up", "run the whole platform here: Redis, KV cache service, engines, gateway"),
     "gateway": ("kvharbor.gateway.service", "serve the tenants' OpenAI API: auth, limits, prefix routing, admission"),
     "kvcache": (
         "kvharbor.kvcache_service.service",

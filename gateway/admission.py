@@ -100,13 +100,13 @@ class AdmissionQueue:
         deadline = waiter.enqueued + self.timeout
         try:
             while True:
+                signal = self._signal  # before try_now: a wake-up during it is not lost
                 if self._head() is waiter:
                     route = await try_now()
                     if route is not None:
                         self._remove(waiter, served=True)
                         self.wake()  # the next head may fit too
                         return route, time.monotonic() - waiter.enqueued
-                signal = self._signal
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise QueueTimeout()

@@ -9,6 +9,7 @@ holds more of the prefix, `kv_prefix_source=shared`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
@@ -18,8 +19,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
 from pydantic import ValidationError
 
 from kvharbor.common.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
@@ -140,6 +143,13 @@ class _Call:
     prompts: list[list[int]]
     rid: str
     arrival: float = field(default_factory=time.monotonic)
+    slot: str = field(default_factory=lambda: uuid.uuid4().hex)  # this admission's concurrency slot
+    span: Any = None
+
+    @property
+    def engine_rid(self) -> str:
+        """Unique at the engine even when clients reuse ids (theirs stays in x-request-id and logs)."""
+        return f"{self.rid}.{self.slot[:8]}"
 
     @property
     def path(self) -> str:
@@ -161,7 +171,7 @@ class _Handler:
     async def _parse(self, request: Request, model_cls: type) -> tuple[Any, dict]:
         try:
             raw = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise APIError(400, f"the request body is not valid JSON: {exc}") from None
         if not isinstance(raw, dict):
             raise APIError(400, "the request body must be a JSON object")
@@ -269,25 +279,36 @@ class _Handler:
     async def _serve(self, request: Request, kind: str) -> Response:
         call = await self._call(request, kind)
         state = self.state
-        with request_context(call.rid), state.tracer.start_as_current_span(f"gateway {call.path}") as span:
-            span.set_attribute("kvharbor.tenant", call.tenant.name)
-            span.set_attribute("kvharbor.model", call.model.name)
-            span.set_attribute("kvharbor.request_id", call.rid)
-            headers = await self._take_limits(call)
+        # The span outlives the handler for streams: _Relay.close ends it when the stream does.
+        span = call.span = state.tracer.start_span(f"gateway {call.path}")
+        span.set_attribute("kvharbor.tenant", call.tenant.name)
+        span.set_attribute("kvharbor.model", call.model.name)
+        span.set_attribute("kvharbor.request_id", call.rid)
+        streaming = False
+        with request_context(call.rid), trace.use_span(span, end_on_exit=False):
             try:
-                route = await self._admit(call)
-                response = await self._forward(call, route, headers)
-            except BaseException:
-                await state.limiter.release(call.tenant, call.rid)
+                headers = await self._take_limits(call)
+                try:
+                    route = await self._admit(call)
+                    response = await self._forward(call, route, headers, request)
+                    streaming = isinstance(response, StreamingResponse)
+                finally:
+                    if not streaming:
+                        await state.limiter.release(call.tenant, call.slot)
+                return response
+            except APIError as exc:
+                span.set_attribute("http.status_code", exc.status)
+                if exc.status >= 500:
+                    span.set_status(trace.StatusCode.ERROR, exc.message)
                 raise
-            if not isinstance(response, StreamingResponse):
-                await state.limiter.release(call.tenant, call.rid)
-            return response
+            finally:
+                if not streaming:
+                    span.end()
 
     async def _take_limits(self, call: _Call) -> dict[str, str]:
         tokens = sum(map(len, call.prompts))
         try:
-            decision = await self.state.limiter.admit(call.tenant, tokens, call.rid)
+            decision = await self.state.limiter.admit(call.tenant, tokens, call.slot)
         except LimiterUnavailable as exc:
             self._reject(call, "limiter_unavailable")
             raise APIError(
@@ -338,7 +359,7 @@ class _Handler:
             if not fits:
                 return None
             best = min(fits, key=lambda e: self._predicted_ttft(call, e, route))
-            return Route(best, "slo", 0, route.best_matched, route.prompt_blocks)
+            return route.to(best, "slo")
 
         try:
             route, queued = await state.admission.admit(
@@ -371,7 +392,7 @@ class _Handler:
         return route
 
     def _predicted_ttft(self, call: _Call, engine: Engine, route: Route) -> float:
-        matched = route.matched_blocks if engine is route.engine else 0
+        matched = route.held.get(engine.url, 0)
         uncached = max(0, len(call.prompts[0]) - matched * call.model.block_size)
         return predict_ttft_s(engine.waiting_prefill_tokens, uncached, engine.prefill_tokens_per_s)
 
@@ -380,7 +401,7 @@ class _Handler:
             **call.raw,
             "cache_salt": call.tenant.cache_salt,
             "priority": call.tenant.priority,
-            "request_id": call.rid,
+            "request_id": call.engine_rid,
             "user": call.tenant.name,
         }
         if len(call.prompts) == 1:
@@ -389,15 +410,13 @@ class _Handler:
         else:
             payload["prompt"] = call.prompts
         payload.pop("kv_prefix_source", None)
-        if engine is route.engine and route.kv_prefix_source:
-            payload["kv_prefix_source"] = route.kv_prefix_source
-        elif engine is not route.engine and route.best_matched:
-            payload["kv_prefix_source"] = "shared"
+        if route.held.get(engine.url, 0) < route.best_matched:
+            payload["kv_prefix_source"] = "shared"  # another engine holds more: pull, don't recompute
         if call.body.stream:
             payload["stream_options"] = {"include_usage": True}  # the gateway counts tokens
         return payload
 
-    async def _forward(self, call: _Call, route: Route, limit_headers: dict[str, str]) -> Response:
+    async def _forward(self, call: _Call, route: Route, limit_headers: dict[str, str], request: Request) -> Response:
         state = self.state
         headers = inject({"x-request-id": call.rid})
         first = route.engine
@@ -415,7 +434,9 @@ class _Handler:
                 async with _Busy(engine, uncached):
                     return await state.caller.call(engine, call.path, self._payload(call, route, engine), headers)
 
-            content, usage = await with_retries(state.max_attempts, first, pick_next, run)
+            content, usage = await _unless_disconnected(
+                request, with_retries(state.max_attempts, first, pick_next, run)
+            )
             self._finished(call, usage, None)
             # The engine's bytes as they came: parsing and re-encoding would only add latency.
             headers_out = {"x-request-id": call.rid, **limit_headers}
@@ -477,6 +498,22 @@ class _Handler:
         )
 
 
+async def _unless_disconnected(request: Request, work):
+    """Await `work`, cancelling it (and so its engine call: the engine aborts) if the client leaves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "the client closed the connection", code="client_closed")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 class _Relay:
     """One streamed answer on its way to the client, and everything to settle when it ends."""
 
@@ -499,6 +536,8 @@ class _Relay:
                             continue  # the gateway asked for it; the client did not
                 if not line:
                     continue
+                if line.startswith('data: {"error"'):
+                    stats.error = stats.error or line[6:200]
                 yield line + "\n\n"
                 # Output tokens count toward TPM as they flow, in batches of 16 to spare Redis.
                 seen = len(stats.chunk_times) + 1
@@ -509,18 +548,22 @@ class _Relay:
             await self.close()
 
     async def close(self) -> None:
-        """Settle once: engine bookkeeping, the engine connection, TPM, the concurrency slot, metrics."""
+        """Settle once: engine bookkeeping, the engine connection, the concurrency slot, TPM,
+        metrics, the span. Shielded: it runs while Starlette cancels a stream whose client left."""
         if self.closed:
             return
         self.closed = True
         call, stats, limiter = self.call, self.stats, self.handler.state.limiter
-        await self.busy.__aexit__(None, None, None)
-        if stats.response is not None:
-            await stats.response.aclose()  # the engine sees the disconnect and aborts
-        streamed = len(stats.chunk_times) + (1 if stats.first_token else 0)
-        await limiter.debit_tokens(call.tenant, int(self.usage.get("completion_tokens", streamed)) - self.counted)
-        await limiter.release(call.tenant, call.rid)
-        self.handler._finished(call, self.usage, stats)
+        with anyio.CancelScope(shield=True):
+            await self.busy.__aexit__(None, None, None)
+            if stats.response is not None:
+                await stats.response.aclose()  # the engine sees the disconnect and aborts
+            await limiter.release(call.tenant, call.slot)
+            streamed = len(stats.chunk_times) + (1 if stats.first_token else 0)
+            await limiter.debit_tokens(call.tenant, int(self.usage.get("completion_tokens", streamed)) - self.counted)
+            self.handler._finished(call, self.usage, stats)
+            if call.span is not None:
+                call.span.end()
 
 
 class _GuardedStream(StreamingResponse):

@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 
 log = logging.getLogger("kvharbor.gateway.engines")
+COOLDOWN_S = 5.0
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Engine:
     draining: bool = False
     failures: int = 0
     in_flight: int = 0  # requests this gateway has open on it (fresher than the last poll)
+    cooldown_until: float = 0.0  # after failed calls, a good /load alone does not bring it back before this
     pending_prefill: int = 0  # prompt tokens this gateway sent that have no first token yet
 
     @property
@@ -88,15 +90,21 @@ class EnginePool:
 
     # -- health -----------------------------------------------------------------------------------
 
-    def failed(self, engine: Engine, reason: str, hard: bool = False) -> None:
-        """A call to `engine` failed; `hard` (connection refused) ejects at once."""
+    def failed(self, engine: Engine, reason: str, hard: bool = False, passive: bool = True) -> None:
+        """A call to `engine` failed; `hard` (connection refused) ejects at once. After a failed
+        call (passive) the engine stays out for a cool-down even if /load still answers: its
+        inference path can fail while its HTTP server looks fine."""
         engine.failures += 1
+        if passive:
+            engine.cooldown_until = time.monotonic() + COOLDOWN_S
         if not engine.ejected and (hard or engine.failures >= self.eject_after):
             engine.ejected = True
             self.ejections += 1
             log.warning("engine ejected", extra={"engine": engine.url, "reason": reason, "failures": engine.failures})
 
-    def succeeded(self, engine: Engine) -> None:
+    def succeeded(self, engine: Engine, from_poll: bool = False) -> None:
+        if from_poll and time.monotonic() < engine.cooldown_until:
+            return
         engine.failures = 0
         if engine.ejected:
             engine.ejected = False
@@ -108,15 +116,17 @@ class EnginePool:
             resp = await self.client.get(engine.url + "/load", timeout=max(1.0, self.interval * 2))
             resp.raise_for_status()
             load = resp.json()
+            if not isinstance(load, dict):
+                raise ValueError("/load did not answer a JSON object")
         except (httpx.HTTPError, ValueError) as exc:
-            self.failed(engine, f"/load: {type(exc).__name__}", hard=isinstance(exc, httpx.ConnectError))
+            self.failed(engine, f"/load: {type(exc).__name__}", hard=isinstance(exc, httpx.ConnectError), passive=False)
             return
         engine.load = load
         engine.instance_id = load.get("instance_id") or engine.instance_id
         engine.draining = bool(load.get("draining"))
         first = not engine.polled
         engine.polled = True
-        self.succeeded(engine)
+        self.succeeded(engine, from_poll=True)
         if first:
             log.info("engine up", extra={"engine": engine.url, "instance_id": engine.instance_id})
         self.on_change()
@@ -124,7 +134,12 @@ class EnginePool:
     async def poll_forever(self) -> None:
         while True:
             started = time.monotonic()
-            await asyncio.gather(*(self.poll_once(e) for e in list(self._engines.values())))
+            results = await asyncio.gather(
+                *(self.poll_once(e) for e in list(self._engines.values())), return_exceptions=True
+            )
+            for err in results:
+                if isinstance(err, Exception):  # a bug must not end health checking for good
+                    log.error("engine poll failed unexpectedly", exc_info=err)
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
 
     async def wait_ready(self, timeout: float) -> bool:

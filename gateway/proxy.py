@@ -63,16 +63,30 @@ class EngineCaller:
     ) -> None:
         self.http = http
         self.pool = pool
+        # Streams must start within first_token_timeout; an unstreamed answer comes whole, so it
+        # may take the whole request_timeout.
         self.timeout = httpx.Timeout(request_timeout, connect=connect_timeout, read=first_token_timeout)
+        self.unstreamed_timeout = httpx.Timeout(request_timeout, connect=connect_timeout)
 
     async def call(self, engine: Engine, path: str, payload: dict, headers: dict[str, str]) -> tuple[bytes, dict]:
         """One unstreamed call: (the engine's JSON as sent, its usage). Raises EngineFailed (retry
         elsewhere) or APIError (the client's fault)."""
         try:
-            resp = await self.http.post(engine.url + path, json=payload, headers=headers, timeout=self.timeout)
+            resp = await self.http.post(
+                engine.url + path, json=payload, headers=headers, timeout=self.unstreamed_timeout
+            )
         except httpx.ConnectError as exc:
             self.pool.failed(engine, "connect", hard=True)
             raise EngineFailed(f"{engine.url}: {exc}") from exc
+        except httpx.ReadTimeout:
+            # The engine accepted the work and is still at it: running it again elsewhere would
+            # only double the load. Not the engine's fault either.
+            raise APIError(
+                504,
+                "the engine did not finish within the request timeout",
+                type="timeout_error",
+                code="request_timeout",
+            ) from None
         except httpx.HTTPError as exc:
             self.pool.failed(engine, type(exc).__name__)
             raise EngineFailed(f"{engine.url}: {type(exc).__name__}") from exc
@@ -120,6 +134,10 @@ class EngineCaller:
             lines = resp.aiter_lines()
             head: list[str] = []
             async for line in lines:
+                if line.startswith('data: {"error"'):
+                    # The engine failed before any token reached the client: another may not.
+                    self.pool.failed(engine, "error before the first token")
+                    raise EngineFailed(f"{engine.url} failed before the first token: {line[6:200]}")
                 head.append(line)
                 if _has_token(line):
                     stats.first_token = time.monotonic()
@@ -181,7 +199,7 @@ async def with_retries(
     tried: set[str] = set()
     engine: Engine | None = first
     last: EngineFailed | None = None
-    for _ in range(attempts):
+    for attempt in range(attempts):
         if engine is None:
             break
         tried.add(engine.url)
@@ -189,6 +207,8 @@ async def with_retries(
             return await run(engine)
         except EngineFailed as exc:
             last = exc
+            if attempt == attempts - 1:
+                break
             log.warning("engine failed before the first token; trying another", extra={"error": str(exc)})
             engine = await pick_next(tried)
     raise APIError(

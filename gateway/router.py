@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.gateway.config import RoutingConfig
@@ -32,10 +32,15 @@ class Route:
     matched_blocks: int = 0  # of the prompt, held by the chosen engine
     best_matched: int = 0  # held by the best holder among the candidates
     prompt_blocks: int = 0
+    held: dict[str, int] = field(default_factory=dict)  # engine url -> blocks of the prompt it holds
 
     @property
     def kv_prefix_source(self) -> str | None:
         return "shared" if self.best_matched > self.matched_blocks else None
+
+    def to(self, engine: Engine, reason: str) -> Route:
+        """The same request sent to another engine."""
+        return replace(self, engine=engine, reason=reason, matched_blocks=self.held.get(engine.url, 0))
 
 
 class Router:
@@ -83,7 +88,7 @@ class Router:
         else:
             chosen = max(engines, key=lambda e: (self._score(e, held[e.url], blocks, max(queues)), -e.queue))
             reason = "prefix" if held[chosen.url] else "load"
-        return Route(chosen, reason, held[chosen.url], best, blocks)
+        return Route(chosen, reason, held[chosen.url], best, blocks, held)
 
     def _score(self, engine: Engine, held: int, blocks: int, longest_queue: int) -> float:
         c = self.config

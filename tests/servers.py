@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from kvharbor.kvcache_service.embedded_redis import EmbeddedRedis, free_port
+from kvharbor.common.embedded_redis import EmbeddedRedis, free_port
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):

@@ -40,7 +40,7 @@ TENANTS = [
     {"name": "px", "key": "sk-px"},
     {"name": "batch", "key": "sk-batch", "priority": -1},
     {"name": "vip", "key": "sk-vip", "priority": 5},
-    {"name": "solo", "key": "sk-solo", "limits": {"max_concurrent": 1}},
+    {"name": "solo", "key": "sk-solo", "limits": {"max_concurrent": 1, "tpm": 100000}},
 ]
 
 
@@ -342,7 +342,7 @@ def test_one_trace_spans_gateway_and_engine(cluster):
     chat(cluster["g1"], "sk-acme", "Say hi.", extra_headers={"x-request-id": rid})
     spans = wait_for(
         lambda: (
-            (s := [x for x in cluster["otlp"].spans if x["attributes"].get("kvharbor.request_id") == rid])
+            (s := [x for x in cluster["otlp"].spans if x["attributes"].get("kvharbor.request_id", "").startswith(rid)])
             and len(s) >= 2
             and s
         ),
@@ -409,7 +409,8 @@ def test_admission_sheds_queues_and_times_out(cluster, tmp_path):
             started = time.monotonic()
             with pytest.raises(openai.InternalServerError) as shed:
                 chat(patient, "sk-batch", "hello")
-            assert time.monotonic() - started < 2 and shed.value.status_code == 503
+            # Shed at once, not after the 60 s queue deadline (loose bound: this machine is shared).
+            assert time.monotonic() - started < 10 and shed.value.status_code == 503
             assert shed.value.response.json()["error"]["code"] == "shed_slo"
             with pytest.raises(openai.InternalServerError) as late:
                 chat(hasty, "sk-acme", "hello")

@@ -237,3 +237,127 @@ def test_discovery_files(tmp_path):
     path.write_text("models: nope")
     with pytest.raises(ValueError, match="'models' list"):
         StaticDiscovery.from_file(path, 1, 1)
+
+
+# -- engine calls ----------------------------------------------------------------------------------
+
+
+def _caller(handler):
+    import httpx
+
+    from kvharbor.gateway.engines import EnginePool
+    from kvharbor.gateway.proxy import EngineCaller
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    pool = EnginePool(http)
+    return EngineCaller(http, pool, 1.0, 5.0, 10.0), pool
+
+
+def _sse(*chunks: str) -> bytes:
+    return "".join(f"data: {c}\n\n" for c in chunks).encode()
+
+
+def test_an_error_before_the_first_token_moves_the_request():
+    import httpx
+
+    from kvharbor.common.openai_api import APIError
+    from kvharbor.gateway.proxy import EngineFailed, StreamStats, with_retries
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "bad":
+            return httpx.Response(
+                200,
+                content=_sse(
+                    '{"choices":[{"delta":{"role":"assistant"}}]}', '{"error":{"message":"engine died"}}', "[DONE]"
+                ),
+            )
+        if request.url.host == "busy":
+            return httpx.Response(503, json={"error": {"message": "draining"}})
+        if request.url.host == "picky":
+            return httpx.Response(
+                400,
+                json={
+                    "error": {"message": "max_tokens too large", "type": "invalid_request_error", "param": "max_tokens"}
+                },
+            )
+        return httpx.Response(200, content=_sse('{"choices":[{"delta":{"content":"Hi"}}]}', "[DONE]"))
+
+    async def main():
+        caller, _pool = _caller(handler)
+        bad, good, busy, picky = (Engine(f"http://{h}", "m") for h in ("bad", "good", "busy", "picky"))
+        stats = StreamStats()
+        with pytest.raises(EngineFailed, match="before the first token"):
+            await caller.open_stream(bad, "/v1/chat/completions", {}, {}, stats)
+        assert bad.failures == 1
+        with pytest.raises(EngineFailed):
+            await caller.open_stream(busy, "/v1/chat/completions", {}, {}, StreamStats())
+        assert busy.draining and busy.failures == 0  # draining is not a failure
+        with pytest.raises(APIError) as err:
+            await caller.open_stream(picky, "/v1/chat/completions", {}, {}, StreamStats())
+        assert err.value.status == 400 and err.value.param == "max_tokens"  # the client's fault: no retry
+
+        picked: list[str] = []
+
+        async def pick_next(tried):
+            picked.append(",".join(sorted(tried)))
+            return good
+
+        async def run(engine):
+            lines = await caller.open_stream(engine, "/v1/chat/completions", {}, {}, StreamStats())
+            return [line async for line in lines]
+
+        out = await with_retries(3, bad, pick_next, run)
+        assert any('"Hi"' in line for line in out) and picked == ["http://bad"]
+
+        async def nowhere(tried):
+            picked.append("again")
+            return bad
+
+        picked.clear()
+        with pytest.raises(APIError) as err:
+            await with_retries(2, bad, nowhere, run)
+        assert err.value.status == 503 and picked == ["again"]  # no pick after the last attempt
+        await caller.http.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_unstreamed_call_that_times_out_is_not_run_again():
+    import httpx
+
+    from kvharbor.common.openai_api import APIError
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("slow", request=request)
+
+    async def main():
+        caller, _pool = _caller(handler)
+        engine = Engine("http://slow", "m")
+        with pytest.raises(APIError) as err:
+            await caller.call(engine, "/v1/completions", {}, {})
+        assert err.value.status == 504 and engine.failures == 0
+        await caller.http.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_good_poll_does_not_undo_a_passive_ejection_at_once():
+    import httpx
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"running": 0, "waiting": 0, "instance_id": "A"})
+
+    async def main():
+        caller, pool = _caller(handler)
+        engine = Engine("http://a", "m")
+        pool.set_engines("m", [])
+        pool._engines[engine.url] = engine
+        pool.failed(engine, "connect", hard=True)
+        await pool.poll_once(engine)
+        assert engine.ejected  # still in its cool-down
+        engine.cooldown_until = 0
+        await pool.poll_once(engine)
+        assert not engine.ejected and engine.routable
+        await caller.http.aclose()
+
+    asyncio.run(main())

@@ -1,0 +1,317 @@
+"""`kvharbor up`: run the whole platform on this machine (Redis, KV cache service, engines, gateway).
+
+Options are flags, KVHARBOR_* variables or a YAML file (--config), with the same names. Redis is
+$REDIS_URL when set (or --redis-url), else an embedded redis-server on a free loopback port. It
+waits until every part is ready, prints a status table and a working request, then supervises:
+a child that dies is reported and restarted with backoff. Ctrl-C or SIGTERM stops every child
+(also when start-up fails half-way) and removes the temporary directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import yaml
+
+from kvharbor.common.config import ConfigError, add_arguments, opt
+
+PREFIX = "[kvharbor up]"
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    host: str = opt("127.0.0.1", "address the gateway listens on")
+    port: int = opt(8000, "gateway port: the platform's front door")
+    engines: int = opt(2, "engine servers to start")
+    model: str | None = opt(None, "model for the engines: .gguf or HF folder (default: bundled SmolLM2)")
+    kv_cache_memory: str = opt("512MiB", "KV pool of each engine")
+    max_model_len: int = opt(4096, "context length of each engine")
+    routing: Literal["prefix", "round_robin", "least_loaded"] = opt("prefix", "the gateway's routing strategy")
+    slo_ttft_ms: float = opt(2000.0, "TTFT p95 target (ms) the gateway admits against")
+    slo_itl_ms: float = opt(200.0, "inter-token latency p95 target (ms)")
+    tenants_file: str | None = opt(None, "tenants YAML (gateway format); default: a demo tenant with a fresh key")
+    redis_url: str | None = opt(None, "use this Redis (or $REDIS_URL); default: start an embedded redis-server")
+    log_dir: str | None = opt(None, "keep child logs here (default: a temporary directory, removed on exit)")
+    ready_timeout: float = opt(300.0, "seconds to wait for every part to become ready")
+
+    def __post_init__(self) -> None:
+        if self.engines < 1:
+            raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+
+
+def say(message: str) -> None:
+    print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
+
+
+def _die_with_parent() -> None:
+    # Children get SIGTERM if `up` itself is killed without a chance to clean up (Linux only).
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class Child:
+    """One supervised process: how to start it, and how to tell that it is ready."""
+
+    name: str
+    cmd: list[str]
+    url: str
+    probe: str
+    log_path: Path
+    waits_for: str  # what readiness means, for progress lines
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+    ready: bool = False
+    _log: object = field(default=None, repr=False)
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def start(self) -> None:
+        self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
+        )
+        self.ready = False
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def check_ready(self) -> bool:
+        if not self.ready and self.exited() is None:
+            with contextlib.suppress(httpx.HTTPError):
+                self.ready = httpx.get(self.url + self.probe, timeout=2).status_code == 200
+        return self.ready
+
+    def stop(self, grace: float) -> None:
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def tail(self, lines: int = 15) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+class Platform:
+    def __init__(self, config: UpConfig) -> None:
+        self.config = config
+        self.stopping = False
+        self.tmp = Path(tempfile.mkdtemp(prefix="kvharbor-up-"))
+        self.log_dir = Path(config.log_dir) if config.log_dir else self.tmp / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = None
+        self.redis_url = config.redis_url or os.environ.get("REDIS_URL")
+        self.children: list[Child] = []
+        self.demo_key: str | None = None
+
+    # -- set-up -----------------------------------------------------------------------------------
+
+    def _start_redis(self) -> None:
+        if self.redis_url:
+            say(f"using Redis at {self.redis_url}")
+            return
+        from kvharbor.common.embedded_redis import EmbeddedRedis
+
+        self.redis = EmbeddedRedis(workdir=self.tmp / "redis").start()
+        self.redis_url = self.redis.url
+        say(f"started an embedded redis-server at {self.redis_url} (no persistence)")
+
+    def _tenants(self) -> str:
+        if self.config.tenants_file:
+            return self.config.tenants_file
+        self.demo_key = "sk-demo-" + secrets.token_urlsafe(18)
+        path = self.tmp / "tenants.yaml"
+        digest = "sha256:" + hashlib.sha256(self.demo_key.encode()).hexdigest()
+        path.write_text(yaml.safe_dump({"tenants": [{"name": "demo", "api_keys": [digest], "priority": 0}]}))
+        return str(path)
+
+    def _children(self) -> list[Child]:
+        from kvharbor.common.embedded_redis import free_port
+
+        c = self.config
+        cli = [sys.executable, "-m", "kvharbor.common.cli"]
+        kv_port = free_port()
+        kvcache = Child(
+            "kvcache", [*cli, "kvcache", "--redis-url", self.redis_url, "--port", str(kv_port)],
+            f"http://127.0.0.1:{kv_port}", "/ready", self.log_dir / "kvcache.log", "Redis",
+        )  # fmt: skip
+        engines = []
+        for i in range(c.engines):
+            port = free_port()
+            cmd = [*cli, "serve", "--port", str(port), "--instance-id", f"engine-{i}", "--redis-url", self.redis_url,
+                   "--kv-cache-memory", c.kv_cache_memory, "--max-model-len", str(c.max_model_len)]  # fmt: skip
+            if c.model:
+                cmd += ["--model", c.model]
+            engines.append(Child(f"engine-{i}", cmd, f"http://127.0.0.1:{port}", "/ready",
+                                 self.log_dir / f"engine-{i}.log", "model load and warm-up"))  # fmt: skip
+        gateway = Child(
+            "gateway",
+            [*cli, "gateway", "--host", c.host, "--port", str(c.port), "--engines", ",".join(e.url for e in engines),
+             "--tenants-file", self._tenants(), "--redis-url", self.redis_url, "--routing", c.routing,
+             "--slo-ttft-ms", str(c.slo_ttft_ms), "--slo-itl-ms", str(c.slo_itl_ms)]
+            + (["--model", c.model] if c.model else []),
+            f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}", "/ready",
+            self.log_dir / "gateway.log", "the engines",
+        )  # fmt: skip
+        return [kvcache, *engines, gateway]
+
+    def _wait_ready(self, group: list[Child]) -> None:
+        started = time.monotonic()
+        last_note = 0.0
+        while not all(ch.check_ready() for ch in group):
+            for ch in group:
+                code = ch.exited()
+                if code is not None:
+                    raise RuntimeError(f"{ch.name} exited with {code} while starting; its log ends with:\n{ch.tail()}")
+            if self.stopping:
+                raise KeyboardInterrupt
+            waited = time.monotonic() - started
+            if waited > self.config.ready_timeout:
+                slow = ", ".join(ch.name for ch in group if not ch.ready)
+                raise TimeoutError(f"{slow} not ready after {self.config.ready_timeout:.0f}s; logs in {self.log_dir}")
+            if waited - last_note >= 5:
+                waiting = [f"{ch.name} ({ch.waits_for})" for ch in group if not ch.ready]
+                say(f"waiting for {', '.join(waiting)} ... {waited:.0f}s")
+                last_note = waited
+            time.sleep(0.3)
+
+    # -- running ----------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        try:
+            self._start_redis()
+            self.children = self._children()
+            backends = self.children[:-1]
+            for ch in backends:
+                say(f"starting {ch.name} on port {ch.port} ...")
+                ch.start()
+            self._wait_ready(backends)
+            gateway = self.children[-1]
+            say(f"starting the gateway on {gateway.url} ...")
+            gateway.start()
+            self._wait_ready([gateway])
+            self._print_status()
+            return self._supervise()
+        except KeyboardInterrupt:
+            say("interrupted during start-up")
+            return 130
+        except (RuntimeError, TimeoutError, OSError, FileNotFoundError) as exc:
+            say(f"error: {exc}")
+            return 1
+        finally:
+            self._shutdown()
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if not self.stopping:
+            say(f"got {signal.Signals(signum).name}: stopping every part ...")
+        self.stopping = True
+
+    def _supervise(self) -> int:
+        while not self.stopping:
+            now = time.monotonic()
+            for ch in self.children:
+                code = ch.exited()
+                if code is None:
+                    if not ch.ready and ch.check_ready() and ch.restarts:
+                        say(f"{ch.name} is back (restart {ch.restarts})")
+                    continue
+                if ch.next_start == 0.0:
+                    delay = min(MAX_BACKOFF_S, 2.0**ch.restarts)
+                    say(f"{ch.name} (pid {ch.proc.pid}) exited with {code}; restarting in {delay:.0f}s. "
+                        f"Its log ends with:\n{ch.tail(5)}")  # fmt: skip
+                    ch.next_start = now + delay
+                elif now >= ch.next_start:
+                    ch.restarts += 1
+                    ch.next_start = 0.0
+                    ch.stop(0)
+                    ch.start()
+                    say(f"restarted {ch.name} (pid {ch.proc.pid})")
+            time.sleep(0.3)
+        return 0
+
+    def _print_status(self) -> None:
+        rows = [
+            ("redis", "-", self.redis_url.rsplit(":", 1)[1].split("/")[0], "embedded" if self.redis else "external")
+        ]
+        rows += [(ch.name, str(ch.proc.pid), str(ch.port), "ready") for ch in self.children]
+        width = max(len(r[0]) for r in rows) + 2
+        lines = [f"{'process':<{width}}{'pid':>8}  {'port':>6}  state"]
+        lines += [f"{name:<{width}}{pid:>8}  {port:>6}  {state}" for name, pid, port, state in rows]
+        gw = self.children[-1].url
+        key = self.demo_key or "<your key>"
+        model = "SmolLM2-135M-Instruct" if not self.config.model else Path(self.config.model).stem
+        print("\n".join(lines), file=sys.stderr)
+        if self.demo_key:
+            say(f"demo tenant API key (shown once): {self.demo_key}")
+        say("ready. Try:")
+        body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        print(
+            f"curl -s {gw}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
+            f"-d '{json.dumps(body)}'\n\n"
+            f"python -c \"from openai import OpenAI; c = OpenAI(base_url='{gw}/v1', api_key='{key}'); "
+            f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi!'}}])"
+            f'.choices[0].message.content)"\n',
+            file=sys.stderr,
+            flush=True,
+        )
+        say(f"logs in {self.log_dir}; Ctrl-C stops everything")
+
+    def _shutdown(self) -> None:
+        # The gateway first (no new work), then the engines drain, then the rest.
+        for ch in reversed(self.children):
+            if ch.proc is not None and ch.proc.poll() is None:
+                say(f"stopping {ch.name} ...")
+            ch.stop(grace=35.0)
+        if self.redis is not None:
+            self.redis.stop()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        say("stopped")
+
+
+def main(argv: list[str], prog: str = "kvharbor up", command: str = "up") -> int:
+    from kvharbor.common.config import load_config
+
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--config", metavar="FILE", help="YAML file of options [env KVHARBOR_CONFIG]")
+    add_arguments(parser, UpConfig)
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(
+            UpConfig, file=args.config, overrides={k: v for k, v in vars(args).items() if k != "config"}
+        )
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return Platform(config).run()
