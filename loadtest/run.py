@@ -6,7 +6,8 @@ against per-tenant SLOs, with a report people can read.
     python loadtest/run.py --report-only loadtest/results/latest --slos other.yaml   # re-judge
 
 Writes into --out: Locust's CSV and HTML, requests.jsonl (one line per request), summary.json,
-report.png (TTFT/ITL percentiles and throughput over time, per tenant). Exits 1 when an SLO is
+report.png (TTFT/ITL percentiles and throughput over time, per tenant) and, when it started the
+platform, kvcache_stats.json (the KV cache service's reuse figures). Exits 1 when an SLO is
 missed, naming it; 2 when the run itself could not happen.
 """
 
@@ -66,6 +67,19 @@ class Platform:
                 return
             time.sleep(1)
         raise TimeoutError(f"the platform was not ready after {timeout:.0f}s; see {self.log_path}")
+
+    def kvcache_stats(self) -> dict | None:
+        """The KV cache service's /stats (reuse across instances), found from `up`'s status table."""
+        import httpx
+
+        for line in self.log_path.read_text().splitlines():
+            parts = line.split()
+            if len(parts) >= 4 and parts[0] == "kvcache" and parts[2].isdigit():
+                try:
+                    return httpx.get(f"http://127.0.0.1:{parts[2]}/stats", timeout=5).json()
+                except httpx.HTTPError:
+                    return None
+        return None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -245,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             platform.wait_ready()
             host = platform.url
         run_locust(host, args.out, args.users, args.spawn_rate, args.run_time)
+        if platform is not None and (stats := platform.kvcache_stats()) is not None:
+            (args.out / "kvcache_stats.json").write_text(json.dumps(stats, indent=1))
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:
         print(f"[loadtest] error: {exc}", file=sys.stderr)
         return 2
