@@ -1,0 +1,137 @@
+"""Placement: which GPU node pool, and how many GPUs per replica, fit a model (DESIGN §6).
+
+Pools come from Nodes grouped by a label. Per pool the NVIDIA feature-discovery labels give the
+GPU product (`nvidia.com/gpu.product`) and memory per GPU (`nvidia.com/gpu.memory`, MiB), and
+allocatable `nvidia.com/gpu` how many GPUs a node offers. A replica runs on one node, its GPUs
+splitting the weights and the KV cache (tensor parallel, a power of two that divides the KV heads).
+
+A replica fits when weights + KV for maxNumSeqs x maxModelLen tokens fit in the GPUs' memory less
+a workspace headroom (activations, CUDA context, allocator slack). Among the fits the smallest is
+chosen: the least GPU memory per replica, then the fewest GPUs. When nothing fits, the reasons
+say, per pool, how much was needed and how much there was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvharbor.operator.model_profiles import ModelProfile
+
+GiB = 1 << 30
+POOL_LABEL = "kvharbor.io/pool"
+HEADROOM_FRACTION = 0.10  # of each GPU's memory
+HEADROOM_MIN_BYTES = 1 * GiB  # per GPU
+
+
+@dataclass(frozen=True)
+class Pool:
+    name: str
+    gpu_product: str | None
+    gpu_memory_bytes: int  # per GPU
+    gpus_per_node: int  # the most any node of the pool offers
+    nodes: int
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    dtype: str
+    max_model_len: int
+    max_num_seqs: int
+    kv_memory_fraction: float = 1.0  # of what is left after weights and headroom
+
+
+@dataclass(frozen=True)
+class PlacementPlan:
+    pool: str
+    gpus_per_replica: int
+    kv_capacity_tokens: int
+    bytes_per_token: int
+    weight_bytes: int
+    gpu_product: str | None
+
+
+def pools_from_nodes(nodes: Sequence[Mapping[str, Any]], pool_label: str = POOL_LABEL) -> list[Pool]:
+    """Group Node objects (as the API returns them) into pools."""
+    grouped: dict[str, list[Mapping[str, Any]]] = {}
+    for node in nodes:
+        labels = node.get("metadata", {}).get("labels", {}) or {}
+        grouped.setdefault(labels.get(pool_label, "default"), []).append(node)
+    pools = []
+    for name, members in sorted(grouped.items()):
+        gpus = [_int(n.get("status", {}).get("allocatable", {}).get("nvidia.com/gpu")) for n in members]
+        labels = [n.get("metadata", {}).get("labels", {}) or {} for n in members]
+        memory = min((_int(lb.get("nvidia.com/gpu.memory")) for lb in labels), default=0)
+        products = {lb.get("nvidia.com/gpu.product") for lb in labels if lb.get("nvidia.com/gpu.product")}
+        pools.append(
+            Pool(name, ",".join(sorted(products)) or None, memory * (1 << 20), max(gpus, default=0), len(members))
+        )
+    return pools
+
+
+def _int(value: Any) -> int:
+    try:
+        return int(str(value))
+    except (TypeError, ValueError):
+        return 0
+
+
+def usable_bytes(pool: Pool, gpus: int) -> int:
+    headroom = max(HEADROOM_MIN_BYTES, int(pool.gpu_memory_bytes * HEADROOM_FRACTION))
+    return gpus * (pool.gpu_memory_bytes - headroom)
+
+
+def place(
+    model: ModelProfile,
+    engine: EngineShape,
+    pools: Sequence[Pool],
+    node_pool: str | None = None,
+    gpu_type: str | None = None,
+    gpus_per_replica: int | None = None,
+) -> PlacementPlan | list[str]:
+    """The smallest fit, or the reasons (one per pool) why nothing fits."""
+    weights = model.weight_bytes(engine.dtype)
+    per_token = model.kv_bytes_per_token(engine.dtype)
+    kv_needed = engine.max_num_seqs * engine.max_model_len * per_token
+    need = weights + kv_needed
+    fits: list[tuple[int, int, str, PlacementPlan]] = []
+    reasons: list[str] = []
+    candidates = [p for p in pools if node_pool is None or p.name == node_pool]
+    if node_pool is not None and not candidates:
+        return [f"node pool {node_pool!r} does not exist; pools: {', '.join(p.name for p in pools) or 'none'}"]
+    for pool in candidates:
+        why = _unusable(pool, gpu_type)
+        if why:
+            reasons.append(f"pool {pool.name}: {why}")
+            continue
+        counts = [g for g in (1, 2, 4, 8, 16) if g <= pool.gpus_per_node and model.kv_heads % g == 0]
+        if gpus_per_replica is not None:
+            counts = [g for g in counts if g == gpus_per_replica]
+        plan = None
+        for g in counts:
+            room = usable_bytes(pool, g)
+            if need <= room:
+                kv_tokens = int((room - weights) * engine.kv_memory_fraction) // per_token
+                plan = PlacementPlan(pool.name, g, kv_tokens, per_token, weights, pool.gpu_product)
+                fits.append((g * pool.gpu_memory_bytes, g, pool.name, plan))
+                break
+        if plan is None:
+            most = max(counts, default=0)
+            room = usable_bytes(pool, most) if most else 0
+            reasons.append(
+                f"pool {pool.name}: needs {need / GiB:.1f} GiB (weights {weights / GiB:.1f} + KV {kv_needed / GiB:.1f} "
+                f"for {engine.max_num_seqs} x {engine.max_model_len} tokens) but {most or 'no'} GPU(s) of "
+                f"{pool.gpu_memory_bytes / GiB:.0f} GiB give {room / GiB:.1f} GiB usable"
+            )
+    if fits:
+        return min(fits, key=lambda f: f[:3])[3]
+    return reasons or ["no node pools"]
+
+
+def _unusable(pool: Pool, gpu_type: str | None) -> str | None:
+    if pool.gpus_per_node < 1 or pool.gpu_memory_bytes <= 0:
+        return "no GPUs (allocatable nvidia.com/gpu and the nvidia.com/gpu.memory label are missing)"
+    if gpu_type and (pool.gpu_product is None or gpu_type.lower() not in pool.gpu_product.lower()):
+        return f"GPU {pool.gpu_product} is not the requested {gpu_type}"
+    return None

@@ -1,0 +1,145 @@
+"""Operator pure functions: placement over node pools, and scaling decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvharbor.operator.model_profiles import KNOWN, ModelProfile, profile_for
+from kvharbor.operator.placement import EngineShape, PlacementPlan, Pool, place, pools_from_nodes
+from kvharbor.operator.scaling import AutoscalingSpec, observed, scale_decision
+
+MiB = 1 << 20
+
+
+def node(name: str, pool: str, gpus: int | None, product: str | None = None, memory_mib: int | None = None) -> dict:
+    labels = {"kvharbor.io/pool": pool}
+    if product:
+        labels |= {"nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": str(memory_mib)}
+    allocatable = {"cpu": "16", "memory": "64Gi"} | ({"nvidia.com/gpu": str(gpus)} if gpus else {})
+    return {"metadata": {"name": name, "labels": labels}, "status": {"allocatable": allocatable}}
+
+
+NODES = (
+    [node(f"h100-{i}", "h100", 8, "NVIDIA-H100-80GB-HBM3", 81559) for i in range(2)]
+    + [node(f"l4-{i}", "l4", 4, "NVIDIA-L4", 23034) for i in range(3)]
+    + [node(f"cpu-{i}", "cpu", None) for i in range(2)]
+)
+POOLS = pools_from_nodes(NODES)
+
+
+def shape(seqs: int, length: int, dtype: str = "bfloat16") -> EngineShape:
+    return EngineShape(dtype=dtype, max_model_len=length, max_num_seqs=seqs)
+
+
+def test_pools_from_nodes():
+    by_name = {p.name: p for p in POOLS}
+    assert by_name["h100"] == Pool("h100", "NVIDIA-H100-80GB-HBM3", 81559 * MiB, 8, 2)
+    assert by_name["l4"].gpus_per_node == 4 and by_name["l4"].nodes == 3
+    assert by_name["cpu"].gpus_per_node == 0
+
+
+@pytest.mark.parametrize(
+    ("model", "seqs", "length", "pool", "gpus"),
+    [
+        ("SmolLM2-135M-Instruct", 64, 8192, "l4", 1),  # tiny: the smallest GPU
+        ("Llama-3.1-8B-Instruct", 16, 8192, "l4", 2),  # 15 GiB weights + 16 GiB KV
+        ("Llama-3.1-8B-Instruct", 64, 8192, "l4", 4),  # + 64 GiB KV: four L4s beat two H100s on memory
+        ("Llama-3.1-70B-Instruct", 16, 8192, "h100", 4),  # 131 GiB weights + 40 GiB KV
+        ("Llama-3.1-70B-Instruct", 1, 4096, "h100", 2),
+    ],
+)
+def test_placement_picks_the_smallest_fit(model, seqs, length, pool, gpus):
+    plan = place(KNOWN[model], shape(seqs, length), POOLS)
+    assert isinstance(plan, PlacementPlan), plan
+    assert (plan.pool, plan.gpus_per_replica) == (pool, gpus)
+    assert plan.kv_capacity_tokens >= seqs * length
+
+
+def test_kv_capacity_by_hand():
+    plan = place(KNOWN["SmolLM2-135M-Instruct"], shape(8, 2048), POOLS)
+    per_token = 2 * 30 * 3 * 64 * 2  # K and V x layers x kv heads x head dim x bf16 bytes = 23,040
+    gpu = 23034 * MiB
+    usable = gpu - int(gpu * 0.10)  # headroom: 10% of the GPU (more than the 1 GiB minimum)
+    weights = 134_515_008 * 2
+    assert plan.bytes_per_token == per_token == 23_040
+    assert plan.kv_capacity_tokens == (usable - weights) // per_token == 931_795
+
+
+def test_no_fit_says_why_with_numbers():
+    reasons = place(KNOWN["Llama-3.1-70B-Instruct"], shape(256, 32768), POOLS)
+    assert isinstance(reasons, list) and len(reasons) == 3
+    text = "\n".join(reasons)
+    assert "pool cpu: no GPUs" in text
+    assert "pool h100: needs" in text and "GiB" in text and "8 GPU(s) of 80 GiB" in text
+    assert "pool l4: needs" in text
+
+
+def test_pool_gpu_type_and_fixed_gpu_count_are_honoured():
+    model = KNOWN["Llama-3.1-8B-Instruct"]
+    plan = place(model, shape(16, 8192), POOLS, node_pool="h100")
+    assert (plan.pool, plan.gpus_per_replica) == ("h100", 1)
+    plan = place(model, shape(16, 8192), POOLS, gpu_type="H100", gpus_per_replica=2)
+    assert (plan.pool, plan.gpus_per_replica) == ("h100", 2)
+    reasons = place(model, shape(16, 8192), POOLS, node_pool="tpu")
+    assert reasons == ["node pool 'tpu' does not exist; pools: cpu, h100, l4"]
+    reasons = place(model, shape(16, 8192), POOLS, node_pool="l4", gpu_type="A100")
+    assert "not the requested A100" in reasons[0]
+
+
+def test_tensor_parallel_must_divide_the_kv_heads():
+    odd = ModelProfile("odd", 80_000_000_000, 40, 3, 128)  # 3 KV heads: only 1 or 3 GPUs could split them
+    reasons = place(odd, shape(1, 1024), POOLS)
+    assert isinstance(reasons, list)  # 160 GB of weights need several GPUs, and 2, 4, 8 do not divide 3
+
+
+def test_profiles():
+    assert (
+        profile_for("x", {"parameters": 10, "layers": 2, "kvHeads": 1, "headDim": 8}).kv_bytes_per_token("float32")
+        == 128
+    )
+    with pytest.raises(ValueError, match="no known profile"):
+        profile_for("unknown-model")
+    with pytest.raises(ValueError, match="integer parameters"):
+        profile_for("x", {"parameters": "many"})
+
+
+# -- scaling ---------------------------------------------------------------------------------------
+
+SPEC = AutoscalingSpec(min_replicas=1, max_replicas=6, metric="queue", target=8, up_cooldown_s=30, down_cooldown_s=300)
+
+
+@pytest.mark.parametrize(
+    ("value", "current", "since", "want"),
+    [
+        (8.0, 2, 1000, 2),  # at target
+        (8.6, 2, 1000, 2),  # within the 10% tolerance
+        (16.0, 2, 1000, 4),  # twice the target: twice the replicas
+        (40.0, 2, 1000, 6),  # capped at max
+        (16.0, 2, 10, 2),  # scale-up cool-down
+        (2.0, 4, 1000, 1),  # a quarter of the target
+        (2.0, 4, 100, 4),  # scale-down cool-down is longer
+        (None, 3, 1000, 3),  # no data: no change
+        (8.0, 9, 0, 6),  # out of bounds is fixed at once
+        (8.0, 0, 0, 1),
+    ],
+)
+def test_scale_decision(value, current, since, want):
+    assert scale_decision(value, SPEC, current, now=10_000.0, last_change=10_000.0 - since) == want
+
+
+def test_slo_metric_scales_up_when_attainment_drops():
+    spec = AutoscalingSpec(1, 10, "slo", target=0.95)
+    assert scale_decision(0.5, spec, 2, now=1000, last_change=0) == 4
+    assert scale_decision(0.96, spec, 2, now=1000, last_change=0) == 2
+
+
+def test_observed_metrics_from_load_reports():
+    loads = [
+        {"running": 3, "waiting": 5, "kv_blocks_total": 100, "kv_blocks_free": 25},
+        {"running": 1, "waiting": 1, "kv_blocks_total": 100, "kv_blocks_free": 75},
+    ]
+    assert observed("queue", loads) == 5.0
+    assert observed("kv", loads) == 0.5
+    assert observed("slo", loads) is None and observed("queue", []) is None
+    with pytest.raises(ValueError, match="queue, kv or slo"):
+        observed("gpu", loads)
