@@ -111,3 +111,24 @@ def test_examples_satisfy_our_crds(kind, plural):
         broken["spec"]["engine"]["blockSize"] = 12
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(broken, schema)
+
+
+def test_tenants_become_the_gateways_tenants_file_without_clear_keys():
+    import base64
+
+    from kvharbor.gateway.tenants import parse_tenants
+    from kvharbor.operator.tenants import TenantError, gateway_tenant, gateway_tenants_secret
+
+    tenant = example("tenant")
+    secret = {"metadata": {"name": "acme-api-key"}, "data": {"api-key": base64.b64encode(b"sk-one\nsk-two\n").decode()}}
+    entry = gateway_tenant(tenant, secret)
+    manifest = gateway_tenants_secret("kvharbor-tenants", "inference", [entry])
+    kubernetes_validate.validate(manifest, "1.37", strict=True)
+    text = base64.b64decode(manifest["data"]["tenants.yaml"]).decode()
+    assert "sk-one" not in text and "sk-two" not in text
+    parsed = parse_tenants(yaml.safe_load(text))  # the gateway accepts it as is
+    (acme,) = {t.name: t for t in parsed.values()}.values()
+    assert acme.limits.max_concurrent == 32 and acme.models == ("Llama-3.1-8B-Instruct",) and len(acme.api_keys) == 2
+    assert gateway_tenants_secret("kvharbor-tenants", "inference", [dict(entry)]) == manifest  # writing twice: same bytes
+    with pytest.raises(TenantError, match="no key"):
+        gateway_tenant(tenant, {"metadata": {"name": "x"}, "data": {}})

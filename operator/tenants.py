@@ -1,0 +1,70 @@
+"""Tenant resources -> the gateway's tenants file (DESIGN §5, §6).
+
+The gateway reads tenants from a YAML file it re-reads on change; in Kubernetes that file is a
+key of a Secret the operator writes from every Tenant and the Secrets their `apiKeySecretRef`
+names. API keys never leave a Secret in clear: the gateway's file holds only their sha256.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import yaml
+
+TENANTS_KEY = "tenants.yaml"
+
+
+class TenantError(ValueError):
+    """A Tenant that cannot be turned into a gateway tenant; the message says why."""
+
+
+def api_keys(secret: Mapping[str, Any], key: str) -> list[str]:
+    """The API keys in a Secret's `data[key]` (base64, one key per line)."""
+    raw = (secret.get("data") or {}).get(key)
+    if raw is None:
+        raise TenantError(f"Secret {secret.get('metadata', {}).get('name')!r} has no key {key!r}")
+    try:
+        text = base64.b64decode(raw, validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        raise TenantError(f"Secret key {key!r} is not base64 UTF-8 text") from None
+    keys = [line.strip() for line in text.splitlines() if line.strip()]
+    if not keys:
+        raise TenantError(f"Secret key {key!r} holds no API key")
+    return keys
+
+
+def gateway_tenant(tenant: Mapping[str, Any], secret: Mapping[str, Any]) -> dict:
+    """One entry of the gateway's tenants file for a Tenant resource."""
+    spec = tenant.get("spec") or {}
+    ref = spec.get("apiKeySecretRef") or {}
+    limits = spec.get("limits") or {}
+    entry = {
+        "name": tenant["metadata"]["name"],
+        "api_keys": [
+            "sha256:" + hashlib.sha256(k.encode()).hexdigest() for k in api_keys(secret, ref.get("key", "api-key"))
+        ],
+        "priority": int(spec.get("priority", 0)),
+        "limits": {"rpm": limits.get("rpm"), "tpm": limits.get("tpm"), "max_concurrent": limits.get("maxConcurrent")},
+        "models": list(spec.get("models") or ["*"]),
+        "cache_sharing_group": spec.get("cacheSharingGroup"),
+    }
+    return entry
+
+
+def gateway_tenants_secret(name: str, namespace: str, entries: Iterable[dict]) -> dict:
+    """The Secret the gateway mounts: its tenants file, entries sorted so that writing it twice changes nothing."""
+    body = yaml.safe_dump({"tenants": sorted(entries, key=lambda e: e["name"])}, sort_keys=True)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/managed-by": "kvharbor-operator"},
+        },
+        "type": "Opaque",
+        "data": {TENANTS_KEY: base64.b64encode(body.encode()).decode()},
+    }
