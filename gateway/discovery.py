@@ -87,3 +87,64 @@ class StaticDiscovery:
                 )
             )
         return cls(specs)
+
+
+# -- Kubernetes -----------------------------------------------------------------------------------
+
+DISCOVERY_LABEL = "kvharbor.io/discovery"  # on engine Services, set by the operator (operator/objects.py)
+MODEL_LABEL = "kvharbor.io/model"
+
+
+def engines_from_slices(services: list[dict], slices: list[dict]) -> dict[str, list[str]]:
+    """Ready engine URLs per model, from engine Services and their EndpointSlices (discovery.k8s.io/v1)."""
+    models: dict[str, str] = {}
+    for svc in services:
+        meta = svc.get("metadata", {})
+        labels = meta.get("labels") or {}
+        if labels.get(DISCOVERY_LABEL) == "engine" and labels.get(MODEL_LABEL):
+            models[f"{meta.get('namespace')}/{meta.get('name')}"] = labels[MODEL_LABEL]
+    out: dict[str, list[str]] = {}
+    for es in slices:
+        meta = es.get("metadata", {})
+        owner = f"{meta.get('namespace')}/{(meta.get('labels') or {}).get('kubernetes.io/service-name')}"
+        model = models.get(owner)
+        if model is None:
+            continue
+        port = next((p.get("port") for p in es.get("ports") or [] if p.get("name") in ("http", None)), None)
+        if port is None:
+            continue
+        for ep in es.get("endpoints") or []:
+            if (ep.get("conditions") or {}).get("ready") is False:
+                continue
+            for address in ep.get("addresses") or []:
+                host = f"[{address}]" if ":" in address else address
+                out.setdefault(model, []).append(f"http://{host}:{port}")
+    return {m: sorted(set(urls)) for m, urls in out.items()}
+
+
+class KubernetesDiscovery:
+    """Engines from the cluster: Services labelled `kvharbor.io/discovery=engine` and their
+    EndpointSlices, re-read by `refresh()`. `api_get(path) -> dict` is the API access (in the
+    gateway: the in-cluster service account over HTTPS); model files and SLOs come from `specs`."""
+
+    def __init__(self, api_get, namespace: str, specs: dict[str, ModelSpec]) -> None:
+        self.api_get = api_get
+        self.namespace = namespace
+        self.specs = specs  # model name -> tokenizer files and SLOs (engines are filled in here)
+        self._current: list[ModelSpec] = []
+
+    async def refresh(self) -> list[ModelSpec]:
+        base = f"/api/v1/namespaces/{self.namespace}/services?labelSelector={DISCOVERY_LABEL}%3Dengine"
+        services = (await self.api_get(base)).get("items", [])
+        slices = (await self.api_get(f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices")).get(
+            "items", []
+        )
+        found = engines_from_slices(services, slices)
+        self._current = [
+            ModelSpec(name, spec.files, tuple(found.get(name, ())), spec.slo_ttft_ms, spec.slo_itl_ms)
+            for name, spec in sorted(self.specs.items())
+        ]
+        return self._current
+
+    def models(self) -> list[ModelSpec]:
+        return list(self._current)

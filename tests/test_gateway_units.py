@@ -361,3 +361,43 @@ def test_a_good_poll_does_not_undo_a_passive_ejection_at_once():
         await caller.http.aclose()
 
     asyncio.run(main())
+
+
+def test_kubernetes_discovery_from_services_and_endpointslices():
+    from kvharbor.gateway.discovery import KubernetesDiscovery, ModelSpec, engines_from_slices
+
+    services = [
+        {
+            "metadata": {
+                "name": "llama",
+                "namespace": "inf",
+                "labels": {"kvharbor.io/discovery": "engine", "kvharbor.io/model": "llama-8b"},
+            }
+        },
+        {"metadata": {"name": "other", "namespace": "inf", "labels": {}}},
+    ]
+    slices = [
+        {
+            "metadata": {"namespace": "inf", "labels": {"kubernetes.io/service-name": "llama"}},
+            "ports": [{"name": "http", "port": 8000}],
+            "endpoints": [
+                {"addresses": ["10.0.0.5"], "conditions": {"ready": True}},
+                {"addresses": ["10.0.0.6"], "conditions": {"ready": False}},  # draining or starting: not routed
+                {"addresses": ["fd00::7"]},
+            ],
+        },
+        {
+            "metadata": {"namespace": "inf", "labels": {"kubernetes.io/service-name": "other"}},
+            "ports": [{"name": "http", "port": 1}],
+            "endpoints": [{"addresses": ["10.9.9.9"]}],
+        },
+    ]
+    assert engines_from_slices(services, slices) == {"llama-8b": ["http://10.0.0.5:8000", "http://[fd00::7]:8000"]}
+
+    async def api_get(path: str) -> dict:
+        return {"items": services if "/services" in path else slices}
+
+    discovery = KubernetesDiscovery(api_get, "inf", {"llama-8b": ModelSpec("llama-8b", None, (), 1500, 100)})
+    (spec,) = asyncio.run(discovery.refresh())
+    assert spec.engines == ("http://10.0.0.5:8000", "http://[fd00::7]:8000") and spec.slo_ttft_ms == 1500
+    assert discovery.models() == [spec]

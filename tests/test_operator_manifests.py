@@ -129,6 +129,8 @@ def test_tenants_become_the_gateways_tenants_file_without_clear_keys():
     parsed = parse_tenants(yaml.safe_load(text))  # the gateway accepts it as is
     (acme,) = {t.name: t for t in parsed.values()}.values()
     assert acme.limits.max_concurrent == 32 and acme.models == ("Llama-3.1-8B-Instruct",) and len(acme.api_keys) == 2
-    assert gateway_tenants_secret("kvharbor-tenants", "inference", [dict(entry)]) == manifest  # writing twice: same bytes
+    assert (
+        gateway_tenants_secret("kvharbor-tenants", "inference", [dict(entry)]) == manifest
+    )  # writing twice: same bytes
     with pytest.raises(TenantError, match="no key"):
         gateway_tenant(tenant, {"metadata": {"name": "x"}, "data": {}})
