@@ -218,3 +218,17 @@ def parse_bytes(text: str | int) -> int:
     else:
         scale = _UNITS[unit.rstrip("B") or unit]
     return int(number * scale)
+
+
+def config_from_argv(cls: type[T], argv: list[str], prog: str, description: str) -> T:
+    """A command's config from its argv: --help and --config FILE, one flag per leaf, then
+    load_config. Exits with argparse's usage error (status 2) on bad values."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", metavar="FILE", help="YAML file of options [env KVHARBOR_CONFIG]")
+    add_arguments(parser, cls)
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in vars(args).items() if k != "config"}
+    try:
+        return load_config(cls, file=args.config, overrides=overrides)
+    except ConfigError as exc:
+        parser.error(str(exc))

@@ -9,7 +9,6 @@ a child that dies is reported and restarted with backoff. Ctrl-C or SIGTERM stop
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import hashlib
@@ -29,7 +28,7 @@ from typing import Literal
 import httpx
 import yaml
 
-from kvharbor.common.config import ConfigError, add_arguments, opt
+from kvharbor.common.config import config_from_argv, opt
 
 PREFIX = "[kvharbor up]"
 MAX_BACKOFF_S = 30.0
@@ -302,16 +301,4 @@ class Platform:
 
 
 def main(argv: list[str], prog: str = "kvharbor up", command: str = "up") -> int:
-    from kvharbor.common.config import load_config
-
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--config", metavar="FILE", help="YAML file of options [env KVHARBOR_CONFIG]")
-    add_arguments(parser, UpConfig)
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(
-            UpConfig, file=args.config, overrides={k: v for k, v in vars(args).items() if k != "config"}
-        )
-    except ConfigError as exc:
-        parser.error(str(exc))
-    return Platform(config).run()
+    return Platform(config_from_argv(UpConfig, argv, prog, __doc__.splitlines()[0])).run()

@@ -7,7 +7,6 @@ Options are flags, KVHARBOR_* variables or a YAML file (--config), with the same
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -21,32 +20,16 @@ from typing import Any
 
 import uvicorn
 
-from kvharbor.common.config import ConfigError, add_arguments, load_config
+from kvharbor.common.config import config_from_argv
 from kvharbor.common.logs import setup_logging
 
 log = logging.getLogger("kvharbor.engine.serve")
 
 
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    from kvharbor.engine.config import ServeConfig
-
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--config", metavar="FILE", help="YAML file of options [env KVHARBOR_CONFIG]")
-    add_arguments(parser, ServeConfig)
-    return parser
-
-
 def main(argv: list[str], prog: str = "kvharbor serve", command: str = "serve") -> int:
     from kvharbor.engine.config import ServeConfig
 
-    parser = build_parser(prog)
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(
-            ServeConfig, file=args.config, overrides={k: v for k, v in vars(args).items() if k != "config"}
-        )
-    except ConfigError as exc:
-        parser.error(str(exc))
+    config = config_from_argv(ServeConfig, argv, prog, __doc__.splitlines()[0])
     setup_logging(config.server.log_level, config.server.log_json)
     try:
         server = build_server(config)

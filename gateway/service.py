@@ -7,7 +7,6 @@ is set with --engines (and --model / --served-model-name for its tokenizer); sev
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -15,33 +14,17 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvharbor.common.config import ConfigError, add_arguments, load_config
+from kvharbor.common.config import config_from_argv
 from kvharbor.common.logs import setup_logging
 
 log = logging.getLogger("kvharbor.gateway.service")
-
-
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    from kvharbor.gateway.config import GatewayConfig
-
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--config", metavar="FILE", help="YAML file of options [env KVHARBOR_CONFIG]")
-    add_arguments(parser, GatewayConfig)
-    return parser
 
 
 def main(argv: list[str], prog: str = "kvharbor gateway", command: str = "gateway") -> int:
     from kvharbor.gateway.config import GatewayConfig
     from kvharbor.gateway.tenants import TenantsError
 
-    parser = build_parser(prog)
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(
-            GatewayConfig, file=args.config, overrides={k: v for k, v in vars(args).items() if k != "config"}
-        )
-    except ConfigError as exc:
-        parser.error(str(exc))
+    config = config_from_argv(GatewayConfig, argv, prog, __doc__.splitlines()[0])
     setup_logging(config.server.log_level, config.server.log_json)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     try:

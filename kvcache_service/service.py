@@ -9,7 +9,6 @@ even while Redis is down (/ready says so) and catches up when Redis comes back.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -17,32 +16,16 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
-from kvharbor.common.config import ConfigError, add_arguments, load_config
+from kvharbor.common.config import config_from_argv
 from kvharbor.common.logs import setup_logging
 
 log = logging.getLogger("kvharbor.kvcache.service")
 
 
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    from kvharbor.kvcache_service.config import KVCacheServiceConfig
-
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
-    parser.add_argument("--config", metavar="FILE", help="YAML file of options [env KVHARBOR_CONFIG]")
-    add_arguments(parser, KVCacheServiceConfig)
-    return parser
-
-
 def main(argv: list[str], prog: str = "kvharbor kvcache", command: str = "kvcache") -> int:
     from kvharbor.kvcache_service.config import KVCacheServiceConfig
 
-    parser = build_parser(prog)
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(
-            KVCacheServiceConfig, file=args.config, overrides={k: v for k, v in vars(args).items() if k != "config"}
-        )
-    except ConfigError as exc:
-        parser.error(str(exc))
+    config = config_from_argv(KVCacheServiceConfig, argv, prog, __doc__.splitlines()[0])
     setup_logging(config.server.log_level, config.server.log_json)
     return serve(config)
 
