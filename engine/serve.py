@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 
 from kvharbor.common.config import config_from_argv
+from kvharbor.common.http_server import uvicorn_config
 from kvharbor.common.logs import setup_logging
 
 log = logging.getLogger("kvharbor.engine.serve")
@@ -99,15 +100,7 @@ class EngineServer:
             tracer=setup_tracing("engine", srv.otlp_endpoint),
         )
         app = build_app(self.state, lifespan=self._lifespan)
-        uv_config = uvicorn.Config(
-            app,
-            host=srv.host,
-            port=srv.port,
-            log_config=None,
-            access_log=False,
-            timeout_graceful_shutdown=5,
-            lifespan="on",
-        )
+        uv_config = uvicorn_config(app, srv.host, srv.port)
         self.server = DrainingServer(uv_config, self.state, srv.drain_timeout)
         self.config = config
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvharbor.common.config import config_from_argv
+from kvharbor.common.http_server import serve_app
 from kvharbor.common.logs import setup_logging
 
 log = logging.getLogger("kvharbor.gateway.service")
@@ -141,8 +142,6 @@ def lifespan_for(state: Any):
 
 
 def serve(config: Any) -> int:
-    import uvicorn
-
     from kvharbor.gateway.app import build_app
 
     state = build_state(config)
@@ -156,18 +155,4 @@ def serve(config: Any) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uv_config = uvicorn.Config(
-        build_app(state, lifespan=lifespan_for(state)),
-        host=srv.host,
-        port=srv.port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-    )
-    try:
-        uvicorn.Server(uv_config).run()
-    except OSError as exc:
-        print(f"kvharbor gateway: error: cannot listen on {srv.host}:{srv.port}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return serve_app(build_app(state, lifespan=lifespan_for(state)), srv.host, srv.port, "gateway")

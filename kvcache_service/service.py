@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvharbor.common.config import config_from_argv
+from kvharbor.common.http_server import serve_app
 from kvharbor.common.logs import setup_logging
 
 log = logging.getLogger("kvharbor.kvcache.service")
@@ -70,8 +71,6 @@ def build_state(config: Any):
 
 
 def serve(config: Any) -> int:
-    import uvicorn
-
     from kvharbor.kvcache_service.app import build_app
     from kvharbor.kvcache_service.block_store import BlockStoreUnavailable
 
@@ -114,18 +113,4 @@ def serve(config: Any) -> int:
         file=sys.stderr,
         flush=True,
     )
-    uv_config = uvicorn.Config(
-        build_app(state, lifespan=lifespan),
-        host=srv.host,
-        port=srv.port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=5,
-    )
-    try:
-        uvicorn.Server(uv_config).run()
-    except OSError as exc:
-        print(f"kvharbor kvcache: error: cannot listen on {srv.host}:{srv.port}: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    return serve_app(build_app(state, lifespan=lifespan), srv.host, srv.port, "kvcache")
