@@ -5,6 +5,7 @@ restarts, the publisher re-sends `cleared` and then the full set."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -34,31 +35,20 @@ def dropped_events(url: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
+def tiny_engine_args(model: Path, redis_url: str) -> tuple[str, ...]:
+    """`kvharbor serve` options for a small, fast engine publishing as instance engine-a."""
+    return ("--model", str(model), "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64",
+            "--redis-url", redis_url, "--instance-id", "engine-a")  # fmt: skip
+
+
 def test_events_match_the_pool_and_survive_a_redis_restart(tmp_path, tiny_folder):
     redis_port = free_port()
     server_redis = RedisProcess(tmp_path / "redis", port=redis_port).start()
     proc = None
     try:
         url = server_redis.url
-        proc = EngineServerProcess(
-            tmp_path,
-            "--model",
-            str(tiny_folder),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "256",
-            "--num-kv-blocks",
-            "64",
-            "--redis-url",
-            url,
-            "--instance-id",
-            "engine-a",
-            "--lease-ttl",
-            "5",
-            "--log-level",
-            "info",
-        ).start()
+        args = (*tiny_engine_args(tiny_folder, url), "--lease-ttl", "5", "--log-level", "info")
+        proc = EngineServerProcess(tmp_path, *args).start()
         client = redis.Redis.from_url(url)
         first = wait_for(lambda: read_events(client))
         assert isinstance(first[0][1].event, AllCleared)  # a fresh index learns the instance starts empty
@@ -118,23 +108,7 @@ def test_events_match_the_pool_and_survive_a_redis_restart(tmp_path, tiny_folder
 def test_graceful_stop_clears_the_instance_and_drops_its_lease(tmp_path, tiny_folder):
     with RedisProcess(tmp_path / "redis") as server_redis:
         client = redis.Redis.from_url(server_redis.url)
-        with EngineServerProcess(
-            tmp_path,
-            "--model",
-            str(tiny_folder),
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "256",
-            "--num-kv-blocks",
-            "64",
-            "--redis-url",
-            server_redis.url,
-            "--instance-id",
-            "engine-a",
-            "--log-level",
-            "warning",
-        ):
+        with EngineServerProcess(tmp_path, *tiny_engine_args(tiny_folder, server_redis.url), "--log-level", "warning"):
             wait_for(lambda: client.get(LEASE))
         assert client.get(LEASE) is None
         assert isinstance(read_events(client)[-1][1].event, AllCleared)
