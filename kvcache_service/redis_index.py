@@ -18,7 +18,7 @@ failure or timeout raises `IndexUnavailable` within `timeout` seconds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
@@ -195,13 +195,17 @@ class RedisIndex:
         client = redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout)
         return cls(client, **kwargs)
 
-    async def _call(self, script, args: list) -> object:
+    async def _guarded(self, call: Awaitable) -> object:
+        """Await one Redis call; any Redis failure or timeout becomes IndexUnavailable."""
         from redis.exceptions import RedisError
 
         try:
-            return await script(args=[self._prefix, self._lease_prefix, *args])
+            return await call
         except (RedisError, OSError, TimeoutError) as exc:
             raise IndexUnavailable(f"KV index in Redis unavailable: {type(exc).__name__}: {exc}") from exc
+
+    async def _call(self, script, args: list) -> object:
+        return await self._guarded(script(args=[self._prefix, self._lease_prefix, *args]))
 
     async def apply(self, events: Sequence[EventEnvelope | StreamEvent], fence: tuple[str, str] | None = None) -> int:
         applied = 0
@@ -230,12 +234,8 @@ class RedisIndex:
         return {_text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def renew(self, model: str, instance: str, lease: str, ttl: float) -> None:
-        from redis.exceptions import RedisError
-
-        try:
-            await self._client.set(lease_key(model, instance, self._lease_prefix), lease, px=max(1, int(ttl * 1000)))
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise IndexUnavailable(f"KV index in Redis unavailable: {exc}") from exc
+        key = lease_key(model, instance, self._lease_prefix)
+        await self._guarded(self._client.set(key, lease, px=max(1, int(ttl * 1000))))
 
     async def _list(self, sweep: bool) -> list[InstanceInfo]:
         flat = await self._call(self._instances, ["1" if sweep else "0"])
@@ -253,12 +253,7 @@ class RedisIndex:
         return [(info.model, info.instance) for info in await self._list(sweep=True)]
 
     async def block_size(self, model: str) -> int | None:
-        from redis.exceptions import RedisError
-
-        try:
-            value = await self._client.hget(self._prefix + "block_size", model)
-        except (RedisError, OSError, TimeoutError) as exc:
-            raise IndexUnavailable(f"KV index in Redis unavailable: {exc}") from exc
+        value = await self._guarded(self._client.hget(self._prefix + "block_size", model))
         return int(value) if value is not None else None
 
     async def ping(self) -> bool:
