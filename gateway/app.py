@@ -442,7 +442,7 @@ class _Handler:
             headers_out = {"x-request-id": call.rid, **limit_headers}
             return Response(content, media_type="application/json", headers=headers_out)
 
-        stats = StreamStats(started=call.arrival)
+        stats = StreamStats()
 
         async def open_stream(engine: Engine):
             busy = _Busy(engine, uncached)

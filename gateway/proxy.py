@@ -30,7 +30,6 @@ class EngineFailed(Exception):
 class StreamStats:
     """What the relay saw, for metrics, goodput and TPM."""
 
-    started: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     chunk_times: list[float] = field(default_factory=list)
     completion_tokens: int = 0  # from usage when the engine sent it, else counted chunks

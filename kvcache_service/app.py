@@ -71,7 +71,6 @@ class ServiceState:
     consumer: EventConsumer
     reuse_client: Any  # redis.asyncio client for the reuse counters
     metrics: ServiceMetrics
-    redis_timeout: float
     max_lookup_blocks: int
 
 

@@ -65,7 +65,6 @@ def build_state(config: Any):
         consumer=consumer,
         reuse_client=client(),
         metrics=ServiceMetrics(),
-        redis_timeout=timeout,
         max_lookup_blocks=config.server.max_lookup_blocks,
     )
 
