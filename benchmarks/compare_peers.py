@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,14 +26,10 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve as serve_bench
 
+from kvharbor.common.embedded_redis import free_port
+
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
