@@ -25,6 +25,9 @@ from typing import Protocol
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import EventEnvelope, Tier
 
+FORGET_TTL_S = 3600.0  # longer than any event can wait in a stream before it is consumed
+FORGOTTEN = "forgotten"  # the lease a forgotten instance holds: no event carries it
+
 
 class IndexUnavailable(RuntimeError):
     """The index cannot answer now (Redis down or too slow). Callers fall back to load-only routing."""
@@ -84,6 +87,11 @@ class Index(Protocol):
 
     async def expire(self) -> list[tuple[str, str]]:
         """Sweep instances whose lease lapsed; returns the (model, instance) pairs swept."""
+
+    async def forget(self, model: str, instances: Sequence[str], ttl: float = FORGET_TTL_S) -> int:
+        """Drop instances that are gone for good (their InferenceService was deleted): their
+        entries go now, and for `ttl` seconds their events still in the stream are ignored rather
+        than bringing them back. Returns how many were registered."""
 
     async def block_size(self, model: str) -> int | None:
         """The block size the model's engines publish with, once any `stored` event was seen."""

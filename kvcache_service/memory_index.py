@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
-from kvharbor.kvcache_service.index import InstanceInfo, StreamEvent, stream_position
+from kvharbor.kvcache_service.index import FORGET_TTL_S, FORGOTTEN, InstanceInfo, StreamEvent, stream_position
 
 Holder = tuple[Tier, str]  # (tier, instance)
 
@@ -116,6 +116,14 @@ class MemoryIndex:
         for key in [k for k, (_, deadline) in self._leases.items() if deadline <= self._clock()]:
             del self._leases[key]
         return sorted(dead)
+
+    async def forget(self, model: str, instances: Sequence[str], ttl: float = FORGET_TTL_S) -> int:
+        known = 0
+        for instance in instances:
+            self._clear(model, instance)
+            known += self._registered.pop((model, instance), None) is not None
+            self._leases[(model, instance)] = (FORGOTTEN, self._clock() + ttl)
+        return known
 
     async def block_size(self, model: str) -> int | None:
         return self._block_sizes.get(model)

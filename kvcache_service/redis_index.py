@@ -23,7 +23,14 @@ from collections.abc import Awaitable, Sequence
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
 from kvharbor.common.redis_keys import INDEX_PREFIX, LEASE_PREFIX, lease_key
-from kvharbor.kvcache_service.index import IndexUnavailable, InstanceInfo, LeadershipLost, StreamEvent
+from kvharbor.kvcache_service.index import (
+    FORGET_TTL_S,
+    FORGOTTEN,
+    IndexUnavailable,
+    InstanceInfo,
+    LeadershipLost,
+    StreamEvent,
+)
 
 TIER_LETTER = {"device": "d", "shared": "s"}
 
@@ -172,6 +179,22 @@ return out
 """
 )
 
+# ARGV: P, LP, model, tombstone ttl ms, tombstone lease, instances...
+# The tombstone lease makes apply skip the instances' late events (their lease is not the live one).
+_FORGET = (
+    _LUA_COMMON
+    + """
+local model, known = ARGV[3], 0
+for k = 6, #ARGV do
+  local inst = ARGV[k]
+  clear(model, inst)
+  known = known + redis.call('HDEL', P .. model .. ':reg', inst)
+  redis.call('SET', LP .. model .. ':' .. inst, ARGV[5], 'PX', tonumber(ARGV[4]))
+end
+return known
+"""
+)
+
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
@@ -187,6 +210,7 @@ class RedisIndex:
         self._apply = client.register_script(_APPLY)
         self._lookup = client.register_script(_LOOKUP)
         self._instances = client.register_script(_INSTANCES)
+        self._forget = client.register_script(_FORGET)
 
     @classmethod
     def from_url(cls, url: str, timeout: float = 1.0, **kwargs) -> RedisIndex:
@@ -251,6 +275,11 @@ class RedisIndex:
 
     async def expire(self) -> list[tuple[str, str]]:
         return [(info.model, info.instance) for info in await self._list(sweep=True)]
+
+    async def forget(self, model: str, instances: Sequence[str], ttl: float = FORGET_TTL_S) -> int:
+        if not instances:
+            return 0
+        return int(await self._call(self._forget, [model, max(1, int(ttl * 1000)), FORGOTTEN, *instances]))
 
     async def block_size(self, model: str) -> int | None:
         value = await self._guarded(self._client.hget(self._prefix + "block_size", model))

@@ -243,3 +243,19 @@ def test_events_of_a_previous_life_are_ignored(backend):
         assert await index.lookup(MODEL, h) == {"a": 2}
 
     run(backend, body)
+
+
+def test_forget_drops_instances_and_ignores_their_late_events(backend):
+    async def body(index):
+        h = chain(3)
+        await alive(index, "svc-a", "svc-b", "other")
+        await index.apply([stored("svc-a", h), stored("svc-b", h[:2]), stored("other", h)])
+        assert await index.forget(MODEL, ["svc-a", "svc-b", "never-seen"]) == 2
+        assert await index.lookup(MODEL, h) == {"other": 3}
+        assert [i.instance for i in await index.instances()] == ["other"]
+        # An event a forgotten engine wrote before it stopped, consumed late, does not bring it back.
+        await index.apply([stored("svc-a", h)])
+        assert await index.lookup(MODEL, h) == {"other": 3}
+        assert await index.forget(MODEL, []) == 0
+
+    run(backend, body)
