@@ -66,6 +66,8 @@ class GatewayState:
     max_prompt_tokens: int
     max_body_bytes: int
     index: Any = None
+    discovery: Any = None  # KubernetesDiscovery, followed by a lifespan task; None for static engines
+    discovery_interval: float = 5.0
     _tenants_checked: float = field(default=0.0)
 
     def tenants_fresh(self) -> TenantRegistry:

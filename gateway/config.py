@@ -21,10 +21,17 @@ class ServingConfig:
     models_file: str | None = opt(None, "YAML file of models, their files, engines and SLOs (instead of --engines)")
     slo_ttft_ms: float = opt(2000.0, "TTFT p95 target (ms): admission queues or sheds beyond it")
     slo_itl_ms: float = opt(200.0, "inter-token latency p95 target (ms), for goodput")
+    discovery: Literal["static", "kubernetes"] = opt(
+        "static", "where engine URLs come from: static (--engines / models file) or kubernetes (EndpointSlices)"
+    )
+    discovery_namespace: str | None = opt(None, "namespace of the engine Services (default: the gateway pod's own)")
+    discovery_interval: float = opt(5.0, "seconds between reads of the engine Services and EndpointSlices")
 
     def __post_init__(self) -> None:
         if self.slo_ttft_ms <= 0 or self.slo_itl_ms <= 0:
             raise ValueError("slo_ttft_ms and slo_itl_ms must be > 0")
+        if self.discovery_interval <= 0:
+            raise ValueError("discovery_interval must be > 0")
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,8 @@ from urllib.parse import urlparse
 
 import yaml
 
+from kvharbor.common.endpoint_slices import SERVICE_NAME_LABEL, slice_urls
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -41,11 +43,11 @@ def check_url(url: str) -> str:
 
 
 class StaticDiscovery:
-    def __init__(self, specs: list[ModelSpec]) -> None:
+    def __init__(self, specs: list[ModelSpec], require_engines: bool = True) -> None:
         if not specs:
             raise ValueError("no models configured: pass --engines URL[,URL...] or --models-file FILE")
         for spec in specs:
-            if not spec.engines:
+            if require_engines and not spec.engines:
                 raise ValueError(
                     f"model {spec.name or spec.files or '(bundled)'} has no engines: pass --engines URL[,URL...] "
                     "or list them under 'engines:' in --models-file"
@@ -57,13 +59,13 @@ class StaticDiscovery:
 
     @classmethod
     def from_flags(
-        cls, engines: str, files: str | None, name: str | None, ttft_ms: float, itl_ms: float
+        cls, engines: str, files: str | None, name: str | None, ttft_ms: float, itl_ms: float, require_engines=True
     ) -> StaticDiscovery:
         urls = tuple(check_url(u.strip()) for u in engines.split(",") if u.strip())
-        return cls([ModelSpec(name, files, urls, ttft_ms, itl_ms)])
+        return cls([ModelSpec(name, files, urls, ttft_ms, itl_ms)], require_engines)
 
     @classmethod
-    def from_file(cls, path: str | Path, ttft_ms: float, itl_ms: float) -> StaticDiscovery:
+    def from_file(cls, path: str | Path, ttft_ms: float, itl_ms: float, require_engines=True) -> StaticDiscovery:
         try:
             data = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:
@@ -74,19 +76,20 @@ class StaticDiscovery:
             raise ValueError(f"models file {path} must hold a mapping with a 'models' list")
         specs = []
         for i, raw in enumerate(data["models"]):
-            if not isinstance(raw, dict) or not isinstance(raw.get("engines"), list):
+            engines = raw.get("engines", None if require_engines else []) if isinstance(raw, dict) else None
+            if not isinstance(engines, list):
                 raise ValueError(f"models[{i}] in {path} needs an 'engines' list of URLs")
             slo = raw.get("slo") or {}
             specs.append(
                 ModelSpec(
                     raw.get("name"),
                     raw.get("files"),
-                    tuple(check_url(str(u)) for u in raw["engines"]),
+                    tuple(check_url(str(u)) for u in engines),
                     float(slo.get("ttft_p95_ms", ttft_ms)),
                     float(slo.get("itl_p95_ms", itl_ms)),
                 )
             )
-        return cls(specs)
+        return cls(specs, require_engines)
 
 
 # -- Kubernetes -----------------------------------------------------------------------------------
@@ -106,19 +109,11 @@ def engines_from_slices(services: list[dict], slices: list[dict]) -> dict[str, l
     out: dict[str, list[str]] = {}
     for es in slices:
         meta = es.get("metadata", {})
-        owner = f"{meta.get('namespace')}/{(meta.get('labels') or {}).get('kubernetes.io/service-name')}"
+        owner = f"{meta.get('namespace')}/{(meta.get('labels') or {}).get(SERVICE_NAME_LABEL)}"
         model = models.get(owner)
         if model is None:
             continue
-        port = next((p.get("port") for p in es.get("ports") or [] if p.get("name") in ("http", None)), None)
-        if port is None:
-            continue
-        for ep in es.get("endpoints") or []:
-            if (ep.get("conditions") or {}).get("ready") is False:
-                continue
-            for address in ep.get("addresses") or []:
-                host = f"[{address}]" if ":" in address else address
-                out.setdefault(model, []).append(f"http://{host}:{port}")
+        out.setdefault(model, []).extend(slice_urls(es))
     return {m: sorted(set(urls)) for m, urls in out.items()}
 
 

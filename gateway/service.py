@@ -36,12 +36,39 @@ def main(argv: list[str], prog: str = "kvharbor gateway", command: str = "gatewa
 
 
 def _discovery(config: Any):
+    """The configured models; in kubernetes mode their engines come later, from EndpointSlices."""
     from kvharbor.gateway.discovery import StaticDiscovery
 
     s = config.serving
+    static = s.discovery == "static"
     if s.models_file:
-        return StaticDiscovery.from_file(s.models_file, s.slo_ttft_ms, s.slo_itl_ms)
-    return StaticDiscovery.from_flags(s.engines, s.model, s.served_model_name, s.slo_ttft_ms, s.slo_itl_ms)
+        return StaticDiscovery.from_file(s.models_file, s.slo_ttft_ms, s.slo_itl_ms, require_engines=static)
+    return StaticDiscovery.from_flags(
+        s.engines, s.model, s.served_model_name, s.slo_ttft_ms, s.slo_itl_ms, require_engines=static
+    )
+
+
+def _kubernetes_discovery(config: Any, specs: dict) -> Any:
+    from kvharbor.common.kube import Kube
+    from kvharbor.gateway.discovery import KubernetesDiscovery
+
+    namespace = config.serving.discovery_namespace or _pod_namespace()
+    kube = Kube.from_environment()
+
+    async def api_get(url: str) -> dict:
+        return await kube.get(url) or {}
+
+    discovery = KubernetesDiscovery(api_get, namespace, specs)
+    discovery.kube = kube  # closed with the gateway
+    return discovery
+
+
+def _pod_namespace() -> str:
+    try:
+        with open("/var/run/secrets/kubernetes.io/serviceaccount/namespace") as f:
+            return f.read().strip()
+    except OSError:
+        raise ValueError("--discovery kubernetes outside a pod needs --discovery-namespace NAMESPACE") from None
 
 
 def build_state(config: Any, tracer: Any = None):
@@ -68,7 +95,7 @@ def build_state(config: Any, tracer: Any = None):
     pool = EnginePool(
         http, config.resilience.eject_after_failures, config.routing.load_interval, on_change=admission.wake
     )
-    models = {}
+    models, specs = {}, {}
     for spec in discovery.models():
         print(
             f"[kvharbor] reading the tokenizer of {spec.name or spec.files or 'the bundled model'} ...",
@@ -78,6 +105,7 @@ def build_state(config: Any, tracer: Any = None):
         name, tokenizer = load_tokenizer(spec.files, spec.name)
         models[name] = ModelEntry(name, tokenizer, spec.slo_ttft_ms / 1000, spec.slo_itl_ms / 1000)
         pool.set_engines(name, list(spec.engines))
+        specs[name] = spec
     limiter_client = index = None
     if config.tenancy.redis_url:
         import redis.asyncio as redis
@@ -101,6 +129,8 @@ def build_state(config: Any, tracer: Any = None):
         max_prompt_tokens=res.max_prompt_tokens,
         max_body_bytes=res.max_body_bytes,
         index=index,
+        discovery=_kubernetes_discovery(config, specs) if config.serving.discovery == "kubernetes" else None,
+        discovery_interval=config.serving.discovery_interval,
     )
 
 
@@ -118,12 +148,30 @@ async def _learn_block_sizes(state: Any) -> None:
         await asyncio.sleep(5.0)
 
 
+async def _follow_discovery(state: Any) -> None:
+    """Re-read the engine Services and EndpointSlices; on an API error keep the engines known so far."""
+    known: dict[str, tuple[str, ...]] = {}
+    while True:
+        try:
+            for spec in await state.discovery.refresh():
+                if known.get(spec.name) != spec.engines:
+                    log.info("engines discovered", extra={"model": spec.name, "engines": list(spec.engines)})
+                    known[spec.name] = spec.engines
+                    state.pool.set_engines(spec.name, list(spec.engines))
+                    state.admission.wake()
+        except Exception as exc:  # the API server may be briefly away; routing goes on meanwhile
+            log.warning("engine discovery failed; keeping the engines known", extra={"error": repr(exc)})
+        await asyncio.sleep(state.discovery_interval)
+
+
 def lifespan_for(state: Any):
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
         from kvharbor.common.tracing import shutdown
 
         tasks = [asyncio.create_task(state.pool.poll_forever()), asyncio.create_task(_learn_block_sizes(state))]
+        if state.discovery is not None:
+            tasks.append(asyncio.create_task(_follow_discovery(state)))
         try:
             yield
         finally:
@@ -132,6 +180,8 @@ def lifespan_for(state: Any):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await state.caller.http.aclose()
+            if state.discovery is not None:
+                await state.discovery.kube.close()
             if state.index is not None:
                 await state.index.close()
             if state.limiter.client is not None:

@@ -37,6 +37,11 @@ def owner_reference(name: str, uid: str) -> dict:
             "controller": True, "blockOwnerDeletion": True}  # fmt: skip
 
 
+def engine_selector(name: str) -> dict[str, str]:
+    """The labels that select an InferenceService's engine pods."""
+    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/name": "kvharbor-engine"}
+
+
 def engine_config(spec: dict, redis_url: str | None) -> dict:
     """The engine's YAML config (the same names as `kvharbor serve` flags)."""
     model, engine = spec["model"], spec.get("engine", {})
@@ -73,7 +78,7 @@ def desired_objects(
     owner = [owner_reference(name, uid)]
     labels = {"app.kubernetes.io/name": "kvharbor-engine", "app.kubernetes.io/instance": name,
               "app.kubernetes.io/managed-by": "kvharbor-operator"}  # fmt: skip
-    selector = {"app.kubernetes.io/instance": name, "app.kubernetes.io/name": "kvharbor-engine"}
+    selector = engine_selector(name)
     config = engine_config(spec, redis_url)
     config_yaml = yaml.safe_dump(config, sort_keys=True)
     rollout = hashlib.sha256(

@@ -170,6 +170,21 @@ class GatewayProcess(EngineServerProcess):
         self.log_path = log_dir / f"gateway-{self.port}.log"
 
 
+class OperatorProcess(EngineServerProcess):
+    """`kvharbor operator` (the real kopf) in a subprocess; ready once its /healthz answers."""
+
+    title = "kvharbor operator"
+    probe = "/healthz"
+
+    def __init__(self, log_dir: Path, kubeconfig: Path, *args: str) -> None:
+        super().__init__(log_dir, env={"KUBECONFIG": str(kubeconfig)})
+        self.args = [
+            sys.executable, "-m", "kvharbor.common.cli", "operator",
+            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "debug", *args,
+        ]  # fmt: skip
+        self.log_path = log_dir / f"operator-{self.port}.log"
+
+
 def write_tenants(path: Path, tenants: list[dict]) -> dict[str, str]:
     """Write a tenants file; each tenant dict has `key` (clear text, hashed here). Returns name -> key."""
     import hashlib
