@@ -22,7 +22,7 @@ def render(values: dict) -> list[dict]:
 VALUES = {
     "default": {},
     "external-redis": {"externalRedis": {"url": "redis://my-redis:6379/0"}},
-    "with-operator": {"operator": {"enabled": True}},
+    "without-operator": {"operator": {"enabled": False}},
 }
 
 
@@ -32,7 +32,7 @@ def test_chart_renders_valid_manifests(case):
     kinds = sorted(d["kind"] for d in docs)
     assert "Deployment" in kinds and "Service" in kinds
     assert ("StatefulSet" in kinds) == (case != "external-redis")
-    assert ("ClusterRole" in kinds) == (case == "with-operator")
+    assert ("ClusterRole" in kinds) == (case != "without-operator")
     for doc in docs:
         for version in ("1.30", "1.37"):
             kubernetes_validate.validate(doc, version, strict=True)
@@ -51,8 +51,7 @@ def test_pods_run_unprivileged():
             sc = container["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"]
             assert container["resources"]["requests"]
-            if container["name"] != "operator":  # its health endpoint comes with `kvharbor operator`
-                assert container["readinessProbe"] and container["livenessProbe"]
+            assert container["readinessProbe"] and container["livenessProbe"]
 
 
 def test_chart_lints_clean_in_strict_mode():
@@ -63,3 +62,38 @@ def test_chart_lints_clean_in_strict_mode():
 def test_chart_ships_the_crds():
     names = sorted(yaml.safe_load(p.read_text())["metadata"]["name"] for p in (CHART / "crds").glob("*.yaml"))
     assert names == ["inferenceservices.kvharbor.io", "tenants.kvharbor.io"]
+
+
+def _container(docs: list[dict], name: str) -> dict:
+    deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == f"kvh-{name}")
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def _config_of(container: dict, cls: type, env: dict[str, str] | None = None):
+    """What the command in the container would run with: its args and env through our own parser."""
+    import os
+    from unittest import mock
+
+    from kvharbor.common.config import config_from_argv
+
+    values = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e} | (env or {})
+    with mock.patch.dict(os.environ, values):
+        return config_from_argv(cls, container["args"][1:], "test", "test")
+
+
+def test_the_chart_passes_options_its_commands_accept(tmp_path):
+    from kvharbor.gateway.config import GatewayConfig
+    from kvharbor.gateway.discovery import StaticDiscovery
+    from kvharbor.operator.config import OperatorConfig
+
+    docs = render({})
+    operator = _config_of(_container(docs, "operator"), OperatorConfig)
+    assert operator.tenants.tenants_secret == "kvh-tenants" and operator.tenants.tenants_namespace == "inference"
+    assert operator.engine.redis_url == "redis://kvh-redis:6379/0" and operator.server.host == "0.0.0.0"
+    gateway = _config_of(_container(docs, "gateway"), GatewayConfig)
+    assert gateway.serving.discovery == "kubernetes" and gateway.serving.discovery_namespace == "inference"
+    # The gateway's models file, from the chart's ConfigMap, is one it can read.
+    models = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kvh-gateway-models")
+    (tmp_path / "models.yaml").write_text(models["data"]["models.yaml"])
+    specs = StaticDiscovery.from_file(tmp_path / "models.yaml", 2000, 200, require_engines=False).models()
+    assert [(s.name, s.engines, s.slo_ttft_ms) for s in specs] == [("SmolLM2-135M-Instruct", (), 2000.0)]

@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import redis
+from kube_api_double import KubeAPIDouble
 from servers import (
     EngineServerProcess,
     GatewayProcess,
@@ -134,6 +135,35 @@ def test_auth_errors_and_model_listing(cluster):
         client(g1).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert [m.id for m in client(g1).models.list()] == [MODEL]
     assert [m.id for m in client(g1, "sk-elsewhere").models.list()] == []
+
+
+def test_engines_are_discovered_from_kubernetes_endpoint_slices(cluster, tmp_path):
+    """--discovery kubernetes: the engines are the ready endpoints of the operator's engine
+    Services (the API double stands in for the API server; engine A stands in for a pod)."""
+    a = cluster["a"]
+    port = int(a.url.rsplit(":", 1)[1])
+    with KubeAPIDouble() as api:
+        labels = {"kvharbor.io/discovery": "engine", "kvharbor.io/model": MODEL}
+        api.create({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "smol", "namespace": "inference",
+                    "labels": labels}, "spec": {"ports": [{"name": "http", "port": 8000}]}})  # fmt: skip
+        endpoint = {"addresses": ["127.0.0.1"], "conditions": {"ready": True}}
+        eps = {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+               "metadata": {"name": "smol-x1", "namespace": "inference",
+                            "labels": {"kubernetes.io/service-name": "smol"}},
+               "ports": [{"name": "http", "port": port}], "endpoints": [endpoint]}  # fmt: skip
+        api.create(eps)
+        kubeconfig = api.write_kubeconfig(tmp_path / "kubeconfig")
+        args = ("--discovery", "kubernetes", "--discovery-namespace", "inference", "--discovery-interval", "0.3",
+                "--tenants-file", str(cluster["tenants_file"]))  # fmt: skip
+        with GatewayProcess(tmp_path, *args, env={"KUBECONFIG": str(kubeconfig)}) as gw:
+            ready = lambda: httpx.get(gw.url + "/ready").status_code == 200  # noqa: E731
+            wait_for(ready, what="the gateway to discover engine A")
+            assert chat(gw, "sk-acme", "What is the capital of France?", max_tokens=8).choices[0].message.content
+            endpoint["conditions"]["ready"] = False  # the pod is draining: no new requests
+            api.apply(eps)
+            wait_for(lambda: not ready(), what="the draining engine to leave the pool")
+            with pytest.raises(openai.InternalServerError):
+                chat(gw, "sk-acme", "hello")
 
 
 def test_tenants_file_hot_reloads(cluster):

@@ -1,0 +1,305 @@
+"""The real operator (`kvharbor operator`, the real kopf in its own process) against the
+test-only Kubernetes API double (tests/kube_api_double.py), with a real Redis for the KV index.
+
+No Kubernetes controllers run here: nothing creates pods, EndpointSlices or Deployment status.
+Where the operator reads those, the tests write them, and a small HTTP server stands in for the
+engine pods' /load (no engine pod can run here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from kube_api_double import KubeAPIDouble
+from servers import OperatorProcess, wait_for
+
+from kvharbor.common.kube import Kube
+from kvharbor.common.kv_events import BlockStored, EventEnvelope
+from kvharbor.kvcache_service.redis_index import RedisIndex
+from kvharbor.operator.config import EngineDefaults, OperatorConfig
+from kvharbor.operator.reconcile import OperatorContext, reconcile_service
+
+CRDS = sorted((Path(__file__).resolve().parent.parent / "charts" / "kvharbor" / "crds").glob("*.yaml"))
+API = "kvharbor.io/v1alpha1"
+NS = "inference"
+TENANTS_NS = "kvharbor"
+
+
+def node(name: str, pool: str, gpus: int, product: str | None, memory_mib: int | None) -> dict:
+    labels = {"kvharbor.io/pool": pool}
+    if product:
+        labels |= {"nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": str(memory_mib)}
+    allocatable = {"cpu": "16", "memory": "64Gi"} | ({"nvidia.com/gpu": str(gpus)} if gpus else {})
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
+            "status": {"allocatable": allocatable}}  # fmt: skip
+
+
+NODES = [
+    node("h100-0", "h100", 8, "NVIDIA-H100-80GB-HBM3", 81559),
+    node("l4-0", "l4", 4, "NVIDIA-L4", 23034),
+    node("cpu-0", "cpu", 0, None, None),
+]
+
+
+def inference_service(name: str, **spec) -> dict:
+    body = {
+        "model": {"source": "/models/llama", "name": "Llama-3.1-8B-Instruct", "maxModelLen": 8192},
+        "replicas": {"min": 1, "max": 3},
+        "engine": {"maxNumSeqs": 16},
+        "autoscaling": {"metric": "queue", "target": 4},
+    }
+    body.update(spec)
+    return {"apiVersion": API, "kind": "InferenceService", "metadata": {"name": name, "namespace": NS}, "spec": body}
+
+
+class LoadStandIn:
+    """/load answers standing in for engine pods; `load` is what every engine reports."""
+
+    def __init__(self) -> None:
+        self.load = {"running": 0, "waiting": 0, "kv_blocks_free": 100, "kv_blocks_total": 100}
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = json.dumps(stand_in.load).encode()
+                self.send_response(200 if self.path == "/load" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, redis_server):
+    """The API double with GPU nodes, a /load stand-in, and the operator running against both."""
+    tmp = tmp_path_factory.mktemp("operator")
+    load = LoadStandIn()
+    with KubeAPIDouble(CRDS) as api:
+        for n in NODES:
+            api.create(n)
+        kubeconfig = api.write_kubeconfig(tmp / "kubeconfig")
+        args = ["--interval", "1", "--scale-up-cooldown", "0", "--scale-down-cooldown", "3600",
+                "--redis-url", redis_server.url, "--tenants-namespace", TENANTS_NS, "--no-log-json"]  # fmt: skip
+        operator = OperatorProcess(tmp, kubeconfig, *args)
+        try:
+            operator.start(timeout=60)
+            yield api, operator, load, kubeconfig
+        finally:
+            operator.stop()
+            load.close()
+
+
+def status_of(api: KubeAPIDouble, name: str) -> dict:
+    obj = api.get(API, "InferenceService", name, NS)
+    return (obj or {}).get("status") or {}
+
+
+def condition(api: KubeAPIDouble, name: str, type_: str) -> dict:
+    return next((c for c in status_of(api, name).get("conditions", []) if c["type"] == type_), {})
+
+
+def events_for(api: KubeAPIDouble, name: str) -> list[dict]:
+    return [e for e in api.list("v1", "Event", NS) if e.get("involvedObject", {}).get("name") == name]
+
+
+def test_an_inference_service_is_placed_and_deployed_with_owned_objects(cluster):
+    api, _, _, _ = cluster
+    svc = api.create(inference_service("llama"))
+    wait_for(lambda: condition(api, "llama", "Placed").get("status") == "True", 30, "Placed=True")
+    status = status_of(api, "llama")
+    # Llama-3.1-8B in bf16: 15 GiB weights + 16 GiB KV (16 x 8192 tokens at 128 KiB) fit two L4s.
+    assert status["placement"]["pool"] == "l4" and status["placement"]["gpusPerReplica"] == 2
+    assert status["placement"]["bytesPerToken"] == 2 * 32 * 8 * 128 * 2
+    assert status["observedGeneration"] == 1
+    uid = svc["metadata"]["uid"]
+    owned = {
+        "Deployment": api.get("apps/v1", "Deployment", "llama-engine", NS),
+        "Service": api.get("v1", "Service", "llama", NS),
+        "PodDisruptionBudget": api.get("policy/v1", "PodDisruptionBudget", "llama-engine", NS),
+        "ConfigMap": api.get("v1", "ConfigMap", "llama-engine-config", NS),
+    }
+    for kind, obj in owned.items():
+        assert obj is not None, f"no {kind}"
+        assert [o["uid"] for o in obj["metadata"]["ownerReferences"]] == [uid], kind
+    pod = owned["Deployment"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"kvharbor.io/pool": "l4"}
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert owned["Deployment"]["spec"]["replicas"] == 1
+    reasons = {e["reason"] for e in events_for(api, "llama")}
+    assert {"Placed", "Created"} <= reasons, reasons
+
+
+def test_reconciling_again_writes_nothing(cluster, redis_server):
+    api, _, _, _ = cluster
+    config = OperatorConfig(engine=EngineDefaults(redis_url=redis_server.url))  # as the operator runs
+    wait_for(lambda: api.get("apps/v1", "Deployment", "llama-engine", NS), 30, "the llama Deployment")
+
+    async def reconcile_once() -> None:
+        ctx = OperatorContext(config, Kube(httpx.AsyncClient(base_url=api.url)), httpx.AsyncClient())
+        try:
+            await reconcile_service(ctx, api.get(API, "InferenceService", "llama", NS))
+        finally:
+            await ctx.close()
+
+    before = len(api.writes)
+    asyncio.run(reconcile_once())
+    children = ("/deployments/", "/services/", "/poddisruptionbudgets/", "/configmaps/")
+    assert [w for w in api.writes[before:] if any(c in w[1] for c in children)] == []
+
+
+def test_a_spec_change_rolls_the_deployment(cluster):
+    api, _, _, _ = cluster
+    wait_for(lambda: api.get("apps/v1", "Deployment", "llama-engine", NS), 30, "the llama Deployment")
+
+    def rollout() -> str:
+        dep = api.get("apps/v1", "Deployment", "llama-engine", NS)
+        return dep["spec"]["template"]["metadata"]["annotations"]["kvharbor.io/rollout-hash"]
+
+    old = rollout()
+    svc = api.get(API, "InferenceService", "llama", NS)
+    svc["spec"]["engine"]["maxNumSeqs"] = 8
+    api.apply(svc)
+    wait_for(lambda: rollout() != old, 30, "a new rollout hash")
+    config = yaml.safe_load(api.get("v1", "ConfigMap", "llama-engine-config", NS)["data"]["engine.yaml"])
+    assert config["max_num_seqs"] == 8
+    wait_for(lambda: status_of(api, "llama").get("observedGeneration") == 2, 30, "observedGeneration 2")
+
+
+def test_a_service_no_pool_fits_is_never_deployed_and_says_why(cluster):
+    api, _, _, _ = cluster
+    huge = {"source": "/models/huge", "name": "huge", "maxModelLen": 8192,
+            "profile": {"parameters": 2_000_000_000_000, "layers": 120, "kvHeads": 8, "headDim": 128}}  # fmt: skip
+    api.create(inference_service("huge", model=huge))
+    wait_for(lambda: condition(api, "huge", "Placed").get("status") == "False", 30, "Placed=False")
+    placed = condition(api, "huge", "Placed")
+    assert placed["reason"] == "NoFit" and "pool h100: needs" in placed["message"] and "GiB" in placed["message"]
+    assert "pool cpu: no GPUs" in placed["message"]
+    assert status_of(api, "huge")["phase"] == "Unplaceable"
+    assert api.get("apps/v1", "Deployment", "huge-engine", NS) is None
+    assert any(e["reason"] == "NoFit" and e["type"] == "Warning" for e in events_for(api, "huge"))
+
+
+def test_queue_depth_scales_the_deployment_up_and_status_follows(cluster):
+    api, _, load, _ = cluster
+    api.create(inference_service("scaled", model={"source": "/m", "name": "SmolLM2-135M-Instruct"}))
+    wait_for(lambda: api.get("apps/v1", "Deployment", "scaled-engine", NS), 30, "the Deployment")
+    api.create({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": "scaled-abcde", "namespace": NS, "labels": {"kubernetes.io/service-name": "scaled"}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": load.port}],
+        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
+    })  # fmt: skip
+    api.patch_status("apps/v1", "Deployment", "scaled-engine", NS, {"readyReplicas": 1, "updatedReplicas": 1})
+    wait_for(lambda: condition(api, "scaled", "Ready").get("status") == "True", 30, "Ready=True")
+    assert status_of(api, "scaled")["endpoints"] == [f"http://127.0.0.1:{load.port}"]
+    load.load = {**load.load, "running": 6, "waiting": 6}  # 12 per replica against a target of 4
+    replicas = lambda: api.get("apps/v1", "Deployment", "scaled-engine", NS)["spec"]["replicas"]  # noqa: E731
+    wait_for(lambda: replicas() == 3, 30, "3 replicas (the max)")
+    assert status_of(api, "scaled")["desiredReplicas"] == 3
+    scaled = [e for e in events_for(api, "scaled") if e["reason"] == "Scaled"]
+    assert scaled and "1 -> 3 replicas: queue 12.00" in scaled[0]["message"]
+
+
+def _index_entries(redis_url: str, instances: list[tuple[str, str]]) -> dict[str, int]:
+    async def body() -> dict[str, int]:
+        index = RedisIndex.from_url(redis_url)
+        try:
+            hashes = (hashlib.sha256(b"block").digest()[:16],)
+            for model, inst in instances:
+                await index.renew(model, inst, "lease", 600)
+                await index.apply([EventEnvelope(BlockStored(hashes, None, 16), inst, model, "lease", 0)])
+            return {i.instance: i.blocks for i in await index.instances()}
+        finally:
+            await index.close()
+
+    return asyncio.run(body())
+
+
+def test_deletion_drains_then_clears_the_kv_index_and_the_object_goes(cluster, redis_server):
+    api, _, _, _ = cluster
+    api.create(inference_service("gone", model={"source": "/m", "name": "SmolLM2-135M-Instruct"}))
+    wait_for(lambda: api.get("apps/v1", "Deployment", "gone-engine", NS), 30, "the Deployment")
+    ours, other = "gone-engine-7d9f8c6b5-x2k4q", "scaled-engine-5c4b3a2d1-abcde"
+    held = _index_entries(redis_server.url, [("SmolLM2-135M-Instruct", ours), ("SmolLM2-135M-Instruct", other)])
+    assert held[ours] == 1 and held[other] == 1
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": ours, "namespace": NS,
+                        "labels": {"app.kubernetes.io/instance": "gone", "app.kubernetes.io/name": "kvharbor-engine"}},
+           "spec": {"containers": [{"name": "engine", "image": "x"}]}}  # fmt: skip
+    api.create(pod)
+    api.delete(API, "InferenceService", "gone", NS)
+    # The finalizer first scales to zero and waits for the pod to drain: the object stays.
+    wait_for(lambda: api.get("apps/v1", "Deployment", "gone-engine", NS)["spec"]["replicas"] == 0, 30, "replicas 0")
+    assert api.get(API, "InferenceService", "gone", NS)["metadata"]["deletionTimestamp"]
+    api.delete("v1", "Pod", ours, NS)
+    wait_for(lambda: api.get(API, "InferenceService", "gone", NS) is None, 30, "the object to go")
+    left = _index_entries(redis_server.url, [])
+    assert ours not in left and left[other] == 1
+    assert api.get("apps/v1", "Deployment", "gone-engine", NS) is None  # owned objects are collected
+    assert any(e["reason"] == "IndexCleared" and "removed 1" in e["message"] for e in events_for(api, "gone"))
+
+
+def _secret(name: str, namespace: str, data: dict[str, str]) -> dict:
+    encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": namespace}, "data": encoded}
+
+
+def _tenant(name: str, secret: str, **spec) -> dict:
+    return {"apiVersion": API, "kind": "Tenant", "metadata": {"name": name, "namespace": NS},
+            "spec": {"apiKeySecretRef": {"name": secret, "key": "api-key"}, **spec}}  # fmt: skip
+
+
+def test_tenants_become_the_gateways_tenants_secret(cluster):
+    api, _, _, _ = cluster
+    api.create(_secret("acme-key", NS, {"api-key": "sk-acme-123"}))
+    api.create(_tenant("acme", "acme-key", priority=2, limits={"rpm": 60}, models=["SmolLM2-135M-Instruct"]))
+    api.create(_tenant("broken", "missing-key"))
+
+    def gateway_tenants() -> dict:
+        secret = api.get("v1", "Secret", "kvharbor-gateway-tenants", TENANTS_NS)
+        if not secret:
+            return {}
+        text = base64.b64decode(secret["data"]["tenants.yaml"]).decode()
+        return {t["name"]: t for t in yaml.safe_load(text)["tenants"]}
+
+    wait_for(lambda: "acme" in gateway_tenants(), 30, "acme in the gateway's tenants")
+    acme = gateway_tenants()["acme"]
+    assert acme["api_keys"] == ["sha256:" + hashlib.sha256(b"sk-acme-123").hexdigest()]
+    assert acme["priority"] == 2 and acme["limits"]["rpm"] == 60 and acme["models"] == ["SmolLM2-135M-Instruct"]
+    assert "sk-acme-123" not in json.dumps(api.get("v1", "Secret", "kvharbor-gateway-tenants", TENANTS_NS))
+    assert "broken" not in gateway_tenants()
+
+    def ready(name: str) -> dict:
+        conds = (api.get(API, "Tenant", name, NS).get("status") or {}).get("conditions") or []
+        return next((c for c in conds if c["type"] == "Ready"), {})
+
+    wait_for(lambda: ready("broken").get("status") == "False", 30, "broken tenant Ready=False")
+    assert "missing-key not found" in ready("broken")["message"]
+    assert ready("acme")["status"] == "True"
+    assert any(e["type"] == "Warning" and e["reason"] == "Invalid" for e in events_for(api, "broken"))
+    # The key Secret appears: the next pass takes the tenant in. Deleting a tenant takes it out.
+    api.create(_secret("missing-key", NS, {"api-key": "sk-late"}))
+    wait_for(lambda: "broken" in gateway_tenants(), 30, "the late tenant")
+    api.delete(API, "Tenant", "acme", NS)
+    wait_for(lambda: "acme" not in gateway_tenants(), 30, "acme removed")
