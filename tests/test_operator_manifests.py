@@ -134,3 +134,27 @@ def test_tenants_become_the_gateways_tenants_file_without_clear_keys():
     )  # writing twice: same bytes
     with pytest.raises(TenantError, match="no key"):
         gateway_tenant(tenant, {"metadata": {"name": "x"}, "data": {}})
+
+
+def test_the_engine_accepts_the_config_and_args_the_operator_gives_it(tmp_path):
+    """The ConfigMap's engine.yaml and the container's args go through `kvharbor serve`'s own parser."""
+    from kvharbor.common.config import config_from_argv
+    from kvharbor.engine.config import ServeConfig
+
+    configmap, deployment = objects_for(example("inferenceservice")["spec"])[:2]
+    (tmp_path / "engine.yaml").write_text(configmap["data"]["engine.yaml"])
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[0] == "serve"
+    argv = [str(tmp_path / "engine.yaml") if a == "/etc/kvharbor/engine.yaml" else a for a in args[1:]]
+    config = config_from_argv(ServeConfig, argv, "test", "test")
+    assert config.server.port == 8000 and config.server.host == "0.0.0.0"
+    assert config.server.redis_url == "redis://redis:6379/0"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_events_the_operator_posts_are_valid_kubernetes(version):
+    from kvharbor.operator.status import Event, event_manifest
+
+    tenant = {"apiVersion": "kvharbor.io/v1alpha1", "kind": "Tenant",
+              "metadata": {"name": "acme", "namespace": "inference", "uid": "u-1"}}  # fmt: skip
+    kubernetes_validate.validate(event_manifest(tenant, Event("Warning", "Invalid", "x" * 5000)), version, strict=True)
