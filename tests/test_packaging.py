@@ -115,7 +115,8 @@ def test_shared_code_imports_without_torch():
     code = (
         "import sys, kvharbor.common.block_hash, kvharbor.common.kv_events, kvharbor.common.config, "
         "kvharbor.common.cli, kvharbor.common.model_files, kvharbor.gateway.app, kvharbor.gateway.service, "
-        "kvharbor.kvcache_service.app, kvharbor.kvcache_service.service; assert 'torch' not in sys.modules, "
+        "kvharbor.kvcache_service.app, kvharbor.kvcache_service.service, kvharbor.operator.handlers, "
+        "kvharbor.operator.service; assert 'torch' not in sys.modules, "
         "'a control-plane part loaded torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
