@@ -221,13 +221,16 @@ def parse_bytes(text: str | int) -> int:
 
 
 def config_from_argv(cls: type[T], argv: list[str], prog: str, description: str) -> T:
-    """A command's config from its argv: --help and --config FILE, one flag per leaf, then
+    """A command's config from its argv: --help, --version and --config FILE, one flag per leaf, then
     load_config. Exits with argparse's usage error (status 2) on bad values."""
+    from kvharbor.common import __version__
+
     parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--version", action="version", version=f"kvharbor {__version__}")
     parser.add_argument("--config", metavar="FILE", help="YAML file of options [env KVHARBOR_CONFIG]")
     add_arguments(parser, cls)
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in vars(args).items() if k != "config"}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("config", "version")}
     try:
         return load_config(cls, file=args.config, overrides=overrides)
     except ConfigError as exc:

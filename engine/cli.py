@@ -28,7 +28,10 @@ def build_parser(prog: str, command: str) -> argparse.ArgumentParser:
     from kvharbor.engine.config import EngineConfig
 
     what = "message, rendered with the model's chat template" if command == "chat" else "prompt text"
+    from kvharbor.common import __version__
+
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"kvharbor {__version__}")
     parser.add_argument("text", help=f"the {what}")
     parser.add_argument("--config", metavar="FILE", help="YAML file of engine options [env KVHARBOR_CONFIG]")
     if command == "chat":

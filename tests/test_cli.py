@@ -18,6 +18,9 @@ def run(*args, **kw):
 
 def test_version_and_help():
     assert run("--version").stdout.strip() == f"kvharbor {__version__}"
+    for command in ("generate", "chat", "serve", "up", "gateway", "kvcache", "operator"):
+        out = run(command, "--version")
+        assert out.returncode == 0 and out.stdout.strip() == f"kvharbor {__version__}", command
     top = run("--help")
     assert top.returncode == 0 and "generate" in top.stdout and "chat" in top.stdout
 
