@@ -34,6 +34,7 @@ from kvharbor.engine.metrics import ServerMetrics
 from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.sampling_params import SamplingParams
+from kvharbor.engine.slo_window import SLOWindow
 
 log = logging.getLogger("kvharbor.engine.server")
 RETRY_AFTER_S = "5"
@@ -49,6 +50,7 @@ class ServerState:
     draining: bool = False
     ready: bool = True
     kv_store: Any = None  # kv_offload.KVStoreClient when a shared block store is configured
+    slo: SLOWindow = field(default_factory=lambda: SLOWindow(2.0, 0.2))
     tracer: Any = field(default_factory=lambda: setup_tracing("engine"))
     background: list[asyncio.Task] = field(default_factory=list)
 
@@ -292,11 +294,14 @@ class _Routes:
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def load(self) -> dict:
+        attainment, counted = self.state.slo.attainment()
         return {
             **self.loop.load,
             "instance_id": self.state.instance_id,
             "draining": self.state.draining,
             "in_flight": self.loop.num_in_flight,
+            "slo_requests": counted,
+            **({"slo_attainment": attainment} if attainment is not None else {}),
         }
 
     async def metrics(self) -> Response:
@@ -371,6 +376,7 @@ class _Run:
         pulled = {engine_id: stream.imported_blocks for engine_id, stream in self.streams}
         for engine_id, final in self.finals.items():
             self.state.metrics.observe_request(self.arrival, self.token_times[engine_id], len(final.prompt_token_ids))
+            self.state.slo.record(self.arrival, self.token_times[engine_id])
             if store is not None and not final.error:
                 task = asyncio.ensure_future(
                     store.record_reuse(len(final.prompt_token_ids), final.num_cached_tokens, pulled[engine_id])

@@ -94,6 +94,9 @@ class ServerConfig:
         "hot (a prefix once it is reused here, and evicted blocks), evict (before a cached block is reused), off",
     )
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests before aborting them")
+    slo_ttft_ms: float = opt(2000.0, "TTFT target (ms) for /load's slo_attainment")
+    slo_itl_ms: float = opt(200.0, "mean inter-token latency target (ms) for /load's slo_attainment")
+    slo_window: float = opt(60.0, "seconds of finished requests that slo_attainment covers")
     otlp_endpoint: str | None = opt(None, "OTLP/HTTP endpoint for traces, e.g. http://collector:4318/v1/traces")
     max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")
     log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
@@ -106,6 +109,8 @@ class ServerConfig:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if min(self.slo_ttft_ms, self.slo_itl_ms, self.slo_window) <= 0:
+            raise ValueError("slo_ttft_ms, slo_itl_ms and slo_window must be > 0")
         if self.lease_ttl <= 1:
             raise ValueError(f"lease_ttl must be > 1 second, got {self.lease_ttl}")
         if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):

@@ -61,6 +61,7 @@ class EngineServer:
         from kvharbor.engine.kv_publisher import KVEventPublisher
         from kvharbor.engine.llm_engine import LLMEngine
         from kvharbor.engine.metrics import ServerMetrics
+        from kvharbor.engine.slo_window import SLOWindow
 
         srv = config.server
         engine_config = config.engine
@@ -97,6 +98,7 @@ class EngineServer:
             self.instance_id,
             srv.max_body_bytes,
             kv_store=self.kv_store,
+            slo=SLOWindow(srv.slo_ttft_ms / 1000, srv.slo_itl_ms / 1000, srv.slo_window),
             tracer=setup_tracing("engine", srv.otlp_endpoint),
         )
         app = build_app(self.state, lifespan=self._lifespan)

@@ -44,7 +44,7 @@ def engine_selector(name: str) -> dict[str, str]:
 
 def engine_config(spec: dict, redis_url: str | None) -> dict:
     """The engine's YAML config (the same names as `kvharbor serve` flags)."""
-    model, engine = spec["model"], spec.get("engine", {})
+    model, engine, slo = spec["model"], spec.get("engine", {}), spec.get("slo", {})
     config = {
         "model": model["source"],
         "served_model_name": model["name"],
@@ -55,6 +55,8 @@ def engine_config(spec: dict, redis_url: str | None) -> dict:
         "enable_prefix_caching": engine.get("prefixCaching", True),
         "kv_memory_fraction": engine.get("kvMemoryFraction", 0.9),
         "drain_timeout": engine.get("drainTimeoutSeconds", 30),
+        "slo_ttft_ms": slo.get("ttftP95Ms", 2000),
+        "slo_itl_ms": slo.get("itlP95Ms", 200),
         "host": "0.0.0.0",
         "port": ENGINE_PORT,
         "device": "cuda",

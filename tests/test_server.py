@@ -195,6 +195,8 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server):
 
 def test_metrics_report_load_and_latency(server, client):
     chat(client, QUESTIONS[2], temperature=0, max_tokens=4)
+    load = httpx.get(server.url + "/load").json()  # the operator's `slo` autoscaling metric
+    assert load["slo_requests"] >= 1 and 0.0 <= load["slo_attainment"] <= 1.0
     text = httpx.get(server.url + "/metrics").text
     for name in (
         "kvharbor_requests_running",
