@@ -135,12 +135,12 @@ class TenantRegistry:
             self._by_key = self._read()  # the first read must succeed: fail at start-up, loudly
             self._stamp = self._file_stamp()
 
-    def _file_stamp(self) -> tuple[int, int] | None:
+    def _file_stamp(self) -> tuple[int, int, int] | None:
         try:
-            st = os.stat(self.path)
+            st = os.stat(self.path)  # follows symlinks: a Secret volume swaps its files by one
         except OSError:
             return None
-        return st.st_mtime_ns, st.st_size
+        return st.st_ino, st.st_mtime_ns, st.st_size
 
     def _read(self) -> dict[str, Tenant]:
         try:

@@ -77,6 +77,7 @@ async def run_tenant_sync(ctx: OperatorContext, trigger: asyncio.Event) -> None:
 def register(registry: kopf.OperatorRegistry, config: OperatorConfig) -> None:
     backoff = min(config.watch.interval, 10.0)
     trigger = asyncio.Event()
+    trigger.set()  # the first sync runs at once: the gateway waits for its tenants Secret
     tasks: list[asyncio.Task] = []
 
     @kopf.on.login(registry=registry)
