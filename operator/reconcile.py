@@ -215,6 +215,8 @@ async def engine_loads(ctx: OperatorContext, urls: list[str]) -> tuple[list[dict
 
 
 async def observe_service(ctx: OperatorContext, body: dict, now: float | None = None) -> Outcome:
+    if body["metadata"].get("deletionTimestamp"):
+        return Outcome()  # the finalizer owns it now: scaling back up would undo its drain
     res = Resource.of(body)
     conds = list(res.status.get("conditions") or [])
     deployment = await ctx.kube.get(res.deployment_path)
