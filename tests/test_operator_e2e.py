@@ -13,6 +13,7 @@ import base64
 import hashlib
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -252,6 +253,8 @@ def test_deletion_drains_then_clears_the_kv_index_and_the_object_goes(cluster, r
     # The finalizer first scales to zero and waits for the pod to drain: the object stays.
     wait_for(lambda: api.get("apps/v1", "Deployment", "gone-engine", NS)["spec"]["replicas"] == 0, 30, "replicas 0")
     assert api.get(API, "InferenceService", "gone", NS)["metadata"]["deletionTimestamp"]
+    time.sleep(2.5)  # a few timer passes (--interval 1): autoscaling must not bring the engines back
+    assert api.get("apps/v1", "Deployment", "gone-engine", NS)["spec"]["replicas"] == 0
     api.delete("v1", "Pod", ours, NS)
     wait_for(lambda: api.get(API, "InferenceService", "gone", NS) is None, 30, "the object to go")
     left = _index_entries(redis_server.url, [])
