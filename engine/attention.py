@@ -19,6 +19,7 @@ and gathering whole blocks with index_select is ~3x faster than gathering slots.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +53,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
+    triton: Any = None  # attention_triton.TritonMetadata when the triton backend runs this step
 
 
 # One more decode call costs about as much as attending to this many more padded key positions
@@ -94,12 +96,20 @@ def build_metadata(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    backend: str = "torch",
+    kv_shape: tuple[int, int] = (0, 0),  # (kv_heads, head_dim), for the triton backend
 ) -> AttentionMetadata:
     """Metadata for sequences (decodes first) with these block tables, computed prefixes
     (`starts`) and new-token counts (`lengths`)."""
     slots: list[int] = []
     for table, start, n in zip(block_tables, starts, lengths, strict=True):
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+    if backend == "triton":
+        from kvharbor.engine.attention_triton import build_triton_metadata
+
+        slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+        tmeta = build_triton_metadata(block_tables, starts, lengths, num_decodes, block_size, *kv_shape, device)
+        return AttentionMetadata(block_size, slot_mapping, num_decodes, [], [], tmeta)
     ctx_lens = [s + 1 for s in starts[:num_decodes]]
     groups = [
         _decode_group(
@@ -147,6 +157,12 @@ def paged_attention(
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Returns [T, heads, dim]."""
+    if meta.triton is not None:
+        from kvharbor.engine.attention_triton import triton_paged_attention
+
+        return triton_paged_attention(
+            q, k, v, kv_cache, meta.slot_mapping, meta.num_decodes, meta.block_size, meta.triton
+        )
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))

@@ -70,6 +70,9 @@ class SchedulerConfig:
 class RuntimeConfig:
     threads: int | None = opt(None, "CPU threads for torch (default: one per physical core)")
     prepack_weights: bool = opt(True, "prepack bfloat16 weights for oneDNN on CPU (10-20% faster decode)")
+    attention_backend: Literal["auto", "torch", "triton"] = opt(
+        "auto", "paged attention: triton kernels (CUDA), torch (gathers blocks; CPU); auto picks by device"
+    )
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch
 
 from kvharbor.common.block_hash import BlockHash, namespace_hash
 from kvharbor.common.tokenizer import Tokenizer
+from kvharbor.engine.attention_triton import resolve_backend
 from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.capacity import KVCapacity, plan_capacity
 from kvharbor.engine.config import EngineConfig
@@ -163,7 +164,11 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.eos_token_ids)
         self.sampler = Sampler(self.arch.vocab_size, self.eos_token_ids, config.model.engine_seed)
-        self.runner = ModelRunner(self.model, self.kv, self.sampler, self.dtype, self.device)
+        self.attention_backend = resolve_backend(
+            config.runtime.attention_backend, self.device, self.capacity.block_size
+        )
+        say(f"attention backend: {self.attention_backend}")
+        self.runner = ModelRunner(self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend)
         self.kv_io = KVBlockIO(self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint)
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}

@@ -21,8 +21,11 @@ class ModelRunner:
         sampler: Sampler,
         dtype: torch.dtype,
         device: torch.device,
+        attention_backend: str = "torch",
     ) -> None:
         arch = model.arch
+        self.attention_backend = attention_backend
+        self.kv_shape = (arch.num_kv_heads, arch.head_dim)
         self.model = model
         self.kv = kv
         self.sampler = sampler
@@ -59,6 +62,8 @@ class ModelRunner:
             self.block_size,
             self.dtype,
             self.device,
+            self.attention_backend,
+            self.kv_shape,
         )
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows, last = [], []

@@ -8,6 +8,9 @@ import inspect
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see FACTS.md)
+# Triton kernels run under the interpreter here (no GPU); it must be set before they are decorated.
+# On a CUDA machine, TRITON_INTERPRET=0 runs the same tests on the GPU.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dataclasses import dataclass
 from pathlib import Path
