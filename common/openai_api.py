@@ -6,7 +6,8 @@ Extension fields, beyond OpenAI:
                     include_stop_str_in_output, skip_special_tokens
     kvharbor's      prompt_token_ids (already tokenized; the chat template is not applied again),
                     cache_salt, priority (higher first; < 0 may be shed), request_id,
-                    kv_prefix_source ("local" | "shared": where already computed blocks may come from)
+                    kv_prefix_source ("local" | "shared": where already computed blocks may come from),
+                    speculative (false: opt out of the engine's speculative decoding)
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class SamplingFields(BaseModel):
     priority: int = 0
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     kv_prefix_source: Literal["local", "shared"] | None = None
+    speculative: bool = True
 
     @field_validator("logit_bias")
     @classmethod
@@ -132,6 +134,7 @@ class SamplingFields(BaseModel):
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,
             "logprobs": self.num_logprobs(),
+            "speculative": self.speculative,
         }
         return kwargs
 

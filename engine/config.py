@@ -67,6 +67,24 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative_method: Literal["off", "ngram", "draft"] = opt(
+        "off", "speculative decoding: ngram (prompt lookup, no extra model), draft (a small model), or off"
+    )
+    speculative_k: int = opt(3, "most tokens proposed per request and step (adapted down when few are accepted)")
+    ngram_n: int = opt(3, "longest n-gram matched against the request's own tokens (shorter ones down to 2)")
+    draft_model: str | None = opt(None, "the draft model for speculative_method=draft (same tokenizer as the target)")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.speculative_k <= 16:
+            raise ValueError(f"speculative_k must be in 1..16, got {self.speculative_k}")
+        if not 1 <= self.ngram_n <= 16:
+            raise ValueError(f"ngram_n must be in 1..16, got {self.ngram_n}")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method=draft needs draft_model (a folder or .gguf sharing the tokenizer)")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     threads: int | None = opt(None, "CPU threads for torch (default: one per physical core)")
     prepack_weights: bool = opt(True, "prepack bfloat16 weights for oneDNN on CPU (10-20% faster decode)")
@@ -81,6 +99,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
 
 @dataclass(frozen=True)

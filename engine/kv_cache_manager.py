@@ -127,6 +127,19 @@ class KVCacheManager:
         if table:
             self.pool.free_blocks(reversed(table))
 
+    def truncate(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks holding the first `num_tokens` tokens (after speculation: rejected
+        tokens' slots go back, tail first). Blocks past them were never hashed: only blocks of
+        the request's own tokens are, and those are all kept."""
+        table = self.tables.get(request.request_id)
+        if not table:
+            return
+        keep = -(-num_tokens // self.block_size)
+        assert self._num_hashed.get(request.request_id, 0) <= keep, "a hashed block would be dropped"
+        if len(table) > keep:
+            self.pool.free_blocks(reversed(table[keep:]))
+            del table[keep:]
+
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.tables.get(request.request_id, [])]
 

@@ -1,5 +1,6 @@
 """LLMEngine: the loop a server drives. `add_request`, then `step()` until done; `abort` any time.
 
+proposals = proposer.propose(...)  # speculative decoding, when on: guesses for decoding requests
 plan = scheduler.schedule()        # who runs, how many tokens, which blocks
 out = runner.execute(plan)         # one forward pass + sampling
 scheduler.update(plan, out)        # advance, fork n > 1, token-level stops
@@ -28,11 +29,12 @@ from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
 from kvharbor.engine.loader import LoadedModel, load_model
 from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.outputs import CompletionOutput, RequestOutput
+from kvharbor.engine.proposers import AdaptiveK, NgramProposer, Proposal, Proposer
 from kvharbor.engine.request import FinishReason, Request, check_request_id
 from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import Sampler
 from kvharbor.engine.sampling_params import SamplingParams
-from kvharbor.engine.scheduler import Scheduler, SchedulerPlan
+from kvharbor.engine.scheduler import Scheduler, SchedulerPlan, StepOutput
 
 log = logging.getLogger("kvharbor.engine")
 Progress = Callable[[str], None]
@@ -104,9 +106,12 @@ class EngineStats:
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     steps: int = 0
+    spec_verifications: int = 0  # speculative chunks verified
+    spec_proposed: int = 0  # draft tokens scored
+    spec_accepted: int = 0  # of those, accepted
 
     def record(self, plan: SchedulerPlan, seconds: float) -> None:
-        prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1)
+        prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1 and not c.draft)
         self.steps += 1
         if prefill:
             rate = prefill / max(seconds, 1e-9)
@@ -173,6 +178,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._touched: set[str] = set()
+        self.proposer, self.adaptive_k = self._speculation(config, say)
         say("warming up ...")
         self._warm_up()
         say(f"ready in {time.monotonic() - t0:.1f}s")
@@ -183,6 +189,31 @@ class LLMEngine:
         if self.device.type != "cpu":
             return
         torch.set_num_threads(self.config.runtime.threads or physical_cores())
+
+    def _speculation(self, config: EngineConfig, say: Progress) -> tuple[Proposer | None, AdaptiveK | None]:
+        spec = config.speculative
+        if spec.speculative_method == "off":
+            return None, None
+        if spec.speculative_method == "ngram":
+            proposer: Proposer = NgramProposer(spec.ngram_n)
+        else:
+            from kvharbor.engine.draft import DraftModelProposer
+
+            say(f"loading draft model {spec.draft_model} ...")
+            proposer = DraftModelProposer(spec.draft_model, self)
+        say(f"speculative decoding: {spec.speculative_method}, k={spec.speculative_k}")
+        return proposer, AdaptiveK(spec.speculative_k)
+
+    def _propose(self) -> dict[str, Proposal]:
+        """Guesses for the running requests that decode this step and have not opted out."""
+        if self.proposer is None:
+            return {}
+        decoding = [
+            r for r in self.scheduler.running
+            if r.forked and r.params.speculative and r.num_tokens - r.num_computed_tokens == 1
+        ]  # fmt: skip
+        ks = {r.request_id: self.adaptive_k.k_for(r) for r in decoding}
+        return self.proposer.propose([r for r in decoding if ks[r.request_id]], ks)
 
     def _max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
@@ -295,7 +326,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns an output for every request that progressed or finished."""
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule(self._propose())
         if plan.is_empty and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_unfinished} requests waiting")
         if not plan.is_empty:
@@ -306,6 +337,9 @@ class LLMEngine:
             if group is not None and group.finished:
                 for request in group.samples.values():
                     self.sampler.forget(request)
+                    if self.proposer is not None:
+                        self.proposer.release(request)
+                        self.adaptive_k.forget(request)
                 del self._groups[rid]
         self._touched.clear()
         return outputs
@@ -318,6 +352,7 @@ class LLMEngine:
             self._fail(plan, exc)
             return
         self.stats.record(plan, time.perf_counter() - t0)
+        self._record_speculation(plan, out)
         forked = self.scheduler.update(plan, out)
         for child in forked:
             self._register(self._groups[child.group_id], child)
@@ -325,6 +360,15 @@ class LLMEngine:
             group = self._groups[request.group_id]
             self._touched.add(group.request_id)
             self._detokenize(group, request)
+
+    def _record_speculation(self, plan: SchedulerPlan, out: StepOutput) -> None:
+        for chunk in plan.chunks:
+            if chunk.draft:
+                accepted = len(out.tokens.get(chunk.request.request_id, [None])) - 1
+                self.stats.spec_verifications += 1
+                self.stats.spec_proposed += len(chunk.draft)
+                self.stats.spec_accepted += accepted
+                self.adaptive_k.record(chunk.request, len(chunk.draft), accepted)
 
     def _detokenize(self, group: _Group, request: Request) -> None:
         ids = request.output_token_ids

@@ -66,24 +66,34 @@ class ModelRunner:
             self.kv_shape,
         )
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        rows, last = [], []
+        rows, last, spec = [], [], []
         offset = 0
         for chunk in chunks:
             offset += chunk.num_tokens
-            if chunk.num_samples:
-                rows.append(SampleRow(len(rows), chunk.request, chunk.num_samples))
+            if chunk.draft:  # the target's prediction after the last token and after each draft token
+                spec.append((chunk, len(last)))
+                last.extend(range(offset - 1 - len(chunk.draft), offset))
+            elif chunk.num_samples:
+                rows.append(SampleRow(len(last), chunk.request, chunk.num_samples))
                 last.append(offset - 1)
         out = StepOutput()
-        if rows:
+        if last:
             logits = self.model.logits(hidden[torch.tensor(last, device=self.device)]).cpu()
-            out.tokens, out.logprobs = self.sampler.sample(logits, rows)
+            if rows:
+                out.tokens, out.logprobs = self.sampler.sample(logits, rows)
+            for chunk, first in spec:
+                scored = logits[first : first + len(chunk.draft) + 1]
+                tokens, logprobs = self.sampler.verify(scored, chunk.request, chunk.draft, chunk.draft_probs)
+                out.tokens[chunk.request.request_id] = tokens
+                if logprobs is not None:
+                    out.logprobs[chunk.request.request_id] = logprobs
         return out
 
     def _inputs(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         ids: list[int] = []
         pos: list[int] = []
         for c in chunks:
-            ids.extend(c.request.all_token_ids[c.start : c.end])
+            ids.extend(c.input_ids)
             pos.extend(range(c.start, c.end))
         return (
             torch.tensor(ids, dtype=torch.long, device=self.device),

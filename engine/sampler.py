@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvharbor.engine.rejection import accept_greedy, accept_sampled
 from kvharbor.engine.request import Logprob, Request, sample_id
 
 
@@ -81,10 +82,36 @@ class Sampler:
                 ]
         return tokens, logprobs
 
-    def _process(self, row: torch.Tensor, request: Request) -> torch.Tensor | None:
-        """Bias, min_tokens and penalties; None when none applies (the raw row is used)."""
+    @torch.no_grad()
+    def verify(
+        self, logits: torch.Tensor, request: Request, draft: list[int], draft_probs: torch.Tensor | None
+    ) -> tuple[list[int], list[Logprob] | None]:
+        """Accept or reject `draft` (engine/rejection.py). `logits` [k + 1, vocab] float32: row j
+        is the target's prediction after draft[:j]. Every sampling option is applied to each row
+        as if draft[:j] had already been generated, so speculation changes no distribution."""
+        params = request.params
+        rows = []
+        for j in range(len(draft) + 1):
+            processed = self._process(logits[j], request, draft[:j])
+            rows.append(logits[j] if processed is None else processed)
+        if params.greedy:
+            tokens = accept_greedy([int(r.argmax()) for r in rows], draft)
+        else:
+            probs = torch.stack([
+                filtered_probs(r, params.temperature, params.top_k, params.top_p, params.min_p) for r in rows
+            ])  # fmt: skip
+            tokens = accept_sampled(probs, draft, draft_probs, self._generator(request, request.index))
+        if params.logprobs is None:
+            return tokens, None
+        raw = torch.log_softmax(logits[: len(tokens)], dim=-1)
+        return tokens, [_logprob(raw[j], t, params.logprobs) for j, t in enumerate(tokens)]
+
+    def _process(self, row: torch.Tensor, request: Request, extra: list[int] | None = None) -> torch.Tensor | None:
+        """Bias, min_tokens and penalties; None when none applies (the raw row is used). `extra`:
+        tokens taken as already generated after the request's own (speculated, being verified)."""
         p = request.params
-        out_ids = request.output_token_ids
+        extra = extra or []
+        out_ids = request.output_token_ids + extra
         mask_stop = len(out_ids) < p.min_tokens
         penal = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         if not (p.logit_bias or mask_stop or penal):
@@ -98,7 +125,7 @@ class Sampler:
             if stops:
                 row[torch.tensor(sorted(stops), dtype=torch.long)] = float("-inf")
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(request.all_token_ids, dtype=torch.long).unique()
+            seen = torch.tensor(request.all_token_ids + extra, dtype=torch.long).unique()
             vals = row[seen]
             row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
         if out_ids and (p.presence_penalty or p.frequency_penalty):

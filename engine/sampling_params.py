@@ -32,6 +32,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None
+    speculative: bool = True  # False: this request opts out of the engine's speculative decoding
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +88,8 @@ class SamplingParams:
                 # OpenAI's range; anything else (inf, NaN) would turn the whole row into NaN.
                 if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
                     raise bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}")
+        if not isinstance(self.speculative, bool):
+            raise bad(f"speculative must be true or false, got {self.speculative!r}")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad(f"seed must be an integer, got {self.seed!r}")
 

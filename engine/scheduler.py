@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvharbor.engine.config import SchedulerConfig
 from kvharbor.engine.kv_cache_manager import KVCacheManager
@@ -30,10 +31,18 @@ class ScheduledChunk:
     start: int
     num_tokens: int
     num_samples: int  # tokens to sample after this chunk: 0 mid-prefill, n on the first sample
+    draft: list[int] = field(default_factory=list)  # speculated tokens, run after the request's last one
+    draft_probs: Any = None  # their draft distributions [len(draft), vocab]; None: deterministic proposer
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def input_ids(self) -> list[int]:
+        """The tokens this chunk runs: the request's own, then any draft."""
+        own = self.request.all_token_ids[self.start : self.end - len(self.draft)]
+        return own + self.draft if self.draft else own
 
 
 @dataclass
@@ -53,7 +62,8 @@ class SchedulerPlan:
 
 @dataclass
 class StepOutput:
-    """What the runner sampled: for each request id, the new tokens (n of them on a fork)."""
+    """What the runner sampled: for each request id, the new tokens (n of them on a fork; for a
+    speculative chunk, the accepted draft tokens and then the target's own)."""
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
@@ -125,14 +135,16 @@ class Scheduler:
         self.waiting.append(victim)
         plan.preempted.append(victim)
 
-    def schedule(self) -> SchedulerPlan:
-        """Choose this step's work. Mutates queues, tables and each request's status."""
+    def schedule(self, proposals: dict[str, Any] | None = None) -> SchedulerPlan:
+        """Choose this step's work. Mutates queues, tables and each request's status.
+        `proposals`: speculated tokens (proposers.Proposal) for decoding requests, run with their
+        last token when the budget and the pool allow."""
         plan = SchedulerPlan()
         budget = self.config.max_num_batched_tokens
         self._sort_running()
         self._preempt_for_priority(plan)
         num_preempted = len(plan.preempted)
-        budget = self._schedule_running(plan, budget)
+        budget = self._schedule_running(plan, budget, proposals or {})
         if len(plan.preempted) == num_preempted:  # NOTE: a pool that just forced preemption admits nobody
             self._schedule_waiting(plan, budget)
         return plan
@@ -157,12 +169,16 @@ class Scheduler:
                 return
             self._preempt(self.running[-1], plan)
 
-    def _schedule_running(self, plan: SchedulerPlan, budget: int) -> int:
+    def _schedule_running(self, plan: SchedulerPlan, budget: int, proposals: dict[str, Any]) -> int:
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            proposal = proposals.get(request.request_id)
+            if proposal is not None and self._schedule_speculative(request, proposal, plan, budget):
+                budget -= plan.chunks[-1].num_tokens
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(request, num_new)
             while copies is None:
@@ -177,6 +193,27 @@ class Scheduler:
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
         return budget
+
+    def _schedule_speculative(self, request: Request, proposal: Any, plan: SchedulerPlan, budget: int) -> bool:
+        """Run the request's last token and the proposed ones, if it is decoding and they fit the
+        budget, the length limits and the free pool as they are (no preemption for a guess)."""
+        if request.num_tokens - request.num_computed_tokens != 1:
+            return False
+        room = min(
+            budget - 1,
+            request.max_output_tokens - len(request.output_token_ids) - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        draft = proposal.tokens[: max(0, room)]
+        if not draft:
+            return False
+        copies = self.kv.allocate_slots(request, 1 + len(draft))
+        if copies is None:
+            return False
+        plan.block_copies.extend(copies)
+        probs = proposal.probs[: len(draft)] if proposal.probs is not None else None
+        plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1 + len(draft), 1, draft, probs))
+        return True
 
     def _schedule_waiting(self, plan: SchedulerPlan, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -214,8 +251,11 @@ class Scheduler:
             request = chunk.request
             if request.is_finished:
                 continue  # aborted while its step ran
-            request.num_computed_tokens = chunk.end
             tokens = output.tokens.get(request.request_id)
+            if chunk.draft:
+                self._accept(chunk, tokens or [], output.logprobs.get(request.request_id))
+                continue
+            request.num_computed_tokens = chunk.end
             if not tokens:
                 continue
             logprobs = output.logprobs.get(request.request_id) or [None] * len(tokens)
@@ -224,6 +264,19 @@ class Scheduler:
             request.append_output(tokens[0], logprobs[0])
             self._check_stop(request)
         return forked
+
+    def _accept(self, chunk: ScheduledChunk, tokens: list[int], logprobs: list | None = None) -> None:
+        """A speculative chunk: KV is kept for the last token and the accepted draft tokens (as
+        many as `tokens` minus the target's own), the rejected ones' slots are given back, and
+        the tokens are appended one by one until a stop."""
+        request = chunk.request
+        request.num_computed_tokens = chunk.start + len(tokens)
+        self.kv.truncate(request, request.num_computed_tokens)
+        for i, token in enumerate(tokens):
+            request.append_output(token, logprobs[i] if logprobs else None)
+            self._check_stop(request)
+            if request.is_finished:
+                return
 
     def _fork(self, parent: Request, tokens: list[int], logprobs: list) -> list[Request]:
         parent.forked = True
