@@ -84,7 +84,10 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="kvharbor-engine", daemon=True)
         self.error: BaseException | None = None
         self.load: dict[str, Any] = engine.load()  # replaced (atomically) after every step
-        self.counters: dict[str, int] = {"prefix_queries": 0, "prefix_hits": 0, "aborted": 0}
+        self.counters: dict[str, int] = {
+            "prefix_queries": 0, "prefix_hits": 0, "aborted": 0, "spec_verifications": 0, "spec_proposed": 0,
+            "spec_accepted": 0,
+        }  # fmt: skip
 
     # -- control (any thread) ---------------------------------------------------------------------
 
@@ -224,8 +227,15 @@ class EngineLoop:
 
     def _refresh(self) -> None:
         # Readers on other threads see whole dicts: each is replaced, never mutated.
-        kv = self.engine.kv
-        self.counters = {**self.counters, "prefix_queries": kv.prefix_queries, "prefix_hits": kv.prefix_hits}
+        kv, stats = self.engine.kv, self.engine.stats
+        self.counters = {
+            **self.counters,
+            "prefix_queries": kv.prefix_queries,
+            "prefix_hits": kv.prefix_hits,
+            "spec_verifications": stats.spec_verifications,
+            "spec_proposed": stats.spec_proposed,
+            "spec_accepted": stats.spec_accepted,
+        }
         self.load = self.engine.load()
 
     def _fail_inbox(self, exc: BaseException) -> None:

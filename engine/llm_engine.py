@@ -483,6 +483,9 @@ class LLMEngine:
             "kv_blocks_cached": self.pool.num_cached,
             "prefill_tokens_per_s": round(self.stats.prefill_tokens_per_s, 1),
             "decode_step_ms": round(self.stats.decode_step_s * 1000, 2),
+            "spec_acceptance_rate": round(self.stats.spec_accepted / self.stats.spec_proposed, 4)
+            if self.stats.spec_proposed
+            else None,
         }
 
     def check_integrity(self) -> None:

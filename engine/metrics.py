@@ -58,6 +58,18 @@ class _LoadCollector:
         yield counter(
             "requests_aborted", "Requests cancelled in flight (client gone, drain timeout)", counters["aborted"]
         )
+        checks, proposed = counters["spec_verifications"], counters["spec_proposed"]
+        accepted = counters["spec_accepted"]
+        yield counter("spec_verifications", "Speculative chunks the target verified", checks)
+        yield counter("spec_proposed_tokens", "Speculated tokens the target scored", proposed)
+        yield counter("spec_accepted_tokens", "Speculated tokens accepted", accepted)
+        rate = accepted / proposed if proposed else 0.0
+        yield gauge("spec_acceptance_rate", "Accepted / proposed speculated tokens", rate)
+        yield gauge(
+            "spec_mean_accepted_length",
+            "Accepted speculated tokens per verification (the target adds one of its own)",
+            accepted / checks if checks else 0.0,
+        )
 
 
 class ServerMetrics:

@@ -276,3 +276,22 @@ def test_a_request_can_opt_out(make_llm, tiny_llama):
     llm = make_llm(tiny_llama.loaded, speculative_method="ngram")
     llm.generate(repetitive_prompts(512, 2, seed=1), SamplingParams(max_tokens=16, temperature=0, speculative=False))
     assert llm.engine.stats.spec_verifications == 0
+
+
+def test_acceptance_rate_and_mean_accepted_length_are_reported(make_llm, tiny_llama):
+    from kvharbor.engine.engine_loop import EngineLoop
+    from kvharbor.engine.metrics import ServerMetrics
+
+    llm = make_llm(tiny_llama.loaded, speculative_method="ngram", speculative_k=3, ngram_n=1)
+    llm.generate(repetitive_prompts(512, 4, seed=2), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    stats = llm.engine.stats
+    assert stats.spec_proposed > 0
+    assert llm.engine.load()["spec_acceptance_rate"] == round(stats.spec_accepted / stats.spec_proposed, 4)
+    loop = EngineLoop.__new__(EngineLoop)  # only its snapshot of the engine's counters, no thread
+    loop.engine, loop.counters = llm.engine, {"aborted": 0}
+    loop._refresh()
+    text = ServerMetrics(lambda: (loop.load, loop.counters), "m", "i").render().decode()
+    rate = stats.spec_accepted / stats.spec_proposed
+    assert f'kvharbor_spec_acceptance_rate{{instance="i",model="m"}} {rate}' in text
+    mean = stats.spec_accepted / stats.spec_verifications
+    assert f'kvharbor_spec_mean_accepted_length{{instance="i",model="m"}} {mean}' in text
