@@ -17,10 +17,26 @@ from kvharbor.engine.sampling_params import SamplingParams
 PromptInput = str | list[int] | dict[str, Any]
 
 
+SPECULATIVE_KEYS = {"method": "speculative_method", "k": "speculative_k", "ngram_n": "ngram_n",
+                    "draft_model": "draft_model"}  # fmt: skip
+
+
+def _flatten_speculative(options: dict[str, Any]) -> dict[str, Any]:
+    """`speculative={"method": "ngram", "k": 3, ...}` -> the config leaves speculative_method, ..."""
+    spec = options.get("speculative")
+    if spec is None:
+        return options
+    if not isinstance(spec, dict) or set(spec) - set(SPECULATIVE_KEYS):
+        raise ValueError(f"speculative must be a dict with keys from {sorted(SPECULATIVE_KEYS)}, got {spec!r}")
+    rest = {k: v for k, v in options.items() if k != "speculative"}
+    return rest | {SPECULATIVE_KEYS[k]: v for k, v in spec.items()}
+
+
 class LLM:
     """`LLM(model=None | path, dtype='auto' | 'float32' | 'bfloat16', **engine_options)`.
 
-    `engine_options` are EngineConfig leaves by name (block_size=16, num_kv_blocks=64, ...).
+    `engine_options` are EngineConfig leaves by name (block_size=16, num_kv_blocks=64, ...);
+    `speculative={"method": "ngram" | "draft", "k": 3, "ngram_n": 3, "draft_model": path}` too.
     The Python API reads no environment or file: what you pass is what runs.
     """
 
@@ -35,6 +51,7 @@ class LLM:
     ) -> None:
         """`loaded_model` reuses weights already read by `engine.loader.load_model` (then `model`
         is ignored): several engines over one model pay for one load."""
+        engine_options = _flatten_speculative(engine_options)
         config = load_config(EngineConfig, env={}, overrides={"model": model, "dtype": dtype, **engine_options})
         self.engine = LLMEngine(config, progress=progress, loaded_model=loaded_model)
         self._ids = itertools.count()

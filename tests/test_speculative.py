@@ -295,3 +295,65 @@ def test_acceptance_rate_and_mean_accepted_length_are_reported(make_llm, tiny_ll
     assert f'kvharbor_spec_acceptance_rate{{instance="i",model="m"}} {rate}' in text
     mean = stats.spec_accepted / stats.spec_verifications
     assert f'kvharbor_spec_mean_accepted_length{{instance="i",model="m"}} {mean}' in text
+
+
+# -- the draft-model proposer ----------------------------------------------------------------------
+
+
+def test_a_draft_model_keeps_greedy_tokens_and_frees_its_cache(make_llm, tiny_llama, tiny_qwen2):
+    prompts = repetitive_prompts(512, 8, seed=9) + tiny_llama.shared_prompts[:3]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    _, off = generate(make_llm, tiny_llama.loaded, prompts, params, num_kv_blocks=48, block_size=16)
+    for draft, all_accepted in ((tiny_llama, True), (tiny_qwen2, False)):
+        llm, on = generate(make_llm, tiny_llama.loaded, prompts, params, num_kv_blocks=48, block_size=16,
+                           speculative_method="draft", draft_model=str(draft.loaded.path), speculative_k=3)  # fmt: skip
+        assert on == off, draft.name
+        stats, proposer = llm.engine.stats, llm.engine.proposer
+        assert stats.spec_verifications > 0
+        # The target as its own draft is always right; another model mostly is not.
+        assert (stats.spec_accepted == stats.spec_proposed) == all_accepted, stats
+        assert proposer.pool.num_free == proposer.pool.num_blocks and not proposer.shadows
+        proposer.kv.check_integrity()
+
+
+def test_a_draft_model_keeps_the_sampled_distribution(make_llm, tiny_llama, tiny_qwen2):
+    """q is a real distribution here (not a point): accept with min(1, p/q), else draw from
+    max(0, p - q). Same tests as for the deterministic proposer."""
+    prompt = repetitive_prompts(512, 1, seed=11)[0]
+
+    def params(first_seed: int) -> list[SamplingParams]:
+        seeds = range(first_seed, first_seed + 3000)
+        return [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True) for s in seeds]
+
+    _, off = generate(make_llm, tiny_llama.loaded, [prompt] * 3000, params(0))
+    llm, on = generate(make_llm, tiny_llama.loaded, [prompt] * 3000, params(1_000_000), speculative_method="draft",
+                       draft_model=str(tiny_qwen2.loaded.path), speculative_k=2)  # fmt: skip
+    stats = llm.engine.stats
+    assert stats.spec_verifications > 500 and 0 < stats.spec_accepted < stats.spec_proposed
+    for position in range(3):
+        stat, dof = homogeneity_chi2(Counter(t[position] for t in off), Counter(t[position] for t in on))
+        assert dof >= 1 and stat < chi2_critical(dof), f"position {position}: chi2 {stat:.1f} with {dof} dof"
+
+
+def test_a_draft_model_must_share_the_vocabulary(tmp_path, tiny_llama):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvharbor.engine import LLM
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)  # fmt: skip
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        LLM(loaded_model=tiny_llama.loaded, dtype="float32", kv_cache_memory="64MiB", max_model_len=512,
+            speculative_method="draft", draft_model=str(tmp_path))  # fmt: skip
+    with pytest.raises(ValueError, match="needs draft_model"):
+        LLM(loaded_model=tiny_llama.loaded, dtype="float32", speculative_method="draft")
+
+
+def test_speculative_options_as_one_dict(make_llm, tiny_llama):
+    llm = make_llm(tiny_llama.loaded, speculative={"method": "ngram", "k": 5, "ngram_n": 2})
+    spec = llm.engine.config.speculative
+    assert (spec.speculative_method, spec.speculative_k, spec.ngram_n) == ("ngram", 5, 2)
+    with pytest.raises(ValueError, match="speculative must be a dict"):
+        make_llm(tiny_llama.loaded, speculative={"method": "ngram", "depth": 2})
+    with pytest.raises(ValueError, match="speculative_k"):
+        make_llm(tiny_llama.loaded, speculative={"method": "ngram", "k": 0})

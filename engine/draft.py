@@ -1,0 +1,166 @@
+"""The draft-model proposer: a smaller model with the target's tokenizer and a paged KV cache of
+its own, proposing k tokens per decoding request by running k batched steps of its own.
+
+Its cache follows the target's tokens lazily: before proposing, each request's draft KV is cut
+back to the longest prefix the draft computed that the request still has (accepted draft tokens
+stay, rejected ones go), then the missing tokens run in one chunk whose last row gives the first
+proposal. Draft tokens are drawn from q = the draft's distribution after every sampling option of
+the request (the same processing the target's p gets), with a generator of the draft's own;
+greedy requests take the draft's argmax.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvharbor.common.block_hash import namespace_hash
+from kvharbor.engine.attention import build_metadata
+from kvharbor.engine.block_pool import BlockPool
+from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.loader import load_model
+from kvharbor.engine.model import LlamaModel
+from kvharbor.engine.proposers import Proposal
+from kvharbor.engine.request import Request
+from kvharbor.engine.sampler import filtered_probs
+
+
+class DraftModelProposer:
+    def __init__(self, path: str, engine: Any) -> None:
+        loaded = load_model(path)
+        if loaded.arch.vocab_size != engine.arch.vocab_size:
+            raise ValueError(
+                f"draft model {path} has a vocabulary of {loaded.arch.vocab_size} tokens, the target "
+                f"{engine.arch.vocab_size}: the draft must share the target's tokenizer"
+            )
+        self.engine = engine
+        self.device, self.dtype = engine.device, engine.dtype
+        self.model = LlamaModel(loaded.arch, self.dtype, self.device)
+        self.model.load_hf_state_dict({k: v.to(self.dtype) for k, v in loaded.state_dict.items()})
+        self.model.pack_for_cpu()
+        self.block_size = engine.capacity.block_size
+        # As many token slots as the target's pool: the draft can shadow every running request.
+        self.pool = BlockPool(engine.capacity.num_blocks, self.block_size, enable_caching=False)
+        self.kv = KVCacheManager(self.pool)
+        arch = loaded.arch
+        slots = self.pool.num_blocks * self.block_size
+        self.kv_caches = torch.zeros(
+            arch.num_layers, 2, arch.num_kv_heads, slots, arch.head_dim, dtype=self.dtype, device=self.device
+        )
+        self.shadows: dict[str, Request] = {}
+        self.generators: dict[str, torch.Generator] = {}
+
+    # -- Proposer ------------------------------------------------------------------------------
+
+    def propose(self, requests: list[Request], ks: dict[str, int]) -> dict[str, Proposal]:
+        active = [r for r in requests if ks.get(r.request_id, 0) > 0]
+        for request in active:
+            self._sync(request)
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in active}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in active}
+        # Step 0 runs every missing token (the last one included); later steps one token each.
+        feeds = {r.request_id: self._missing(r) for r in active}
+        for step in range(max((ks[r.request_id] for r in active), default=0)):
+            batch = [r for r in active if step < ks[r.request_id] and self._room(r, len(feeds[r.request_id]))]
+            if not batch:
+                break
+            logits = self._forward(batch, feeds)
+            for row, request in enumerate(batch):
+                token, q = self._draw(logits[row], request, drafts[request.request_id])
+                drafts[request.request_id].append(token)
+                if q is not None:
+                    probs[request.request_id].append(q)
+                feeds[request.request_id] = [token]
+            active = batch
+        return {
+            rid: Proposal(tokens, torch.stack(probs[rid]) if probs[rid] else None)
+            for rid, tokens in drafts.items()
+            if tokens
+        }
+
+    def release(self, request: Request) -> None:
+        shadow = self.shadows.pop(request.request_id, None)
+        if shadow is not None:
+            self.kv.free(shadow)
+        self.generators.pop(request.request_id, None)
+
+    # -- the draft's own KV ---------------------------------------------------------------------
+
+    def _shadow(self, request: Request) -> Request:
+        shadow = self.shadows.get(request.request_id)
+        if shadow is None:
+            shadow = Request(request.request_id, [], request.params, 1, namespace_hash("draft"))
+            shadow.all_token_ids = []
+            self.shadows[request.request_id] = shadow
+        return shadow
+
+    def _sync(self, request: Request) -> None:
+        """Cut the draft's KV back to what still matches the request's tokens."""
+        shadow = self._shadow(request)
+        tokens, have = request.all_token_ids, shadow.all_token_ids
+        keep = 0
+        limit = min(len(have), shadow.num_computed_tokens, len(tokens) - 1)
+        while keep < limit and have[keep] == tokens[keep]:
+            keep += 1
+        shadow.all_token_ids = list(tokens[:keep])
+        shadow.num_computed_tokens = keep
+        self.kv.truncate(shadow, keep)
+
+    def _missing(self, request: Request) -> list[int]:
+        shadow = self.shadows[request.request_id]
+        return list(request.all_token_ids[shadow.num_computed_tokens :])
+
+    def _room(self, request: Request, num_new: int) -> bool:
+        """Slots for `num_new` more draft tokens; without them the request gets no (more) proposal."""
+        shadow = self.shadows[request.request_id]
+        return self.kv.allocate_slots(shadow, num_new) is not None
+
+    def _forward(self, batch: list[Request], feeds: dict[str, list[int]]) -> torch.Tensor:
+        """Run each request's feed after its computed tokens; logits of each one's last row, in
+        `batch` order."""
+        shadows = [self.shadows[r.request_id] for r in batch]
+        lengths = [len(feeds[r.request_id]) for r in batch]
+        # Single-token feeds are decodes and must come first in the flat batch (engine/attention.py).
+        order = sorted(range(len(batch)), key=lambda i: lengths[i] != 1)
+        ids, pos, lasts = [], [], []
+        for i in order:
+            start = shadows[i].num_computed_tokens
+            ids += feeds[batch[i].request_id]
+            pos += range(start, start + lengths[i])
+            lasts.append(len(ids) - 1)
+        meta = build_metadata(
+            [self.kv.block_ids(shadows[i]) for i in order],
+            [shadows[i].num_computed_tokens for i in order],
+            [lengths[i] for i in order],
+            sum(1 for i in order if lengths[i] == 1),
+            self.block_size,
+            self.dtype,
+            self.device,
+        )
+        with torch.inference_mode():
+            ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+            pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
+            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
+            logits = self.model.logits(hidden[torch.tensor(lasts, device=self.device)]).cpu()
+        for shadow, request in zip(shadows, batch, strict=True):
+            shadow.all_token_ids += feeds[request.request_id]
+            shadow.num_computed_tokens += len(feeds[request.request_id])
+        row_of = {i: row for row, i in enumerate(order)}
+        return logits[[row_of[i] for i in range(len(batch))]]
+
+    # -- drawing -------------------------------------------------------------------------------
+
+    def _draw(self, row: torch.Tensor, request: Request, extra: list[int]) -> tuple[int, torch.Tensor | None]:
+        """A draft token and q (None for greedy requests: their acceptance only needs the token)."""
+        params = request.params
+        processed = self.engine.sampler._process(row, request, extra)
+        row = row if processed is None else processed
+        if params.greedy:
+            return int(row.argmax()), None
+        q = filtered_probs(row, params.temperature, params.top_k, params.top_p, params.min_p)
+        gen = self.generators.get(request.request_id)
+        if gen is None:
+            seed = (params.seed if params.seed is not None else hash(request.request_id)) ^ 0x5EED
+            gen = self.generators[request.request_id] = torch.Generator().manual_seed(seed & ((1 << 62) - 1))
+        return int(torch.multinomial(q, 1, generator=gen)), q
