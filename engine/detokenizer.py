@@ -21,6 +21,7 @@ class Detokenizer:
         self._searched = 0  # characters of `text` already searched for stop strings
         self._hold = max((len(s) for s in params.stop), default=1) - 1
         self.stop_string: str | None = None
+        self.stop_at: int | None = None  # output tokens up to the one that completed the stop string
         self.num_tokens = 0  # output tokens decoded so far
 
     def update(self, output_token_ids: list[int]) -> str | None:
@@ -40,6 +41,7 @@ class Detokenizer:
             if count <= self.params.min_tokens:  # as vLLM: no stop string before min_tokens
                 self._searched = len(self.text)
             elif self._find_stop():
+                self.stop_at = count  # tokens after this one (a speculated run) are dropped
                 return self.stop_string
         return None
 

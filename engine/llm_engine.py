@@ -122,6 +122,16 @@ class EngineStats:
             self.decode_step_s = seconds if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * seconds
 
 
+def _drop_after(request: Request, num_output_tokens: int) -> None:
+    """Forget output tokens after a stop string ended the text: several can arrive in one step
+    (accepted speculated tokens), and the request must end where one at a time would have."""
+    extra = len(request.output_token_ids) - num_output_tokens
+    if extra > 0:
+        del request.output_token_ids[num_output_tokens:]
+        del request.all_token_ids[len(request.all_token_ids) - extra :]
+        del request.logprobs[num_output_tokens:]
+
+
 class LLMEngine:
     def __init__(
         self, config: EngineConfig, progress: Progress | None = None, loaded_model: LoadedModel | None = None
@@ -374,9 +384,11 @@ class LLMEngine:
         ids = request.output_token_ids
         if request.finish_reason is FinishReason.STOP and not group.params.include_stop_str_in_output:
             ids = ids[:-1]  # EOS or a stop token id ended it: its text is not part of the answer
-        stop = group.detoks[request.index].update(ids)
+        detok = group.detoks[request.index]
+        stop = detok.update(ids)
         if stop is None:
             return
+        _drop_after(request, detok.stop_at)
         if request.is_finished:  # the same token also hit a length limit: the stop string wins
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
         else:
