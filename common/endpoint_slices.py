@@ -1,6 +1,8 @@
-"""Engine URLs from EndpointSlices (discovery.k8s.io/v1): what the gateway routes to and the
-operator polls for load. Only endpoints whose `ready` condition is not false count, as kube-proxy
-does, so a draining pod (terminating, not ready) gets no new requests.
+"""Engine discovery in Kubernetes, the contract between the operator and the gateway: the labels
+and annotation the operator puts on each engine Service, and engine URLs from the Service's
+EndpointSlices (discovery.k8s.io/v1), which the gateway routes to and the operator polls for
+load. Only endpoints whose `ready` condition is not false count, as kube-proxy does, so a
+draining pod (terminating, not ready) gets no new requests.
 """
 
 from __future__ import annotations
@@ -9,6 +11,18 @@ from collections.abc import Mapping
 from typing import Any
 
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set on every slice by the EndpointSlice controller
+DISCOVERY_LABEL = "kvharbor.io/discovery"  # = "engine" on every engine Service
+MODEL_LABEL = "kvharbor.io/model"  # the served model name made a label value (for selectors)
+MODEL_ANNOTATION = "kvharbor.io/model-name"  # the exact served model name (labels cannot hold "/")
+
+
+def service_model(service: Mapping[str, Any]) -> str | None:
+    """The served model of an engine Service; None for any other Service."""
+    meta = service.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if labels.get(DISCOVERY_LABEL) != "engine":
+        return None
+    return (meta.get("annotations") or {}).get(MODEL_ANNOTATION) or labels.get(MODEL_LABEL)
 
 
 def slice_urls(endpoint_slice: Mapping[str, Any], port_name: str = "http") -> list[str]:

@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from kvharbor.common.endpoint_slices import SERVICE_NAME_LABEL, slice_urls
+from kvharbor.common.endpoint_slices import DISCOVERY_LABEL, SERVICE_NAME_LABEL, service_model, slice_urls
 
 
 @dataclass(frozen=True)
@@ -94,8 +94,6 @@ class StaticDiscovery:
 
 # -- Kubernetes -----------------------------------------------------------------------------------
 
-DISCOVERY_LABEL = "kvharbor.io/discovery"  # on engine Services, set by the operator (operator/objects.py)
-MODEL_LABEL = "kvharbor.io/model"
 
 
 def engines_from_slices(services: list[dict], slices: list[dict]) -> dict[str, list[str]]:
@@ -103,9 +101,9 @@ def engines_from_slices(services: list[dict], slices: list[dict]) -> dict[str, l
     models: dict[str, str] = {}
     for svc in services:
         meta = svc.get("metadata", {})
-        labels = meta.get("labels") or {}
-        if labels.get(DISCOVERY_LABEL) == "engine" and labels.get(MODEL_LABEL):
-            models[f"{meta.get('namespace')}/{meta.get('name')}"] = labels[MODEL_LABEL]
+        model = service_model(svc)
+        if model:
+            models[f"{meta.get('namespace')}/{meta.get('name')}"] = model
     out: dict[str, list[str]] = {}
     for es in slices:
         meta = es.get("metadata", {})

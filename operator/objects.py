@@ -18,11 +18,11 @@ from typing import Any
 
 import yaml
 
+from kvharbor.common.endpoint_slices import DISCOVERY_LABEL, MODEL_ANNOTATION, MODEL_LABEL
 from kvharbor.operator.placement import POOL_LABEL, PlacementPlan
 
 GROUP_VERSION = "kvharbor.io/v1alpha1"
 ENGINE_PORT = 8000
-DISCOVERY_LABEL = "kvharbor.io/discovery"
 PRESTOP_PAUSE_S = 5
 
 
@@ -145,7 +145,8 @@ def desired_objects(
         "metadata": {
             "name": name,
             **meta,
-            "labels": {**labels, DISCOVERY_LABEL: "engine", "kvharbor.io/model": _label_value(spec["model"]["name"])},
+            "labels": {**labels, DISCOVERY_LABEL: "engine", MODEL_LABEL: _label_value(spec["model"]["name"])},
+            "annotations": {MODEL_ANNOTATION: spec["model"]["name"]},
         },
         "spec": {"selector": selector, "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http"}]},
     }

@@ -401,3 +401,21 @@ def test_kubernetes_discovery_from_services_and_endpointslices():
     (spec,) = asyncio.run(discovery.refresh())
     assert spec.engines == ("http://10.0.0.5:8000", "http://[fd00::7]:8000") and spec.slo_ttft_ms == 1500
     assert discovery.models() == [spec]
+
+
+def test_the_operators_engine_service_is_discovered_under_its_exact_model_name():
+    """A model name a label cannot hold ("org/model") travels in the Service's annotation."""
+    from kvharbor.gateway.discovery import engines_from_slices
+    from kvharbor.operator.objects import desired_objects
+    from kvharbor.operator.placement import PlacementPlan
+
+    spec = {"model": {"source": "/m", "name": "acme/Llama-3.1-8B-Instruct"}}
+    plan = PlacementPlan("l4", 1, 1000, 131072, 1, "NVIDIA-L4")
+    service = next(o for o in desired_objects("llama", "inf", "u", spec, plan, 1, "img") if o["kind"] == "Service")
+    assert service["metadata"]["labels"]["kvharbor.io/model"] == "acme-Llama-3.1-8B-Instruct"  # a valid label
+    endpoint_slice = {
+        "metadata": {"namespace": "inf", "labels": {"kubernetes.io/service-name": "llama"}},
+        "ports": [{"name": "http", "port": 8000}],
+        "endpoints": [{"addresses": ["10.0.0.5"]}],
+    }
+    assert engines_from_slices([service], [endpoint_slice]) == {"acme/Llama-3.1-8B-Instruct": ["http://10.0.0.5:8000"]}
