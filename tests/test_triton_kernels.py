@@ -194,3 +194,8 @@ def test_backend_is_a_flag_an_env_variable_and_a_yaml_key():
     assert from_env.runtime.attention_backend == "torch"
     with pytest.raises(ValueError):
         load_config(EngineConfig, env={}, overrides={"attention_backend": "cuda"})
+
+
+def test_no_decodes_means_one_split_even_on_a_gpu():
+    # A prefill-only step on CUDA: nothing to split (this divided by zero once).
+    assert choose_splits(0, 8, 0, 16, num_sms=132) == 1

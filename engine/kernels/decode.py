@@ -39,6 +39,7 @@ def _decode_kernel(
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, BLOCK_D)
     heads = kv_head * GROUP + g
+    head_base = kv_head.to(tl.int64) * stride_c_h  # 64-bit: (kv_heads - 1) x slots x dim can pass 2^31
     qmask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
     q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
     q = q.to(tl.float32) * scale
@@ -54,7 +55,7 @@ def _decode_kernel(
     for blk in range(first, last):
         block_id = tl.load(tables_ptr + seq * stride_tb + blk).to(tl.int64)
         valid = blk * BLOCK_SIZE + offs < ctx
-        rows = cache_ptr + kv_head * stride_c_h + (block_id * BLOCK_SIZE + offs)[:, None] * stride_c_slot + d[None, :]
+        rows = cache_ptr + head_base + (block_id * BLOCK_SIZE + offs)[:, None] * stride_c_slot + d[None, :]
         kvmask = valid[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(rows, mask=kvmask, other=0.0)
         v = tl.load(rows + stride_c_kv, mask=kvmask, other=0.0)
@@ -107,7 +108,7 @@ def choose_splits(batch: int, kv_heads: int, max_ctx: int, block_size: int, num_
     there is no GPU to fill), else enough to give about two programs per SM, each with at least
     MIN_BLOCKS_PER_SPLIT blocks."""
     programs = batch * kv_heads
-    if not num_sms or programs >= num_sms:
+    if not num_sms or programs == 0 or programs >= num_sms:
         return 1
     blocks = math.ceil(max_ctx / block_size)
     by_length = blocks // MIN_BLOCKS_PER_SPLIT

@@ -27,7 +27,7 @@ def _kv_write_kernel(
     mask = (d < HEAD_DIM) & (d * 0 + slot >= 0)  # the slot test broadcast to a row
     k = tl.load(k_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
-    dst = cache_ptr + head * stride_c_h + slot * stride_c_slot + d
+    dst = cache_ptr + head.to(tl.int64) * stride_c_h + slot * stride_c_slot + d
     tl.store(dst, k, mask=mask)
     tl.store(dst + stride_c_kv, v, mask=mask)
 

@@ -32,6 +32,7 @@ def _prefill_kernel(
     q_start = tl.load(q_starts_ptr + seq).to(tl.int64)
     ctx = tl.load(ctx_lens_ptr + seq)
     kv_head = head // GROUP
+    head_base = kv_head.to(tl.int64) * stride_c_h  # 64-bit: (kv_heads - 1) x slots x dim can pass 2^31
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     qmask = (rows < q_len)[:, None] & (d < HEAD_DIM)[None, :]
@@ -49,7 +50,7 @@ def _prefill_kernel(
     for blk in range(0, tl.cdiv(visible, BLOCK_SIZE)):
         block_id = tl.load(tables_ptr + seq * stride_tb + blk).to(tl.int64)
         k_pos = blk * BLOCK_SIZE + offs
-        slots = cache_ptr + kv_head * stride_c_h + (block_id * BLOCK_SIZE + offs)[:, None] * stride_c_slot + d[None, :]
+        slots = cache_ptr + head_base + (block_id * BLOCK_SIZE + offs)[:, None] * stride_c_slot + d[None, :]
         kvmask = (k_pos < ctx)[:, None] & (d < HEAD_DIM)[None, :]
         k = tl.load(slots, mask=kvmask, other=0.0)
         v = tl.load(slots + stride_c_kv, mask=kvmask, other=0.0)
