@@ -161,6 +161,9 @@ class DraftModelProposer:
         q = filtered_probs(row, params.temperature, params.top_k, params.top_p, params.min_p)
         gen = self.generators.get(request.request_id)
         if gen is None:
-            seed = (params.seed if params.seed is not None else hash(request.request_id)) ^ 0x5EED
+            # Per sample (seed + index, as the sampler seeds the target's draws): the n samples of
+            # one request must draft independently.
+            base = params.seed if params.seed is not None else hash(request.group_id)
+            seed = (base + request.index) ^ 0x5EED
             gen = self.generators[request.request_id] = torch.Generator().manual_seed(seed & ((1 << 62) - 1))
         return int(torch.multinomial(q, 1, generator=gen)), q

@@ -144,9 +144,10 @@ class Scheduler:
         self._sort_running()
         self._preempt_for_priority(plan)
         num_preempted = len(plan.preempted)
-        budget = self._schedule_running(plan, budget, proposals or {})
+        budget = self._schedule_running(plan, budget)
         if len(plan.preempted) == num_preempted:  # NOTE: a pool that just forced preemption admits nobody
-            self._schedule_waiting(plan, budget)
+            budget = self._schedule_waiting(plan, budget)
+        self._add_speculation(plan, budget, proposals or {})
         return plan
 
     def _preempt_for_priority(self, plan: SchedulerPlan) -> None:
@@ -169,16 +170,12 @@ class Scheduler:
                 return
             self._preempt(self.running[-1], plan)
 
-    def _schedule_running(self, plan: SchedulerPlan, budget: int, proposals: dict[str, Any]) -> int:
+    def _schedule_running(self, plan: SchedulerPlan, budget: int) -> int:
         for request in list(self.running):
             if budget <= 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            proposal = proposals.get(request.request_id)
-            if proposal is not None and self._schedule_speculative(request, proposal, plan, budget):
-                budget -= plan.chunks[-1].num_tokens
-                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             copies = self.kv.allocate_slots(request, num_new)
             while copies is None:
@@ -194,28 +191,41 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _schedule_speculative(self, request: Request, proposal: Any, plan: SchedulerPlan, budget: int) -> bool:
-        """Run the request's last token and the proposed ones, if it is decoding and they fit the
-        budget, the length limits and the free pool as they are (no preemption for a guess)."""
-        if request.num_tokens - request.num_computed_tokens != 1:
-            return False
+    def _add_speculation(self, plan: SchedulerPlan, budget: int, proposals: dict[str, Any]) -> None:
+        """Turn scheduled decodes into speculative chunks with what the step left over: guesses
+        take no budget or blocks from real work, and never cause a preemption."""
+        for i, chunk in enumerate(plan.chunks):
+            proposal = proposals.get(chunk.request.request_id)
+            if budget <= 0:
+                return
+            if proposal is None or chunk.num_tokens != 1 or chunk.request.status is not RequestStatus.RUNNING:
+                continue
+            spec = self._speculative_chunk(chunk.request, proposal, budget, plan)
+            if spec is not None:
+                plan.chunks[i] = spec
+                budget -= len(spec.draft)
+
+    def _speculative_chunk(
+        self, request: Request, proposal: Any, budget: int, plan: SchedulerPlan
+    ) -> ScheduledChunk | None:
+        """The request's last token and as many guesses as the budget, its length limits and the
+        free pool allow (its slot for the last token is already allocated)."""
         room = min(
-            budget - 1,
+            budget,
             request.max_output_tokens - len(request.output_token_ids) - 1,
             self.max_model_len - request.num_tokens - 1,
         )
         draft = proposal.tokens[: max(0, room)]
         if not draft:
-            return False
+            return None
         copies = self.kv.allocate_slots(request, 1 + len(draft))
         if copies is None:
-            return False
+            return None
         plan.block_copies.extend(copies)
         probs = proposal.probs[: len(draft)] if proposal.probs is not None else None
-        plan.chunks.append(ScheduledChunk(request, request.num_computed_tokens, 1 + len(draft), 1, draft, probs))
-        return True
+        return ScheduledChunk(request, request.num_computed_tokens, 1 + len(draft), 1, draft, probs)
 
-    def _schedule_waiting(self, plan: SchedulerPlan, budget: int) -> None:
+    def _schedule_waiting(self, plan: SchedulerPlan, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = min(self.waiting, key=self._rank())
             hit = self.kv.get_computed_blocks(request)
@@ -233,6 +243,7 @@ class Scheduler:
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
         self._sort_running()
+        return budget
 
     def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
         end = request.num_computed_tokens + num_new

@@ -180,3 +180,31 @@ def test_prefix_hit_counters_count_each_admission_once():
     while s.num_unfinished:
         step(s)
     assert kv.prefix_queries == 12 + 12
+
+
+def test_speculation_uses_only_what_real_work_left():
+    """Three decodes that exactly fill a 9-block pool: a guess for the first must not take the
+    block another needs (which would preempt it); with budget and blocks to spare it runs."""
+    from kvharbor.engine.proposers import Proposal
+
+    s, kv = make(num_blocks=9, budget=64, max_seqs=8)
+    for i, rid in enumerate("abc"):
+        s.add(req(rid, 8, max_tokens=8, arrival=float(i), start=10 + 20 * i))
+    step(s)  # prefill: 2 full blocks each, and 1 sampled token that needs a third block to run
+    plan = s.schedule({"a": Proposal([1, 2, 3, 4, 5])})  # 5 guesses would need a fourth block
+    assert plan.preempted == [] and shape(plan) == [("a", 8, 1), ("b", 8, 1), ("c", 8, 1)]
+    assert not plan.chunks[0].draft
+    kv.check_integrity()
+
+    s2, kv2 = make(num_blocks=12, budget=64)
+    for i, rid in enumerate("abc"):
+        s2.add(req(rid, 7, max_tokens=8, arrival=float(i), start=10 + 20 * i))
+    step(s2)
+    plan2 = s2.schedule({"a": Proposal([1, 2, 3])})
+    assert shape(plan2) == [("a", 7, 4), ("b", 7, 1), ("c", 7, 1)] and plan2.chunks[0].draft == [1, 2, 3]
+    out = StepOutput(tokens={"a": [1, 9], "b": [7], "c": [7]})  # a: one guess accepted, then 9
+    s2.update(plan2, out)
+    a = next(r for r in s2.running if r.request_id == "a")
+    assert a.output_token_ids == [7, 1, 9] and a.num_computed_tokens == 9  # the last token and the guess
+    assert len(kv2.tables["a"]) == 3  # blocks for the 9 kept tokens; the rejected guesses' slots went back
+    kv2.check_integrity()
