@@ -39,3 +39,12 @@ def slice_urls(endpoint_slice: Mapping[str, Any], port_name: str = "http") -> li
             host = f"[{address}]" if ":" in address else address
             urls.append(f"http://{host}:{port}")
     return urls
+
+
+def service_urls(slices: list[Mapping[str, Any]], port_name: str = "http") -> list[str]:
+    """Ready engine URLs of one Service's slices. A dual-stack Service has an IPv4 and an IPv6
+    slice for the same pods: only one family is used, or every engine would count twice."""
+    families = {es.get("addressType") for es in slices}
+    family = "IPv4" if "IPv4" in families else None
+    chosen = [es for es in slices if family is None or es.get("addressType") == family]
+    return sorted({url for es in chosen for url in slice_urls(es, port_name)})

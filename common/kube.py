@@ -46,6 +46,10 @@ class KubeError(RuntimeError):
         self.code = code
 
 
+class NotOwned(KubeError):
+    """An object with the desired name exists but belongs to someone else: it is left alone."""
+
+
 def path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:
     """The REST path of a collection (no name) or of one object."""
     root = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
@@ -147,10 +151,15 @@ class Kube:
                 return False
             raise
 
-    async def ensure(self, obj: Mapping[str, Any]) -> str:
-        """Make `obj` exist with its fields: 'created', 'updated' or 'unchanged'."""
+    async def ensure(self, obj: Mapping[str, Any], owner_uid: str | None = None) -> str:
+        """Make `obj` exist with its fields: 'created', 'updated' or 'unchanged'. With `owner_uid`,
+        an existing object that this owner does not own raises NotOwned instead of being taken over."""
         url = object_path(obj)
         current = await self.get(url)
+        if current is not None and owner_uid is not None:
+            owners = [o.get("uid") for o in current.get("metadata", {}).get("ownerReferences") or []]
+            if owner_uid not in owners:
+                raise NotOwned(409, f"{obj['kind']} {obj['metadata']['name']} exists and is not owned by this resource")
         if current is None:
             try:
                 await self.create(obj)

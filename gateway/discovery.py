@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 
 import yaml
 
-from kvharbor.common.endpoint_slices import DISCOVERY_LABEL, SERVICE_NAME_LABEL, service_model, slice_urls
+from kvharbor.common.endpoint_slices import DISCOVERY_LABEL, SERVICE_NAME_LABEL, service_model, service_urls
 
 
 @dataclass(frozen=True)
@@ -104,15 +104,16 @@ def engines_from_slices(services: list[dict], slices: list[dict]) -> dict[str, l
         model = service_model(svc)
         if model:
             models[f"{meta.get('namespace')}/{meta.get('name')}"] = model
-    out: dict[str, list[str]] = {}
+    by_service: dict[str, list[dict]] = {}
     for es in slices:
         meta = es.get("metadata", {})
         owner = f"{meta.get('namespace')}/{(meta.get('labels') or {}).get(SERVICE_NAME_LABEL)}"
-        model = models.get(owner)
-        if model is None:
-            continue
-        out.setdefault(model, []).extend(slice_urls(es))
-    return {m: sorted(set(urls)) for m, urls in out.items()}
+        if owner in models:
+            by_service.setdefault(owner, []).append(es)
+    out: dict[str, set[str]] = {}
+    for owner, owned in by_service.items():
+        out.setdefault(models[owner], set()).update(service_urls(owned))
+    return {m: sorted(urls) for m, urls in out.items()}
 
 
 class KubernetesDiscovery:

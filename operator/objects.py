@@ -37,6 +37,16 @@ def owner_reference(name: str, uid: str) -> dict:
             "controller": True, "blockOwnerDeletion": True}  # fmt: skip
 
 
+def object_names(name: str) -> dict[str, tuple[str, str]]:
+    """kind -> (apiVersion, name) of every object an InferenceService owns."""
+    return {
+        "ConfigMap": ("v1", f"{name}-engine-config"),
+        "Deployment": ("apps/v1", f"{name}-engine"),
+        "Service": ("v1", name),
+        "PodDisruptionBudget": ("policy/v1", f"{name}-engine"),
+    }
+
+
 def engine_selector(name: str) -> dict[str, str]:
     """The labels that select an InferenceService's engine pods."""
     return {"app.kubernetes.io/instance": name, "app.kubernetes.io/name": "kvharbor-engine"}
@@ -81,6 +91,7 @@ def desired_objects(
     labels = {"app.kubernetes.io/name": "kvharbor-engine", "app.kubernetes.io/instance": name,
               "app.kubernetes.io/managed-by": "kvharbor-operator"}  # fmt: skip
     selector = engine_selector(name)
+    names = object_names(name)
     config = engine_config(spec, redis_url)
     config_yaml = yaml.safe_dump(config, sort_keys=True)
     rollout = hashlib.sha256(
@@ -91,7 +102,7 @@ def desired_objects(
     configmap = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {"name": f"{name}-engine-config", **meta},
+        "metadata": {"name": names["ConfigMap"][1], **meta},
         "data": {"engine.yaml": config_yaml},
     }
     tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
@@ -121,7 +132,7 @@ def desired_objects(
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": f"{name}-engine", **meta},
+        "metadata": {"name": names["Deployment"][1], **meta},
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector},
@@ -143,7 +154,7 @@ def desired_objects(
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {
-            "name": name,
+            "name": names["Service"][1],
             **meta,
             "labels": {**labels, DISCOVERY_LABEL: "engine", MODEL_LABEL: _label_value(spec["model"]["name"])},
             "annotations": {MODEL_ANNOTATION: spec["model"]["name"]},
@@ -153,7 +164,7 @@ def desired_objects(
     pdb = {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": {"name": f"{name}-engine", **meta},
+        "metadata": {"name": names["PodDisruptionBudget"][1], **meta},
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}},
     }
     return [configmap, deployment, service, pdb]

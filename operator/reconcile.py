@@ -22,11 +22,11 @@ from typing import Any
 
 import httpx
 
-from kvharbor.common.endpoint_slices import SERVICE_NAME_LABEL, slice_urls
-from kvharbor.common.kube import Kube, path
+from kvharbor.common.endpoint_slices import SERVICE_NAME_LABEL, service_urls
+from kvharbor.common.kube import Kube, NotOwned, path
 from kvharbor.operator.config import OperatorConfig
 from kvharbor.operator.model_profiles import profile_for
-from kvharbor.operator.objects import desired_objects, engine_selector
+from kvharbor.operator.objects import desired_objects, engine_selector, object_names
 from kvharbor.operator.placement import EngineShape, PlacementPlan, place, pools_from_nodes
 from kvharbor.operator.scaling import AutoscalingSpec, observed, scale_decision
 from kvharbor.operator.status import (
@@ -90,10 +90,26 @@ class Resource:
 
     @property
     def deployment_path(self) -> str:
-        return path("apps/v1", "Deployment", self.namespace, f"{self.name}-engine")
+        api_version, name = object_names(self.name)["Deployment"]
+        return path(api_version, "Deployment", self.namespace, name)
 
     def section(self, key: str) -> dict:
         return dict(self.spec.get(key) or {})
+
+
+DEFAULT_TARGETS = {"queue": 8.0, "kv": 0.8, "slo": 0.95}
+
+
+def autoscaling_target(res: Resource) -> tuple[str, float]:
+    """The metric and its target, defaulted per metric; kv and slo are shares in (0, 1]."""
+    auto = res.section("autoscaling")
+    metric = auto.get("metric", "queue")
+    if metric not in DEFAULT_TARGETS:
+        raise ValueError(f"autoscaling.metric must be queue, kv or slo, got {metric!r}")
+    target = float(auto.get("target", DEFAULT_TARGETS[metric]))
+    if target <= 0 or (metric != "queue" and target > 1):
+        raise ValueError(f"autoscaling.target {target:g} does not fit metric {metric}: use a share in (0, 1]")
+    return metric, target
 
 
 def replica_bounds(res: Resource) -> tuple[int, int]:
@@ -119,6 +135,7 @@ async def plan_placement(ctx: OperatorContext, res: Resource) -> PlacementPlan |
     model, resources, placement = res.section("model"), res.section("resources"), res.section("placement")
     try:
         replica_bounds(res)
+        autoscaling_target(res)
         profile = profile_for(model["name"], model.get("profile"))
     except (KeyError, ValueError) as exc:
         return f"invalid spec: {exc}"
@@ -162,15 +179,21 @@ async def reconcile_service(ctx: OperatorContext, body: dict) -> Outcome:
         engine.engine_image, engine.redis_url, ctx.config.watch.pool_label,
     )  # fmt: skip
     events = [Event("Normal", "Placed", placement_message(plan))] if placement_changed(res, plan) else []
-    changed = []
+    changed, conflicts = [], []
     for obj in objects:
-        result = await ctx.kube.ensure(obj)
+        try:
+            result = await ctx.kube.ensure(obj, owner_uid=res.uid)
+        except NotOwned as exc:
+            conflicts.append(str(exc))
+            continue
         if result != "unchanged":
             changed.append(f"{obj['kind']} {obj['metadata']['name']}")
             events.append(Event("Normal", result.capitalize(), f"{obj['kind']} {obj['metadata']['name']} {result}"))
     conds = set_condition(old, "Placed", True, "Fits", placement_message(plan), now)
     if changed:
         conds = set_condition(conds, "Progressing", True, "ObjectsApplied", "applied " + ", ".join(changed), now)
+    if conflicts:  # rename the InferenceService, or remove the other object
+        conds = set_condition(conds, "Degraded", True, "NameConflict", "; ".join(conflicts), now)
     status = {
         "conditions": conds,
         "phase": phase(conds),
@@ -192,11 +215,20 @@ def placement_changed(res: Resource, plan: PlacementPlan) -> bool:
     return res.status.get("placement") != placement_status(plan)
 
 
+async def missing_objects(ctx: OperatorContext, res: Resource) -> list[str]:
+    """Owned objects other than the Deployment that someone deleted (the caller read that one)."""
+    missing = []
+    for kind, (api_version, name) in object_names(res.name).items():
+        if kind != "Deployment" and await ctx.kube.get(path(api_version, kind, res.namespace, name)) is None:
+            missing.append(f"{kind} {name}")
+    return missing
+
+
 async def engine_urls(ctx: OperatorContext, res: Resource) -> list[str]:
     slices = await ctx.kube.list(
         path("discovery.k8s.io/v1", "EndpointSlice", res.namespace), f"{SERVICE_NAME_LABEL}={res.name}"
     )
-    return sorted({url for es in slices for url in slice_urls(es)})
+    return service_urls(slices)
 
 
 async def engine_loads(ctx: OperatorContext, urls: list[str]) -> tuple[list[dict], list[str]]:
@@ -220,8 +252,8 @@ async def observe_service(ctx: OperatorContext, body: dict, now: float | None = 
     res = Resource.of(body)
     conds = list(res.status.get("conditions") or [])
     deployment = await ctx.kube.get(res.deployment_path)
-    if not is_true(conds, "Placed") or deployment is None:
-        return await reconcile_service(ctx, body)  # unplaced (nodes may have come) or its Deployment was removed
+    if not is_true(conds, "Placed") or deployment is None or await missing_objects(ctx, res):
+        return await reconcile_service(ctx, body)  # unplaced (nodes may have come), or an object was removed
     now = time.time() if now is None else now
     urls = await engine_urls(ctx, res)
     loads, silent = await engine_loads(ctx, urls)
@@ -240,11 +272,9 @@ async def autoscale(
 ) -> int:
     """Patch the Deployment's replicas when the scaling rule says so; returns the replicas wanted."""
     low, high = replica_bounds(res)
-    auto, scaling = res.section("autoscaling"), ctx.config.scaling
-    spec = AutoscalingSpec(
-        low, high, auto.get("metric", "queue"), float(auto.get("target", 8)),
-        scaling.scale_up_cooldown, scaling.scale_down_cooldown,
-    )  # fmt: skip
+    metric, target = autoscaling_target(res)
+    scaling = ctx.config.scaling
+    spec = AutoscalingSpec(low, high, metric, target, scaling.scale_up_cooldown, scaling.scale_down_cooldown)
     value = observed(spec.metric, loads)
     last = parse_rfc3339(res.status.get("lastScaleTime")) or 0.0
     wanted = scale_decision(value, spec, desired, now, last)
@@ -273,9 +303,18 @@ def readiness(res: Resource, conds: list[dict], deployment: dict, wanted: int, s
     return set_condition(conds, "Degraded", False, "Healthy", "every ready engine answers", now)
 
 
-def instance_pattern(name: str) -> re.Pattern[str]:
-    """Engine instance ids are their pod names: <name>-engine-<replicaset hash>-<suffix>."""
-    return re.compile(rf"^{re.escape(name)}-engine-[a-z0-9]+-[a-z0-9]+$")
+def is_engine_pod_name(service: str, instance: str) -> bool:
+    """Engine instance ids are their pod names: (<service>-engine-<template hash>-) cut to 58
+    characters, as Kubernetes cuts a generated name's base, then 5 random characters."""
+    base, suffix = instance[:-5], instance[-5:]
+    if not re.fullmatch(r"[a-z0-9]{5}", suffix) or len(base) > 58:
+        return False
+    prefix = f"{service}-engine-"
+    if len(base) < 58:
+        return base.startswith(prefix) and re.fullmatch(r"[a-z0-9]{1,10}-", base[len(prefix) :]) is not None
+    if len(prefix) >= 58:
+        return base == prefix[:58]
+    return base.startswith(prefix) and re.fullmatch(r"[a-z0-9]{0,10}-?", base[len(prefix) :]) is not None
 
 
 async def finalize_service(ctx: OperatorContext, body: dict) -> Outcome:
@@ -285,7 +324,11 @@ async def finalize_service(ctx: OperatorContext, body: dict) -> Outcome:
         await ctx.kube.merge_patch(res.deployment_path, {"spec": {"replicas": 0}})
         outcome.events.append(Event("Normal", "Draining", "scaled the engines to 0 so they drain before cleanup"))
     selector = ",".join(f"{k}={v}" for k, v in engine_selector(res.name).items())
-    pods = await ctx.kube.list(path("v1", "Pod", res.namespace), selector)
+    # Failed or Succeeded pods (evicted, OOM-killed) stay until someone deletes them, and run nothing.
+    pods = [
+        p for p in await ctx.kube.list(path("v1", "Pod", res.namespace), selector)
+        if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+    ]  # fmt: skip
     if pods:
         names = ", ".join(sorted(p["metadata"]["name"] for p in pods))
         message = f"waiting for {len(pods)} engine pod(s) to stop before clearing the KV index: {names}"
@@ -297,8 +340,8 @@ async def finalize_service(ctx: OperatorContext, body: dict) -> Outcome:
     from kvharbor.kvcache_service.index import IndexUnavailable
 
     try:
-        pattern = instance_pattern(res.name)
-        gone = [i.instance for i in await ctx.index.instances() if i.model == model and pattern.match(i.instance)]
+        instances = await ctx.index.instances()
+        gone = [i.instance for i in instances if i.model == model and is_engine_pod_name(res.name, i.instance)]
         removed = await ctx.index.forget(model, gone)
     except IndexUnavailable as exc:
         raise Pending(f"KV index unreachable, will retry: {exc}", delay=15.0) from None

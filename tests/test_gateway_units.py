@@ -419,3 +419,15 @@ def test_the_operators_engine_service_is_discovered_under_its_exact_model_name()
         "endpoints": [{"addresses": ["10.0.0.5"]}],
     }
     assert engines_from_slices([service], [endpoint_slice]) == {"acme/Llama-3.1-8B-Instruct": ["http://10.0.0.5:8000"]}
+
+
+def test_a_dual_stack_service_counts_each_engine_once():
+    from kvharbor.common.endpoint_slices import service_urls
+
+    labels = {"kubernetes.io/service-name": "llama"}
+    v4 = {"metadata": {"labels": labels}, "addressType": "IPv4", "ports": [{"name": "http", "port": 8000}],
+          "endpoints": [{"addresses": ["10.0.0.5"]}]}  # fmt: skip
+    v6 = {"metadata": {"labels": labels}, "addressType": "IPv6", "ports": [{"name": "http", "port": 8000}],
+          "endpoints": [{"addresses": ["fd00::5"]}]}  # fmt: skip
+    assert service_urls([v4, v6]) == ["http://10.0.0.5:8000"]
+    assert service_urls([v6]) == ["http://[fd00::5]:8000"]  # an IPv6-only cluster

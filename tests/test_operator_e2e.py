@@ -249,6 +249,9 @@ def test_deletion_drains_then_clears_the_kv_index_and_the_object_goes(cluster, r
                         "labels": {"app.kubernetes.io/instance": "gone", "app.kubernetes.io/name": "kvharbor-engine"}},
            "spec": {"containers": [{"name": "engine", "image": "x"}]}}  # fmt: skip
     api.create(pod)
+    evicted = {**pod, "metadata": {**pod["metadata"], "name": "gone-engine-7d9f8c6b5-old11"},
+               "status": {"phase": "Failed", "reason": "Evicted"}}  # fmt: skip
+    api.create(evicted)  # stays until someone deletes it; runs nothing, so nothing waits for it
     api.delete(API, "InferenceService", "gone", NS)
     # The finalizer first scales to zero and waits for the pod to drain: the object stays.
     wait_for(lambda: api.get("apps/v1", "Deployment", "gone-engine", NS)["spec"]["replicas"] == 0, 30, "replicas 0")
@@ -306,3 +309,22 @@ def test_tenants_become_the_gateways_tenants_secret(cluster):
     wait_for(lambda: "broken" in gateway_tenants(), 30, "the late tenant")
     api.delete(API, "Tenant", "acme", NS)
     wait_for(lambda: "acme" not in gateway_tenants(), 30, "acme removed")
+
+
+def test_an_object_it_does_not_own_is_left_alone_and_reported(cluster):
+    api, _, _, _ = cluster
+    theirs = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "clash", "namespace": NS},
+              "spec": {"selector": {"app": "someone-else"}, "ports": [{"port": 80}]}}  # fmt: skip
+    api.create(theirs)
+    api.create(inference_service("clash", model={"source": "/m", "name": "SmolLM2-135M-Instruct"}))
+    wait_for(lambda: condition(api, "clash", "Degraded").get("reason") == "NameConflict", 30, "NameConflict")
+    assert "Service clash exists and is not owned" in condition(api, "clash", "Degraded")["message"]
+    assert api.get("v1", "Service", "clash", NS)["spec"]["selector"] == {"app": "someone-else"}
+    assert api.get("apps/v1", "Deployment", "clash-engine", NS) is not None  # the rest is deployed
+
+
+def test_a_deleted_owned_object_comes_back(cluster):
+    api, _, _, _ = cluster
+    wait_for(lambda: api.get("v1", "Service", "llama", NS), 30, "the llama Service")
+    api.delete("v1", "Service", "llama", NS)
+    wait_for(lambda: api.get("v1", "Service", "llama", NS), 30, "the Service recreated by the timer")

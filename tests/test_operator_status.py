@@ -57,3 +57,32 @@ def test_rest_paths():
     assert path("v1", "Node") == "/api/v1/nodes"
     assert path("apps/v1", "Deployment", "ns", "x") == "/apis/apps/v1/namespaces/ns/deployments/x"
     assert path("kvharbor.io/v1alpha1", "Tenant") == "/apis/kvharbor.io/v1alpha1/tenants"
+
+
+def test_engine_pod_names_including_cut_ones():
+    from kvharbor.operator.reconcile import is_engine_pod_name
+
+    assert is_engine_pod_name("llama", "llama-engine-7d9f8c6b5-x2k4q")
+    assert not is_engine_pod_name("llama", "llama-engine-x-engine-7d9f8c6b5-x2k4q")  # service "llama-engine-x"
+    assert not is_engine_pod_name("llama", "llama-gateway-7d9f8c6b5-x2k4q")
+    long = "a-very-long-inference-service-name-for-a-model"  # 46 characters
+    pod = (f"{long}-engine-7d9f8c6b5-")[:58] + "x2k4q"  # what Kubernetes names the pod
+    assert is_engine_pod_name(long, pod)
+    longer = "x" * 60
+    assert is_engine_pod_name(longer, (f"{longer}-engine-7d9f8c6b5-")[:58] + "abcde")
+    assert not is_engine_pod_name(long, (f"{long}-engine-7d9f8c6b5-")[:58] + "X2K4Q")
+
+
+def test_autoscaling_targets_default_per_metric_and_shares_must_fit():
+    import pytest
+
+    from kvharbor.operator.reconcile import Resource, autoscaling_target
+
+    def res(auto: dict) -> Resource:
+        return Resource("s", "ns", "u", 1, {"model": {"name": "m"}, "autoscaling": auto}, {})
+
+    assert autoscaling_target(res({})) == ("queue", 8.0)
+    assert autoscaling_target(res({"metric": "slo"})) == ("slo", 0.95)
+    assert autoscaling_target(res({"metric": "kv", "target": 0.7})) == ("kv", 0.7)
+    with pytest.raises(ValueError, match="share in"):
+        autoscaling_target(res({"metric": "slo", "target": 8}))
