@@ -48,11 +48,18 @@ def available_memory(device: torch.device) -> int:
 
 
 def plan_capacity(
-    arch: ModelArch, cache: CacheConfig, dtype: torch.dtype, device: torch.device, max_model_len: int
+    arch: ModelArch,
+    cache: CacheConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_model_len: int,
+    shadow_bytes_per_token: int = 0,
 ) -> KVCapacity:
-    """Size the pool. Raises ValueError, with the numbers, when one max-length request won't fit."""
+    """Size the pool. Raises ValueError, with the numbers, when one max-length request won't fit.
+    `shadow_bytes_per_token`: a draft model's KV per token; its pool holds as many tokens as
+    this one and comes out of the same memory budget."""
     per_token = arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
-    per_block = per_token * cache.block_size
+    per_block = (per_token + shadow_bytes_per_token) * cache.block_size
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks
         budget = num_blocks * per_block

@@ -26,24 +26,36 @@ from kvharbor.engine.request import Request
 from kvharbor.engine.sampler import filtered_probs
 
 
+def load_draft_model(path: str, target_arch: Any, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+    """The draft's weights, loaded before the target's KV pool is sized (so they are not counted
+    as free memory); its vocabulary must be the target's."""
+    loaded = load_model(path)
+    if loaded.arch.vocab_size != target_arch.vocab_size:
+        raise ValueError(
+            f"draft model {path} has a vocabulary of {loaded.arch.vocab_size} tokens, the target "
+            f"{target_arch.vocab_size}: the draft must share the target's tokenizer"
+        )
+    model = LlamaModel(loaded.arch, dtype, device)
+    model.load_hf_state_dict({k: v.to(dtype) for k, v in loaded.state_dict.items()})
+    model.pack_for_cpu()
+    return model
+
+
+def draft_kv_bytes_per_token(model: LlamaModel, dtype: torch.dtype) -> int:
+    return model.arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+
+
 class DraftModelProposer:
-    def __init__(self, path: str, engine: Any) -> None:
-        loaded = load_model(path)
-        if loaded.arch.vocab_size != engine.arch.vocab_size:
-            raise ValueError(
-                f"draft model {path} has a vocabulary of {loaded.arch.vocab_size} tokens, the target "
-                f"{engine.arch.vocab_size}: the draft must share the target's tokenizer"
-            )
+    def __init__(self, model: LlamaModel, engine: Any) -> None:
         self.engine = engine
         self.device, self.dtype = engine.device, engine.dtype
-        self.model = LlamaModel(loaded.arch, self.dtype, self.device)
-        self.model.load_hf_state_dict({k: v.to(self.dtype) for k, v in loaded.state_dict.items()})
-        self.model.pack_for_cpu()
+        self.model = model
         self.block_size = engine.capacity.block_size
-        # As many token slots as the target's pool: the draft can shadow every running request.
+        # As many token slots as the target's pool (plan_capacity budgeted both): the draft can
+        # shadow every running request.
         self.pool = BlockPool(engine.capacity.num_blocks, self.block_size, enable_caching=False)
         self.kv = KVCacheManager(self.pool)
-        arch = loaded.arch
+        arch = model.arch
         slots = self.pool.num_blocks * self.block_size
         self.kv_caches = torch.zeros(
             arch.num_layers, 2, arch.num_kv_heads, slots, arch.head_dim, dtype=self.dtype, device=self.device

@@ -24,6 +24,7 @@ from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.capacity import KVCapacity, plan_capacity
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.detokenizer import Detokenizer
+from kvharbor.engine.draft import draft_kv_bytes_per_token
 from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
 from kvharbor.engine.loader import LoadedModel, load_model
@@ -161,7 +162,11 @@ class LLMEngine:
         del loaded
         if config.runtime.prepack_weights and self.model.pack_for_cpu():
             say("prepacked weights for oneDNN")
-        self.capacity: KVCapacity = plan_capacity(self.arch, config.cache, self.dtype, self.device, self.max_model_len)
+        self.draft_model = self._load_draft(config, say)
+        shadow = draft_kv_bytes_per_token(self.draft_model, self.dtype) if self.draft_model is not None else 0
+        self.capacity: KVCapacity = plan_capacity(
+            self.arch, config.cache, self.dtype, self.device, self.max_model_len, shadow_bytes_per_token=shadow
+        )
         say(
             f"KV pool: {self.capacity.num_blocks} blocks x {self.capacity.block_size} tokens = "
             f"{self.capacity.capacity_tokens} tokens ({self.capacity.total_bytes / 2**20:.0f} MiB, "
@@ -200,6 +205,15 @@ class LLMEngine:
             return
         torch.set_num_threads(self.config.runtime.threads or physical_cores())
 
+    def _load_draft(self, config: EngineConfig, say: Progress) -> LlamaModel | None:
+        spec = config.speculative
+        if spec.speculative_method != "draft":
+            return None
+        from kvharbor.engine.draft import load_draft_model
+
+        say(f"loading draft model {spec.draft_model} ...")
+        return load_draft_model(spec.draft_model, self.arch, self.dtype, self.device)
+
     def _speculation(self, config: EngineConfig, say: Progress) -> tuple[Proposer | None, AdaptiveK | None]:
         spec = config.speculative
         if spec.speculative_method == "off":
@@ -209,8 +223,7 @@ class LLMEngine:
         else:
             from kvharbor.engine.draft import DraftModelProposer
 
-            say(f"loading draft model {spec.draft_model} ...")
-            proposer = DraftModelProposer(spec.draft_model, self)
+            proposer = DraftModelProposer(self.draft_model, self)
         say(f"speculative decoding: {spec.speculative_method}, k={spec.speculative_k}")
         return proposer, AdaptiveK(spec.speculative_k)
 

@@ -59,3 +59,11 @@ def test_a_pool_smaller_than_one_request_is_refused_with_numbers():
 def test_the_default_cpu_budget_is_bounded():
     cap = plan_capacity(arch(30, 3, 64, 9), CacheConfig(), torch.bfloat16, torch.device("cpu"), 8192)
     assert 0 < cap.total_bytes <= 2 * 1024**3
+
+
+def test_a_draft_models_pool_comes_out_of_the_same_budget():
+    a = arch(layers=2, kv_heads=2, head_dim=64)  # 2 KiB per token in float32
+    cache = CacheConfig(block_size=16, kv_cache_memory="1MiB")
+    alone = plan_capacity(a, cache, torch.float32, torch.device("cpu"), 128)
+    shared = plan_capacity(a, cache, torch.float32, torch.device("cpu"), 128, shadow_bytes_per_token=2048)
+    assert alone.num_blocks == 32 and shared.num_blocks == 16  # same tokens in both pools, same bytes in all
