@@ -111,11 +111,11 @@ class Sampler:
         tokens taken as already generated after the request's own (speculated, being verified)."""
         p = request.params
         extra = extra or []
-        out_ids = request.output_token_ids + extra
-        mask_stop = len(out_ids) < p.min_tokens
+        mask_stop = len(request.output_token_ids) + len(extra) < p.min_tokens
         penal = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
         if not (p.logit_bias or mask_stop or penal):
-            return None
+            return None  # the common case: no copy of the request's tokens on the hot path
+        out_ids = request.output_token_ids + extra
         row = row.clone()
         if p.logit_bias:
             ids = torch.tensor(list(p.logit_bias.keys()), dtype=torch.long)
