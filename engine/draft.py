@@ -16,14 +16,15 @@ from typing import Any
 import torch
 
 from kvharbor.common.block_hash import namespace_hash
-from kvharbor.engine.attention import build_metadata
 from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.loader import load_model
 from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.proposers import Proposal
 from kvharbor.engine.request import Request
+from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import filtered_probs
+from kvharbor.engine.scheduler import ScheduledChunk
 
 
 def load_draft_model(path: str, target_arch: Any, dtype: torch.dtype, device: torch.device) -> LlamaModel:
@@ -49,17 +50,13 @@ class DraftModelProposer:
     def __init__(self, model: LlamaModel, engine: Any) -> None:
         self.engine = engine
         self.device, self.dtype = engine.device, engine.dtype
-        self.model = model
         self.block_size = engine.capacity.block_size
         # As many token slots as the target's pool (plan_capacity budgeted both): the draft can
         # shadow every running request.
         self.pool = BlockPool(engine.capacity.num_blocks, self.block_size, enable_caching=False)
         self.kv = KVCacheManager(self.pool)
-        arch = model.arch
-        slots = self.pool.num_blocks * self.block_size
-        self.kv_caches = torch.zeros(
-            arch.num_layers, 2, arch.num_kv_heads, slots, arch.head_dim, dtype=self.dtype, device=self.device
-        )
+        # The target's runner over the draft's model and cache: same batching, same attention backend.
+        self.runner = ModelRunner(model, self.kv, None, self.dtype, self.device, engine.attention_backend)
         self.shadows: dict[str, Request] = {}
         self.generators: dict[str, torch.Generator] = {}
 
@@ -131,35 +128,15 @@ class DraftModelProposer:
     def _forward(self, batch: list[Request], feeds: dict[str, list[int]]) -> torch.Tensor:
         """Run each request's feed after its computed tokens; logits of each one's last row, in
         `batch` order."""
-        shadows = [self.shadows[r.request_id] for r in batch]
-        lengths = [len(feeds[r.request_id]) for r in batch]
-        # Single-token feeds are decodes and must come first in the flat batch (engine/attention.py).
-        order = sorted(range(len(batch)), key=lambda i: lengths[i] != 1)
-        ids, pos, lasts = [], [], []
-        for i in order:
-            start = shadows[i].num_computed_tokens
-            ids += feeds[batch[i].request_id]
-            pos += range(start, start + lengths[i])
-            lasts.append(len(ids) - 1)
-        meta = build_metadata(
-            [self.kv.block_ids(shadows[i]) for i in order],
-            [shadows[i].num_computed_tokens for i in order],
-            [lengths[i] for i in order],
-            sum(1 for i in order if lengths[i] == 1),
-            self.block_size,
-            self.dtype,
-            self.device,
-        )
-        with torch.inference_mode():
-            ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
-            hidden = self.model(ids_t, pos_t, self.kv_caches, meta)
-            logits = self.model.logits(hidden[torch.tensor(lasts, device=self.device)]).cpu()
-        for shadow, request in zip(shadows, batch, strict=True):
-            shadow.all_token_ids += feeds[request.request_id]
-            shadow.num_computed_tokens += len(feeds[request.request_id])
-        row_of = {i: row for row, i in enumerate(order)}
-        return logits[[row_of[i] for i in range(len(batch))]]
+        chunks = []
+        for request in batch:
+            shadow, feed = self.shadows[request.request_id], feeds[request.request_id]
+            shadow.all_token_ids += feed
+            chunks.append(ScheduledChunk(shadow, shadow.num_computed_tokens, len(feed), 0))
+        logits = self.runner.last_logits(chunks)
+        for chunk in chunks:
+            chunk.request.num_computed_tokens = chunk.end
+        return logits
 
     # -- drawing -------------------------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from kvharbor.engine.attention import build_metadata
@@ -18,7 +20,7 @@ class ModelRunner:
         self,
         model: LlamaModel,
         kv: KVCacheManager,
-        sampler: Sampler,
+        sampler: Sampler | None,  # None: a runner whose caller samples (the draft model)
         dtype: torch.dtype,
         device: torch.device,
         attention_backend: str = "torch",
@@ -49,9 +51,23 @@ class ModelRunner:
         """Run every chunk of `plan` through the model and sample where a chunk completes its
         request's known tokens. Writes K/V into the cache; touches no scheduler state."""
         self._copy_blocks(plan.block_copies)
+        chunks, hidden = self._forward(plan.chunks)
+        return self._sample(chunks, hidden)
+
+    @torch.inference_mode()
+    def last_logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """float32 logits after each chunk's last token, in the order given (the draft model's
+        steps, which sample on their own)."""
+        ordered, hidden = self._forward(chunks)
+        ends = dict(zip(map(id, ordered), itertools.accumulate(c.num_tokens for c in ordered), strict=True))
+        rows = torch.tensor([ends[id(c)] - 1 for c in chunks], device=self.device)
+        return self.model.logits(hidden[rows]).cpu()
+
+    def _forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """One forward pass over the chunks; returns them in the order they ran, and the hidden states."""
         # Decodes (one new token) go first, shortest context first: attention batches them in
         # groups of similar length.
-        chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start if c.num_tokens == 1 else 0))
+        chunks = sorted(chunks, key=lambda c: (c.num_tokens != 1, c.start if c.num_tokens == 1 else 0))
         num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
         input_ids, positions = self._inputs(chunks)
         meta = build_metadata(
@@ -65,7 +81,9 @@ class ModelRunner:
             self.attention_backend,
             self.kv_shape,
         )
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return chunks, self.model(input_ids, positions, self.kv_caches, meta)
+
+    def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> StepOutput:
         rows, last, spec = [], [], []
         offset = 0
         for chunk in chunks:
