@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kvharbor.engine.kernels import interpreted, next_power_of_2
+from kvharbor.engine.kernels.online_softmax import load_kv_block, softmax_step
 
 MIN_BLOCKS_PER_SPLIT = 8  # below this a split's fixed cost outweighs its parallelism
 MAX_SPLITS = 64
@@ -55,21 +56,10 @@ def _decode_kernel(
     for blk in range(first, last):
         block_id = tl.load(tables_ptr + seq * stride_tb + blk).to(tl.int64)
         valid = blk * BLOCK_SIZE + offs < ctx
-        rows = cache_ptr + head_base + (block_id * BLOCK_SIZE + offs)[:, None] * stride_c_slot + d[None, :]
-        kvmask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(rows, mask=kvmask, other=0.0)
-        v = tl.load(rows + stride_c_kv, mask=kvmask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        k, v = load_kv_block(
+            cache_ptr, head_base, block_id, offs, d, valid, stride_c_slot, stride_c_kv, HEAD_DIM, BLOCK_SIZE, DOT_FP32
+        )
+        m_i, l_i, acc = softmax_step(q, k, v, valid[None, :], m_i, l_i, acc)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     omask = qmask

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kvharbor.engine.kernels import interpreted, next_power_of_2
+from kvharbor.engine.kernels.online_softmax import load_kv_block, softmax_step
 
 
 @triton.jit
@@ -46,26 +47,17 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     offs = tl.arange(0, BLOCK_SIZE)
-    visible = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)  # keys the tile's last row sees
-    for blk in range(0, tl.cdiv(visible, BLOCK_SIZE)):
+    key_end = tl.minimum(ctx, ctx - q_len + (tile + 1) * BLOCK_M)  # keys the tile's last row sees
+    for blk in range(0, tl.cdiv(key_end, BLOCK_SIZE)):
         block_id = tl.load(tables_ptr + seq * stride_tb + blk).to(tl.int64)
         k_pos = blk * BLOCK_SIZE + offs
-        slots = cache_ptr + head_base + (block_id * BLOCK_SIZE + offs)[:, None] * stride_c_slot + d[None, :]
-        kvmask = (k_pos < ctx)[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(slots, mask=kvmask, other=0.0)
-        v = tl.load(slots + stride_c_kv, mask=kvmask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        k, v = load_kv_block(
+            cache_ptr, head_base, block_id, offs, d, k_pos < ctx, stride_c_slot, stride_c_kv,
+            HEAD_DIM, BLOCK_SIZE, DOT_FP32,
+        )  # fmt: skip
         # Every row sees at least key 0, so no row is fully masked (no 0/0).
-        s = tl.where((k_pos[None, :] <= q_pos[:, None]) & (k_pos < ctx)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m_i = m_new
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < ctx)[None, :]
+        m_i, l_i, acc = softmax_step(q, k, v, visible, m_i, l_i, acc)
 
     out = acc / l_i[:, None]
     dst = out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :]
