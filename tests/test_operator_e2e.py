@@ -22,6 +22,7 @@ import pytest
 import yaml
 from kube_api_double import KubeAPIDouble
 from servers import OperatorProcess, wait_for
+from test_operator_placement import node
 
 from kvharbor.common.kube import Kube
 from kvharbor.common.kv_events import BlockStored, EventEnvelope
@@ -33,15 +34,6 @@ CRDS = sorted((Path(__file__).resolve().parent.parent / "charts" / "kvharbor" / 
 API = "kvharbor.io/v1alpha1"
 NS = "inference"
 TENANTS_NS = "kvharbor"
-
-
-def node(name: str, pool: str, gpus: int, product: str | None, memory_mib: int | None) -> dict:
-    labels = {"kvharbor.io/pool": pool}
-    if product:
-        labels |= {"nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": str(memory_mib)}
-    allocatable = {"cpu": "16", "memory": "64Gi"} | ({"nvidia.com/gpu": str(gpus)} if gpus else {})
-    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
-            "status": {"allocatable": allocatable}}  # fmt: skip
 
 
 NODES = [

@@ -16,7 +16,8 @@ def node(name: str, pool: str, gpus: int | None, product: str | None = None, mem
     if product:
         labels |= {"nvidia.com/gpu.product": product, "nvidia.com/gpu.memory": str(memory_mib)}
     allocatable = {"cpu": "16", "memory": "64Gi"} | ({"nvidia.com/gpu": str(gpus)} if gpus else {})
-    return {"metadata": {"name": name, "labels": labels}, "status": {"allocatable": allocatable}}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
+            "status": {"allocatable": allocatable}}  # fmt: skip
 
 
 NODES = (
