@@ -22,6 +22,9 @@ class KVCapacity:
     num_blocks: int
     block_size: int
     bytes_per_token: int  # 2 x layers x kv_heads x head_dim x dtype bytes
+    max_model_len: int  # the context the engine serves: asked for, or the model's, capped to the pool
+    model_limit: int  # the model's own context (max_position_embeddings)
+    capped: bool = False  # max_model_len was not asked for, and the pool holds less than model_limit
 
     @property
     def capacity_tokens(self) -> int:
@@ -30,6 +33,18 @@ class KVCapacity:
     @property
     def total_bytes(self) -> int:
         return self.capacity_tokens * self.bytes_per_token
+
+    def cap_note(self) -> str:
+        return (
+            f"max_model_len capped to {self.max_model_len} tokens, what the KV pool holds (the model allows "
+            f"{self.model_limit}): give the pool more with --kv-cache-memory or --num-kv-blocks to raise it"
+        )
+
+
+def check_max_model_len(asked: int | None, model_limit: int, model_name: str) -> None:
+    """Refuse an asked-for context longer than the model's, before any weights are built."""
+    if asked is not None and asked > model_limit:
+        raise ValueError(f"max_model_len {asked} exceeds what {model_name} supports ({model_limit})")
 
 
 def available_memory(device: torch.device) -> int:
@@ -52,12 +67,13 @@ def plan_capacity(
     cache: CacheConfig,
     dtype: torch.dtype,
     device: torch.device,
-    max_model_len: int,
+    max_model_len: int | None,
     shadow_bytes_per_token: int = 0,
 ) -> KVCapacity:
-    """Size the pool. Raises ValueError, with the numbers, when one max-length request won't fit.
-    `shadow_bytes_per_token`: a draft model's KV per token; its pool holds as many tokens as
-    this one and comes out of the same memory budget."""
+    """Size the pool, and the context it serves. `max_model_len` None means the model's own limit,
+    capped to what the pool holds; an explicit one that does not fit raises ValueError with the
+    numbers. `shadow_bytes_per_token`: a draft model's KV per token; its pool holds as many tokens
+    as this one and comes out of the same memory budget."""
     per_token = arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
     per_block = (per_token + shadow_bytes_per_token) * cache.block_size
     if cache.num_kv_blocks is not None:
@@ -71,12 +87,17 @@ def plan_capacity(
         else:
             budget = min(CPU_DEFAULT_CAP, int(available_memory(device) * CPU_DEFAULT_SHARE))
         num_blocks = budget // per_block
-    capacity = KVCapacity(num_blocks, cache.block_size, per_token)
-    needed = -(-max_model_len // cache.block_size)
-    if num_blocks < needed:
+    limit = arch.max_position_embeddings
+    tokens = num_blocks * cache.block_size
+    held = f"the KV pool holds {num_blocks} blocks ({tokens} tokens, {budget / GiB:.2f} GiB at {per_token} bytes/token)"
+    if tokens < 2:
+        raise ValueError(f"{held}, too few for any request: give it more (--kv-cache-memory / --num-kv-blocks)")
+    want = max_model_len or limit
+    needed = -(-want // cache.block_size)
+    if num_blocks < needed and max_model_len is not None:
         raise ValueError(
-            f"the KV pool holds {num_blocks} blocks ({capacity.capacity_tokens} tokens, {budget / GiB:.2f} GiB at "
-            f"{per_token} bytes/token) but one {max_model_len}-token request needs {needed}: "
+            f"{held} but one {want}-token request needs {needed}: "
             "lower --max-model-len or give the pool more memory (--kv-cache-memory / --num-kv-blocks)"
         )
-    return capacity
+    capped = max_model_len is None and tokens < want
+    return KVCapacity(num_blocks, cache.block_size, per_token, min(want, tokens), limit, capped)

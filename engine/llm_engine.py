@@ -15,15 +15,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from kvharbor.common.block_hash import BlockHash, namespace_hash
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.attention_triton import resolve_backend
 from kvharbor.engine.block_pool import BlockPool
-from kvharbor.engine.capacity import KVCapacity, plan_capacity
+from kvharbor.engine.capacity import KVCapacity, check_max_model_len, plan_capacity
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.detokenizer import Detokenizer
+from kvharbor.engine.device import resolve_device, resolve_dtype, set_cpu_threads
 from kvharbor.engine.draft import draft_kv_bytes_per_token
 from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
@@ -39,45 +38,6 @@ from kvharbor.engine.scheduler import Scheduler, SchedulerPlan, StepOutput
 
 log = logging.getLogger("kvharbor.engine")
 Progress = Callable[[str], None]
-
-
-def physical_cores() -> int:
-    """Cores this process may run on, counting hyper-threads of one core once: matmul threads
-    sharing a core only fight over its vector units."""
-    cpus = os.sched_getaffinity(0)
-    siblings = set()
-    for cpu in cpus:
-        try:
-            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
-                siblings.add(f.read().strip())
-        except OSError:
-            return len(cpus)
-    return max(1, len(siblings))
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device=cuda was asked for but torch sees no CUDA device; use --device cpu")
-    return torch.device(name)
-
-
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 where matmuls are fast in it (CUDA, CPUs with AMX/AVX512-BF16), else float32."""
-    if name == "auto":
-        fast = device.type == "cuda" or _cpu_has_fast_bf16()
-        return torch.bfloat16 if fast else torch.float32
-    return getattr(torch, name)
 
 
 @dataclass
@@ -143,7 +103,7 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
-        self._set_threads()
+        set_cpu_threads(self.device, config.runtime.threads)
         t0 = time.monotonic()
         if loaded_model is None:
             say(f"loading model {config.model.model or '(bundled SmolLM2-135M-Instruct)'} ...")
@@ -151,7 +111,7 @@ class LLMEngine:
         self.model_name = loaded.name
         self.arch = loaded.arch
         self.tokenizer: Tokenizer | None = loaded.tokenizer
-        self.max_model_len = self._max_model_len()
+        check_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings, self.model_name)
         say(
             f"building {self.arch.architecture} ({self.arch.num_parameters / 1e6:.1f}M parameters) "
             f"in {str(self.dtype).removeprefix('torch.')} on {self.device} ..."
@@ -165,13 +125,16 @@ class LLMEngine:
         self.draft_model = self._load_draft(config, say)
         shadow = draft_kv_bytes_per_token(self.draft_model, self.dtype) if self.draft_model is not None else 0
         self.capacity: KVCapacity = plan_capacity(
-            self.arch, config.cache, self.dtype, self.device, self.max_model_len, shadow_bytes_per_token=shadow
+            self.arch, config.cache, self.dtype, self.device, config.model.max_model_len, shadow_bytes_per_token=shadow
         )
+        self.max_model_len = self.capacity.max_model_len
         say(
             f"KV pool: {self.capacity.num_blocks} blocks x {self.capacity.block_size} tokens = "
             f"{self.capacity.capacity_tokens} tokens ({self.capacity.total_bytes / 2**20:.0f} MiB, "
             f"{self.capacity.bytes_per_token} bytes/token)"
         )
+        if self.capacity.capped:
+            log.warning(self.capacity.cap_note())
         self.pool = BlockPool(
             self.capacity.num_blocks,
             self.capacity.block_size,
@@ -199,11 +162,6 @@ class LLMEngine:
         say(f"ready in {time.monotonic() - t0:.1f}s")
 
     # -- set-up -------------------------------------------------------------------------------
-
-    def _set_threads(self) -> None:
-        if self.device.type != "cpu":
-            return
-        torch.set_num_threads(self.config.runtime.threads or physical_cores())
 
     def _load_draft(self, config: EngineConfig, say: Progress) -> LlamaModel | None:
         spec = config.speculative
@@ -237,13 +195,6 @@ class LLMEngine:
         ]  # fmt: skip
         ks = {r.request_id: self.adaptive_k.k_for(r) for r in decoding}
         return self.proposer.propose([r for r in decoding if ks[r.request_id]], ks)
-
-    def _max_model_len(self) -> int:
-        limit = self.arch.max_position_embeddings
-        asked = self.config.model.max_model_len
-        if asked is not None and asked > limit:
-            raise ValueError(f"max_model_len {asked} exceeds what {self.model_name} supports ({limit})")
-        return asked or limit
 
     def _warm_up(self) -> None:
         # One short request through the whole path, so the first user does not pay for lazy

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvharbor.engine.capacity import plan_capacity
+from kvharbor.engine.capacity import check_max_model_len, plan_capacity
 from kvharbor.engine.config import CacheConfig
 from kvharbor.engine.model_arch import ModelArch
 
@@ -51,9 +51,31 @@ def test_an_exact_block_count_overrides_the_budget():
     assert (cap.num_blocks, cap.capacity_tokens) == (10, 160)
 
 
-def test_a_pool_smaller_than_one_request_is_refused_with_numbers():
+def test_an_asked_for_context_the_pool_cannot_hold_is_refused_with_numbers():
     with pytest.raises(ValueError, match=r"holds 10 blocks \(160 tokens.*needs 11.*--max-model-len"):
         plan_capacity(arch(2, 2, 8), CacheConfig(num_kv_blocks=10), torch.float32, torch.device("cpu"), 161)
+
+
+def test_an_unasked_context_is_capped_to_the_pool():
+    # The model allows 8192 tokens; 10 blocks of 16 hold 160, so that is the context served.
+    cap = plan_capacity(arch(2, 2, 8), CacheConfig(num_kv_blocks=10), torch.float32, torch.device("cpu"), None)
+    assert (cap.max_model_len, cap.model_limit, cap.capped) == (160, 8192, True)
+    assert "capped to 160 tokens" in cap.cap_note() and "--kv-cache-memory or --num-kv-blocks" in cap.cap_note()
+    roomy = plan_capacity(arch(2, 2, 8), CacheConfig(num_kv_blocks=600), torch.float32, torch.device("cpu"), None)
+    assert (roomy.max_model_len, roomy.capped) == (8192, False)
+    asked = plan_capacity(arch(2, 2, 8), CacheConfig(num_kv_blocks=10), torch.float32, torch.device("cpu"), 160)
+    assert (asked.max_model_len, asked.capped) == (160, False)
+
+
+def test_a_pool_without_room_for_any_request_is_refused():
+    with pytest.raises(ValueError, match=r"holds 0 blocks.*too few for any request"):
+        plan_capacity(arch(2, 2, 8), CacheConfig(kv_cache_memory="1KiB"), torch.float32, torch.device("cpu"), None)
+
+
+def test_an_asked_for_context_beyond_the_models_is_refused():
+    with pytest.raises(ValueError, match=r"max_model_len 9000 exceeds what m supports \(8192\)"):
+        check_max_model_len(9000, 8192, "m")
+    check_max_model_len(None, 8192, "m")
 
 
 def test_the_default_cpu_budget_is_bounded():

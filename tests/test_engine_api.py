@@ -206,6 +206,26 @@ def test_max_model_len_ends_generation_with_length(tiny_llama, make_llm):
     assert out[0].outputs[0].finish_reason == "length"
 
 
+def test_an_unset_max_model_len_is_capped_to_the_pool_and_logged(tiny_llama, make_llm, caplog):
+    # The tiny model allows 512 tokens; 8 blocks of 16 hold 128, so 128 is the context served.
+    with caplog.at_level("WARNING", logger="kvharbor.engine"):
+        llm = make_llm(tiny_llama.loaded, num_kv_blocks=8, max_model_len=None)
+    assert llm.engine.max_model_len == 128
+    (note,) = [r.getMessage() for r in caplog.records if "capped" in r.getMessage()]
+    assert "capped to 128 tokens" in note and "--num-kv-blocks" in note
+    with pytest.raises(ValueError, match="the prompt has 130 tokens but this model's context is 128"):
+        llm.generate([[5] * 130], GREEDY)
+    with pytest.raises(ValueError, match="ask for at most 28"):
+        llm.generate([[5] * 100], SamplingParams(max_tokens=64))
+    out = llm.generate([[5] * 100], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 28 and out[0].outputs[0].finish_reason == "length"
+
+
+def test_an_explicit_max_model_len_the_pool_cannot_hold_is_refused(tiny_llama, make_llm):
+    with pytest.raises(ValueError, match=r"holds 8 blocks \(128 tokens.*one 512-token request needs 32"):
+        make_llm(tiny_llama.loaded, num_kv_blocks=8, max_model_len=512)
+
+
 # -- abort and failure -------------------------------------------------------------------------
 
 

@@ -11,7 +11,7 @@ from conftest import hf_greedy
 
 from kvharbor.common import model_files
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.llm_engine import _cpu_has_fast_bf16, resolve_device, resolve_dtype
+from kvharbor.engine.device import resolve_device, resolve_dtype
 from kvharbor.engine.loader import load_model
 
 
@@ -87,11 +87,10 @@ def test_missing_default_model_explains_the_install(monkeypatch):
         load_model(None)
 
 
-def test_device_and_dtype_choice():
+def test_device_choice():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="no CUDA device"):
             resolve_device("cuda")
         assert resolve_device("auto").type == "cpu"
-    cpu = torch.device("cpu")
-    assert resolve_dtype("auto", cpu) == (torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32)
-    assert resolve_dtype("float32", cpu) == torch.float32
+    assert resolve_dtype("float32", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16

@@ -1,0 +1,91 @@
+"""What CPU this process runs on: model, ISA flags and cores, read from /proc/cpuinfo (no torch).
+
+The engine's `dtype=auto` decides on it, and every benchmark records it, because the machines
+this project runs on differ: an Intel Xeon with AVX-512 and AMX runs bfloat16 matmuls about twice
+as fast as float32 once requests are batched, while an AMD EPYC with AVX2 only has no fast
+bfloat16 at all and runs float32. Figures from the two must never be compared by mistake.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+
+# The flags that decide speed here; benchmarks report each as present or not.
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "asimd", "bf16")
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    model: str
+    arch: str  # platform.machine(): x86_64, aarch64, ...
+    flags: frozenset[str]
+    cores: int  # CPUs this process may run on
+
+    @property
+    def fast_bf16(self) -> bool:
+        """Whether bfloat16 matmuls beat float32 here. On x86 that takes AMX or AVX512-BF16 (AVX-512
+        without BF16, and AVX2, emulate bfloat16 and are slower than float32). aarch64 is not
+        assumed fast: no machine of this project has measured it, so `auto` keeps float32 there
+        and a user who has measured passes --dtype bfloat16."""
+        if self.arch in ("x86_64", "AMD64", "i686"):
+            return "amx_bf16" in self.flags or "avx512_bf16" in self.flags
+        return False
+
+    def isa(self) -> dict[str, bool]:
+        return {flag: flag in self.flags for flag in ISA_FLAGS}
+
+    def describe(self) -> dict:
+        """The machine record every benchmark JSON carries."""
+        return {"cpu_model": self.model, "arch": self.arch, "cores": self.cores, "isa": self.isa()}
+
+    def short(self) -> str:
+        """One line for plot titles: model, cores and the fast-path flags present."""
+        present = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "bf16") if f in self.flags]
+        return f"{self.model}, {self.cores} cores, {'/'.join(present) or 'no AVX2'}"
+
+
+def parse_cpuinfo(text: str, arch: str, cores: int) -> CpuInfo:
+    """A CpuInfo from the text of /proc/cpuinfo (x86 says `flags` and `model name`; aarch64 says
+    `Features` and names no model)."""
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() not in fields:
+            fields[key.strip()] = value.strip()
+    flags = frozenset((fields.get("flags") or fields.get("Features") or "").split())
+    model = fields.get("model name")
+    if not model:
+        part = fields.get("CPU part")
+        model = f"{arch} (implementer {fields.get('CPU implementer', '?')}, part {part})" if part else arch
+    return CpuInfo(model=model, arch=arch, flags=flags, cores=cores)
+
+
+def cpu_info() -> CpuInfo:
+    """This machine's CpuInfo."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    return parse_cpuinfo(text, platform.machine(), len(os.sched_getaffinity(0)))
+
+
+def auto_cpu_dtype(cpu: CpuInfo | None = None) -> str:
+    """What the engine's dtype=auto runs on this CPU (or `cpu`): bfloat16 where it is fast, else float32."""
+    return "bfloat16" if (cpu or cpu_info()).fast_bf16 else "float32"
+
+
+def machine_record(dtype: str | None = None) -> dict:
+    """What a benchmark JSON records about where it ran: the CPU, its flags, cores and the dtype."""
+    record = cpu_info().describe()
+    if dtype is not None:
+        record["dtype"] = dtype
+    return record
+
+
+def machine_title(dtype: str | None = None) -> str:
+    """The same, for a plot title."""
+    line = cpu_info().short()
+    return f"{line}, {dtype}" if dtype else line

@@ -1,0 +1,44 @@
+"""Where the engine runs and in what dtype: device, dtype (`auto` follows the CPU) and threads."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvharbor.common.machine import CpuInfo, auto_cpu_dtype
+
+
+def physical_cores() -> int:
+    """Cores this process may run on, counting hyper-threads of one core once: matmul threads
+    sharing a core only fight over its vector units."""
+    cpus = os.sched_getaffinity(0)
+    siblings = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+                siblings.add(f.read().strip())
+        except OSError:
+            return len(cpus)
+    return max(1, len(siblings))
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device=cuda was asked for but torch sees no CUDA device; use --device cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, cpu: CpuInfo | None = None) -> torch.dtype:
+    """'auto' is bfloat16 where matmuls are fast in it (CUDA; CPUs with AMX or AVX512-BF16), else
+    float32: on an AVX2-only CPU bfloat16 is emulated and slower. `cpu` defaults to this machine."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else getattr(torch, auto_cpu_dtype(cpu))
+    return getattr(torch, name)
+
+
+def set_cpu_threads(device: torch.device, threads: int | None) -> None:
+    if device.type == "cpu":
+        torch.set_num_threads(threads or physical_cores())

@@ -1,0 +1,74 @@
+"""The CPU record and `dtype=auto` on faked machines: the choice must follow the CPU's flags, not
+the machine the suite happens to run on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvharbor.common.machine import ISA_FLAGS, cpu_info, machine_record, machine_title, parse_cpuinfo
+from kvharbor.engine.device import resolve_dtype
+
+X86_BASE = "fpu vme sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi1 bmi2"
+CPUINFO = {
+    # Sapphire Rapids: AMX and AVX512-BF16
+    "amx": ("x86_64", "Intel(R) Xeon(R) Platinum 8480+",
+            f"{X86_BASE} avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8"),
+    # Cooper Lake: AVX512-BF16 without AMX
+    "avx512_bf16": ("x86_64", "Intel(R) Xeon(R) Platinum 8380H", f"{X86_BASE} avx512f avx512bw avx512_bf16"),
+    # Skylake-SP: AVX-512 without BF16 emulates bfloat16
+    "avx512_no_bf16": ("x86_64", "Intel(R) Xeon(R) Gold 6148", f"{X86_BASE} avx512f avx512bw avx512vl"),
+    # Zen 1/2: AVX2 and FMA only
+    "avx2": ("x86_64", "AMD EPYC 7551 32-Core Processor", X86_BASE),
+    # Neoverse V1 (Graviton3) has the BF16 extension, unmeasured here
+    "aarch64": ("aarch64", None, "fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics fphp asimdhp bf16 i8mm sve"),
+}  # fmt: skip
+EXPECTED = {
+    "amx": torch.bfloat16,
+    "avx512_bf16": torch.bfloat16,
+    "avx512_no_bf16": torch.float32,
+    "avx2": torch.float32,
+    "aarch64": torch.float32,
+}
+
+
+def fake_cpuinfo(kind: str) -> str:
+    arch, model, flags = CPUINFO[kind]
+    if arch == "aarch64":
+        cpu = f"BogoMIPS\t: 2100.00\nFeatures\t: {flags}\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n"
+    else:
+        cpu = f"vendor_id\t: x\nmodel name\t: {model}\nflags\t\t: {flags}\n"
+    return "\n".join(f"processor\t: {i}\n{cpu}" for i in range(2))
+
+
+@pytest.mark.parametrize("kind", sorted(CPUINFO))
+def test_auto_dtype_follows_the_cpu_flags(kind):
+    cpu = parse_cpuinfo(fake_cpuinfo(kind), CPUINFO[kind][0], cores=2)
+    assert resolve_dtype("auto", torch.device("cpu"), cpu) == EXPECTED[kind]
+    # an explicit dtype is never second-guessed
+    assert resolve_dtype("float32", torch.device("cpu"), cpu) == torch.float32
+    assert resolve_dtype("bfloat16", torch.device("cpu"), cpu) == torch.bfloat16
+
+
+def test_auto_is_bfloat16_on_cuda_whatever_the_host_cpu():
+    cpu = parse_cpuinfo(fake_cpuinfo("avx2"), "x86_64", cores=2)
+    assert resolve_dtype("auto", torch.device("cuda"), cpu) == torch.bfloat16
+
+
+def test_the_record_names_model_flags_and_cores():
+    cpu = parse_cpuinfo(fake_cpuinfo("amx"), "x86_64", cores=2)
+    record = cpu.describe()
+    assert record["cpu_model"] == "Intel(R) Xeon(R) Platinum 8480+" and record["cores"] == 2
+    assert record["isa"]["amx_bf16"] and record["isa"]["avx512_bf16"] and record["isa"]["avx2"]
+    assert set(record["isa"]) == set(ISA_FLAGS)
+    assert "amx_bf16" in cpu.short() and "2 cores" in cpu.short()
+    arm = parse_cpuinfo(fake_cpuinfo("aarch64"), "aarch64", cores=4)
+    assert arm.model.startswith("aarch64") and "0xd40" in arm.model and arm.isa()["bf16"]
+    assert not arm.isa()["avx2"]
+
+
+def test_this_machines_record_carries_the_dtype():
+    record = machine_record("float32")
+    assert record["dtype"] == "float32" and record["cores"] == cpu_info().cores >= 1
+    assert record["cpu_model"] and set(record["isa"]) == set(ISA_FLAGS)
+    assert machine_title("float32").endswith(", float32")
