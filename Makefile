@@ -10,11 +10,12 @@ TORCH := torch==2.13.0
 PYTEST_ARGS ?=
 PORT ?= 8000
 
-.PHONY: help venv up test lint bench loadtest clean
+.PHONY: help venv up test test-fast lint bench loadtest clean
 
 help:
 	@echo "make up     - create .venv, install, run the platform (gateway on http://127.0.0.1:8000)"
-	@echo "make test   - create .venv, install test deps, run ruff and the whole pytest suite"
+	@echo "make test   - create .venv, install test deps, run ruff and the whole pytest suite (both tiers; CI)"
+	@echo "make test-fast - ruff and the tests that start no process (-m 'not slow'; the edit loop)"
 	@echo "make lint   - ruff only"
 	@echo "make bench  - benchmarks/engine_throughput.py (minutes; writes benchmarks/results/)"
 	@echo "make loadtest - Locust personas against the platform, judged against loadtest/slos.yaml"
@@ -36,17 +37,24 @@ $(STAMP): pyproject.toml | $(BIN)/python
 venv: $(STAMP)
 
 # The whole platform: Redis (embedded unless REDIS_URL is set), the KV cache service, ENGINES
-# engine servers with the default model, and the gateway on PORT. Ctrl-C stops everything.
+# engine servers with the default model, and the gateway on PORT, with a demo tenant and the load
+# test's tenants (so `make loadtest HOST=...` works against it). Ctrl-C stops everything.
 ENGINES ?= 2
 up: $(STAMP)
-	$(BIN)/kvharbor up --port $(PORT) --engines $(ENGINES)
+	$(BIN)/kvharbor up --port $(PORT) --engines $(ENGINES) --loadtest-tenants
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# Two tiers: `slow` marks every test that starts a process (tests/process_guard.py fails one that
+# forgets) or takes over ~10 s here. `make test` runs both, as CI does.
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_throughput.py

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import json
 import os
 import secrets
@@ -28,7 +27,9 @@ from typing import Literal
 import httpx
 import yaml
 
+from kvharbor.common.api_keys import hash_key
 from kvharbor.common.config import config_from_argv, opt
+from kvharbor.common.loadtest_tenants import loadtest_tenant_rows
 
 PREFIX = "[kvharbor up]"
 MAX_BACKOFF_S = 30.0
@@ -40,12 +41,19 @@ class UpConfig:
     port: int = opt(8000, "gateway port: the platform's front door")
     engines: int = opt(2, "engine servers to start")
     model: str | None = opt(None, "model for the engines: .gguf or HF folder (default: bundled SmolLM2)")
-    kv_cache_memory: str = opt("512MiB", "KV pool of each engine")
-    max_model_len: int = opt(4096, "context length of each engine")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
+        "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX/AVX512-BF16, else float32"
+    )
+    kv_cache_memory: str = opt("512MiB", "KV pool of each engine, in bytes (float32 takes twice bfloat16's)")
+    num_kv_blocks: int | None = opt(None, "KV pool of each engine in blocks of 16 tokens; overrides kv_cache_memory")
+    max_model_len: int | None = opt(None, "context length of each engine (default: the model's, capped to the pool)")
     routing: Literal["prefix", "round_robin", "least_loaded"] = opt("prefix", "the gateway's routing strategy")
     slo_ttft_ms: float = opt(2000.0, "TTFT p95 target (ms) the gateway admits against")
     slo_itl_ms: float = opt(200.0, "inter-token latency p95 target (ms)")
     tenants_file: str | None = opt(None, "tenants YAML (gateway format); default: a demo tenant with a fresh key")
+    loadtest_tenants: bool = opt(
+        False, "also load the load test's tenants (public keys: for a platform on this machine only; `make up` does)"
+    )
     redis_url: str | None = opt(None, "use this Redis (or $REDIS_URL); default: start an embedded redis-server")
     log_dir: str | None = opt(None, "keep child logs here (default: a temporary directory, removed on exit)")
     ready_timeout: float = opt(300.0, "seconds to wait for every part to become ready")
@@ -55,6 +63,8 @@ class UpConfig:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.loadtest_tenants and self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"loadtest_tenants loads public API keys: serve them on 127.0.0.1, not {self.host}")
 
 
 def say(message: str) -> None:
@@ -147,12 +157,25 @@ class Platform:
         say(f"started an embedded redis-server at {self.redis_url} (no persistence)")
 
     def _tenants(self) -> str:
-        if self.config.tenants_file:
-            return self.config.tenants_file
-        self.demo_key = "sk-demo-" + secrets.token_urlsafe(18)
+        """The gateway's tenants file: --tenants-file as it is (the gateway follows its edits), or a
+        demo tenant with a fresh key; with --loadtest-tenants, a copy with the load test's added."""
+        c = self.config
+        if c.tenants_file and not c.loadtest_tenants:
+            return c.tenants_file
+        if c.tenants_file:
+            try:
+                rows = (yaml.safe_load(Path(c.tenants_file).read_text()) or {}).get("tenants") or []
+            except (OSError, yaml.YAMLError, AttributeError) as exc:
+                raise RuntimeError(f"cannot read the tenants file {c.tenants_file}: {exc}") from None
+        else:
+            self.demo_key = "sk-demo-" + secrets.token_urlsafe(18)
+            rows = [{"name": "demo", "api_keys": [hash_key(self.demo_key)], "priority": 0}]
+        if c.loadtest_tenants:
+            names = {row.get("name") for row in rows}
+            rows += [row for row in loadtest_tenant_rows() if row["name"] not in names]
+            say("loaded the load test's tenants (make loadtest HOST=...); their keys are public")
         path = self.tmp / "tenants.yaml"
-        digest = "sha256:" + hashlib.sha256(self.demo_key.encode()).hexdigest()
-        path.write_text(yaml.safe_dump({"tenants": [{"name": "demo", "api_keys": [digest], "priority": 0}]}))
+        path.write_text(yaml.safe_dump({"tenants": rows}))
         return str(path)
 
     def _children(self) -> list[Child]:
@@ -169,7 +192,11 @@ class Platform:
         for i in range(c.engines):
             port = free_port()
             cmd = [*cli, "serve", "--port", str(port), "--instance-id", f"engine-{i}", "--redis-url", self.redis_url,
-                   "--kv-cache-memory", c.kv_cache_memory, "--max-model-len", str(c.max_model_len)]  # fmt: skip
+                   "--kv-cache-memory", c.kv_cache_memory, "--dtype", c.dtype]  # fmt: skip
+            if c.num_kv_blocks is not None:
+                cmd += ["--num-kv-blocks", str(c.num_kv_blocks)]
+            if c.max_model_len is not None:
+                cmd += ["--max-model-len", str(c.max_model_len)]
             if c.model:
                 cmd += ["--model", c.model]
             engines.append(Child(f"engine-{i}", cmd, f"http://127.0.0.1:{port}", "/ready",
@@ -276,12 +303,15 @@ class Platform:
         if self.demo_key:
             say(f"demo tenant API key (shown once): {self.demo_key}")
         say("ready. Try:")
-        body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}]}
+        # NOTE: greedy, because at the API's default temperature of 1 a 135M model rambles.
+        body = {"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "temperature": 0}  # fmt: skip
         print(
             f"curl -s {gw}/v1/chat/completions -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' "
             f"-d '{json.dumps(body)}'\n\n"
             f"python -c \"from openai import OpenAI; c = OpenAI(base_url='{gw}/v1', api_key='{key}'); "
-            f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi!'}}])"
+            f"print(c.chat.completions.create(model='{model}', messages=[{{'role': 'user', 'content': 'Hi!'}}], "
+            f"temperature=0)"
             f'.choices[0].message.content)"\n',
             file=sys.stderr,
             flush=True,

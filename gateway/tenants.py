@@ -14,7 +14,6 @@ tenants in force (and says why in the log), so a typo never locks everyone out.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -23,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from kvharbor.common.api_keys import hash_key
 
 log = logging.getLogger("kvharbor.gateway.tenants")
 _KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -60,10 +61,6 @@ class Tenant:
 
     def may_use(self, model: str) -> bool:
         return "*" in self.models or model in self.models
-
-
-def hash_key(key: str) -> str:
-    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
 def parse_tenants(data: Any) -> dict[str, Tenant]:

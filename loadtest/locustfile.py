@@ -18,7 +18,9 @@ import threading
 import time
 
 from locust import HttpUser, between, constant_pacing, task
-from personas import QUESTIONS, SYSTEM_PROMPTS, TENANTS, text
+from personas import QUESTIONS, SYSTEM_PROMPTS, text
+
+from kvharbor.common.loadtest_tenants import LOADTEST_TENANTS as TENANTS
 
 MODEL = os.environ.get("KVHARBOR_LOADTEST_MODEL", "SmolLM2-135M-Instruct")
 RECORDS = os.environ.get("KVHARBOR_LOADTEST_RECORDS")
@@ -61,6 +63,8 @@ class _Persona(HttpUser):
                 row["reason"] = _reason(resp)
                 resp.failure(f"HTTP {resp.status_code} {row['reason']}")
                 _record(row)
+                if resp.status_code == 401:  # the gateway does not know this key: stop, run.py says why
+                    self.environment.runner.quit()
                 return
             try:
                 for raw in resp.iter_lines():

@@ -24,9 +24,10 @@ from pathlib import Path
 
 import yaml
 
+from kvharbor.common.loadtest_tenants import LOADTEST_TENANTS as TENANTS
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from personas import TENANTS, tenants_yaml  # noqa: E402
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -50,12 +51,11 @@ class Platform:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        tenants = out / "tenants.yaml"
-        tenants.write_text(yaml.safe_dump(tenants_yaml()))
         self.log_path = out / "platform.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        # 384 blocks of 16 tokens per engine, in whatever dtype this CPU runs.
         cmd = [sys.executable, "-m", "kvharbor.common.cli", "up", "--port", str(self.port), "--engines", str(engines),
-               "--routing", routing, "--tenants-file", str(tenants), "--kv-cache-memory", "256MiB"]  # fmt: skip
+               "--routing", routing, "--loadtest-tenants", "--num-kv-blocks", "384"]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 400) -> None:
@@ -89,6 +89,35 @@ class Platform:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
+
+
+class KeysRefused(RuntimeError):
+    """The platform does not know the load test's tenants: there is nothing to measure."""
+
+
+HOW_TO_LOAD_KEYS = (
+    "start the platform with `make up` (or `kvharbor up --loadtest-tenants`), which loads the load test's "
+    "tenants (kvharbor.common.loadtest_tenants); or add them to your gateway's tenants file; or run "
+    "`make loadtest` without HOST, and it starts a platform of its own"
+)
+
+
+def check_keys(host: str) -> None:
+    """Ask the gateway's /v1/models once per persona key before any load; raises KeysRefused on a 401."""
+    import httpx
+
+    for tenant, (key, _priority) in TENANTS.items():
+        try:
+            resp = httpx.get(f"{host}/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"cannot reach the platform at {host}: {exc}; is it running?") from None
+        if resp.status_code == 401:
+            raise KeysRefused(f"the gateway at {host} refused the {tenant!r} tenant's API key (401): "
+                              f"{HOW_TO_LOAD_KEYS}")  # fmt: skip
+
+
+def refused_rows(rows: list[dict]) -> list[dict]:
+    return [r for r in rows if r["status"] == 401]
 
 
 def run_locust(host: str, out: Path, users: int, spawn_rate: float, run_time: str) -> int:
@@ -216,6 +245,10 @@ def plot(rows: list[dict], summary: dict, path: Path) -> None:
 def report(out: Path, slos_path: Path) -> int:
     records = out / "requests.jsonl"
     rows = [json.loads(line) for line in records.read_text().splitlines() if line.strip()] if records.exists() else []
+    if refused := refused_rows(rows):
+        # Keys taken away mid-run (a tenants file edited): no verdict on SLOs for a run that never ran.
+        print(f"[loadtest] error: {len(refused)} requests were refused with 401: {HOW_TO_LOAD_KEYS}", file=sys.stderr)
+        return 2
     slos = (yaml.safe_load(slos_path.read_text()) or {}).get("tenants", {})
     summary, misses = summarize(rows, slos)
     (out / "summary.json").write_text(json.dumps({"summary": summary, "slo_misses": misses, "slos": slos}, indent=1))
@@ -258,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
             platform = Platform(args.out, args.engines, args.routing)
             platform.wait_ready()
             host = platform.url
+        check_keys(host)
         run_locust(host, args.out, args.users, args.spawn_rate, args.run_time)
         if platform is not None and (stats := platform.kvcache_stats()) is not None:
             (args.out / "kvcache_stats.json").write_text(json.dumps(stats, indent=1))

@@ -8,11 +8,12 @@ names. API keys never leave a Secret in clear: the gateway's file holds only the
 from __future__ import annotations
 
 import base64
-import hashlib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import yaml
+
+from kvharbor.common.api_keys import hash_key
 
 TENANTS_KEY = "tenants.yaml"
 
@@ -43,9 +44,7 @@ def gateway_tenant(tenant: Mapping[str, Any], secret: Mapping[str, Any]) -> dict
     limits = spec.get("limits") or {}
     entry = {
         "name": tenant["metadata"]["name"],
-        "api_keys": [
-            "sha256:" + hashlib.sha256(k.encode()).hexdigest() for k in api_keys(secret, ref.get("key", "api-key"))
-        ],
+        "api_keys": [hash_key(k) for k in api_keys(secret, ref.get("key", "api-key"))],
         "priority": int(spec.get("priority", 0)),
         "limits": {"rpm": limits.get("rpm"), "tpm": limits.get("tpm"), "max_concurrent": limits.get("maxConcurrent")},
         "models": list(spec.get("models") or ["*"]),

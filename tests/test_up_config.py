@@ -1,0 +1,76 @@
+"""`kvharbor up`'s options, without starting anything: the engines' command lines, and the
+tenants file it gives the gateway (a demo tenant, a user's file, the load test's tenants)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import yaml
+from servers import write_tenants
+
+from kvharbor.common.api_keys import hash_key
+from kvharbor.common.config import ConfigError, load_config
+from kvharbor.common.loadtest_tenants import LOADTEST_TENANTS
+from kvharbor.common.up import Platform, UpConfig
+
+
+@pytest.fixture
+def platform_for():
+    made: list[Platform] = []
+
+    def build(**options) -> Platform:
+        platform = Platform(load_config(UpConfig, env={}, overrides=options))
+        platform.redis_url = "redis://127.0.0.1:1/0"  # never contacted: nothing starts here
+        made.append(platform)
+        return platform
+
+    yield build
+    for platform in made:
+        shutil.rmtree(platform.tmp, ignore_errors=True)
+
+
+def tenants_of(path: str) -> dict[str, dict]:
+    return {row["name"]: row for row in yaml.safe_load(open(path).read())["tenants"]}
+
+
+def engine_cmds(platform: Platform) -> list[list[str]]:
+    return [child.cmd for child in platform._children() if child.name.startswith("engine-")]
+
+
+def test_engines_size_their_pool_in_blocks_and_cap_their_context_by_default(platform_for):
+    (cmd,) = engine_cmds(platform_for(engines=1, num_kv_blocks=256, dtype="float32"))
+    assert cmd[cmd.index("--num-kv-blocks") + 1] == "256" and cmd[cmd.index("--dtype") + 1] == "float32"
+    assert "--max-model-len" not in cmd  # the engine serves the model's context, capped to its pool
+    (cmd,) = engine_cmds(platform_for(engines=1, max_model_len=2048))
+    assert cmd[cmd.index("--max-model-len") + 1] == "2048" and "--num-kv-blocks" not in cmd
+
+
+def test_without_a_tenants_file_a_demo_tenant_gets_a_fresh_key(platform_for):
+    platform = platform_for()
+    rows = tenants_of(platform._tenants())
+    assert list(rows) == ["demo"] and rows["demo"]["api_keys"] == [hash_key(platform.demo_key)]
+    assert platform.demo_key.startswith("sk-demo-")
+
+
+def test_loadtest_tenants_join_the_demo_tenant_or_a_users_file(platform_for, tmp_path):
+    rows = tenants_of(platform_for(loadtest_tenants=True)._tenants())
+    assert set(rows) == {"demo", *LOADTEST_TENANTS}
+    for name, (key, priority) in LOADTEST_TENANTS.items():
+        assert rows[name]["api_keys"] == [hash_key(key)] and rows[name]["priority"] == priority
+    own = tmp_path / "tenants.yaml"
+    write_tenants(own, [{"name": "acme", "key": "sk-acme"}, {"name": "chat", "key": "sk-mine"}])
+    assert platform_for(tenants_file=str(own))._tenants() == str(own)  # as it is: the gateway follows edits
+    merged = tenants_of(platform_for(tenants_file=str(own), loadtest_tenants=True)._tenants())
+    assert set(merged) == {"acme", *LOADTEST_TENANTS}
+    assert merged["chat"]["api_keys"] == [hash_key("sk-mine")]  # the user's own tenant of that name wins
+
+
+def test_loadtest_tenants_are_refused_on_a_reachable_address():
+    with pytest.raises(ConfigError, match=r"public API keys: serve them on 127\.0\.0\.1"):
+        load_config(UpConfig, env={}, overrides={"loadtest_tenants": True, "host": "0.0.0.0"})
+
+
+def test_an_unreadable_tenants_file_is_explained(platform_for, tmp_path):
+    with pytest.raises(RuntimeError, match="cannot read the tenants file"):
+        platform_for(tenants_file=str(tmp_path / "missing.yaml"), loadtest_tenants=True)._tenants()
