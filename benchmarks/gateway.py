@@ -29,6 +29,7 @@ from compare_peers import MODEL, free_port, server
 from serve import pct
 
 from kvharbor.common.embedded_redis import EmbeddedRedis
+from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
 from kvharbor.gateway.tenants import hash_key
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -141,7 +142,7 @@ def plot(result: dict, path: Path) -> None:
     fig.suptitle(
         f"{MODEL}, 2 engines with {cfg['kv_cache_memory']} of KV each: {cfg['requests']} requests over "
         f"{cfg['systems']} shared {cfg['system_len']}-token system prompts; "
-        f"gateway overhead p50 {o['added_p50_ms']:.1f} ms"
+        f"gateway overhead p50 {o['added_p50_ms']:.1f} ms\n{machine_title(result['machine']['dtype'])}"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "gateway",
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "config": vars(args) | {"out": str(args.out)},
+        "machine": machine_record(auto_cpu_dtype()),  # the engines run `kvharbor serve`'s default dtype
     }
     with EmbeddedRedis() as rds, tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tenants = Path(tmp) / "tenants.yaml"

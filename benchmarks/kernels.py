@@ -27,9 +27,11 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvharbor.common.machine import machine_record, machine_title
+
 RESULTS = Path(__file__).resolve().parent / "results"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
-DTYPE_BYTES = 2  # bfloat16
+DTYPE, DTYPE_BYTES = "bfloat16", 2
 DECODE_BATCHES = (1, 8, 32, 64, 128, 256)
 DECODE_CONTEXTS = (512, 2048, 8192, 16384, 32768)
 PREFILL_CHUNKS = (512, 1024, 2048, 4096)
@@ -207,6 +209,22 @@ def verdict(rows: list[Row], copy_gbs: float) -> dict:
     }
 
 
+def report(rows: list[Row], copy_gbs: float, gpu: str, torch_version: str) -> dict:
+    """The JSON report. Its machine names the GPU the kernels ran on beside the host CPU."""
+    return {
+        "machine": machine_record(DTYPE) | {"gpu": gpu},
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch_version,
+        "copy_gbs": copy_gbs,
+        "verdict": verdict(rows, copy_gbs),
+        "rows": [asdict(r) for r in rows],
+    }
+
+
+def plot_title(gpu: str) -> str:
+    return f"Triton attention kernels on {gpu} — {machine_title(DTYPE)}"
+
+
 def print_table(rows: list[Row], copy_gbs: float) -> None:
     print(f"copy bandwidth (device to device): {copy_gbs:.0f} GB/s")
     print(f"{'kernel':9} {'batch':>5} {'ctx':>6} {'q':>5} {'ms':>9} {'GB/s':>7} {'%copy':>6} "
@@ -218,7 +236,7 @@ def print_table(rows: list[Row], copy_gbs: float) -> None:
               f"{r.baseline_ms:14.3f} {sdpa} {r.speedup:6.2f}x {r.splits:6d}")  # fmt: skip
 
 
-def plot(rows: list[Row], copy_gbs: float, path: Path) -> None:
+def plot(rows: list[Row], copy_gbs: float, gpu: str, path: Path) -> None:
     try:
         import matplotlib
 
@@ -243,6 +261,7 @@ def plot(rows: list[Row], copy_gbs: float, path: Path) -> None:
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.legend(fontsize=7)
+    fig.suptitle(plot_title(gpu))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -267,18 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     for tokens in (256, 2048, 8192):
         rows.append(bench.kv_write(tokens))
     print_table(rows, copy)
-    result = {
-        "gpu": torch.cuda.get_device_name(),
-        "date": time.strftime("%Y-%m-%d"),
-        "torch": torch.__version__,
-        "copy_gbs": copy,
-        "verdict": verdict(rows, copy),
-        "rows": [asdict(r) for r in rows],
-    }
+    gpu = torch.cuda.get_device_name()
+    result = report(rows, copy, gpu, torch.__version__)
     print(json.dumps(result["verdict"], indent=2))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    plot(rows, copy, args.out.with_suffix(".png"))
+    plot(rows, copy, gpu, args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 

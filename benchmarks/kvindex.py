@@ -28,6 +28,7 @@ from compare_peers import MODEL, free_port, server
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.common.embedded_redis import EmbeddedRedis
 from kvharbor.common.kv_events import BlockStored, EventEnvelope, to_fields
+from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
 from kvharbor.common.redis_keys import lease_key, stream_key
 from kvharbor.kvcache_service.consumer import EventConsumer
 from kvharbor.kvcache_service.memory_index import MemoryIndex
@@ -211,6 +212,7 @@ def plot(result: dict, path: Path) -> None:
         t = result["ttft"]
         axes[2].bar(["recomputed", "pulled from store"], [t["recomputed_median_ms"], t["pulled_median_ms"]])
         axes[2].set_title(f"engine B TTFT, {t['prefix_tokens']}-token prefix (ms, median)")
+    fig.suptitle(f"KV index and shared block store — {machine_title(result['machine'].get('dtype'))}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -253,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "kvindex",
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "config": vars(args) | {"out": str(args.out)},
+        # Only the TTFT part runs engines (`kvharbor serve`'s default dtype); without it no dtype applies.
+        "machine": machine_record(auto_cpu_dtype() if args.ttft_reps else None),
     }
     with EmbeddedRedis() as redis_server:
         print(f"lookups: {args.blocks}-block chain, 8 instances, {args.lookups} each ...", flush=True)

@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
+
 RESULTS = Path(__file__).resolve().parent / "results"
 RUN = Path(__file__).resolve().parent.parent / "loadtest" / "run.py"
 STRATEGIES = ("prefix", "round_robin")
@@ -61,7 +63,10 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xticks([x + width / 2 for x in range(len(tenants))], tenants)
         ax.set_title(title)
         ax.legend()
-    fig.suptitle("kvharbor up (2 engines), load-test personas: prefix routing vs round robin")
+    fig.suptitle(
+        "kvharbor up (2 engines), load-test personas: prefix routing vs round robin — "
+        + machine_title(result["machine"]["dtype"])
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -73,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "platform.json")
     args = ap.parse_args(argv)
     result: dict = {"benchmark": "platform", "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                    "config": {"users": args.users, "run_time": args.run_time}, "runs": {}}  # fmt: skip
+                    "config": {"users": args.users, "run_time": args.run_time},
+                    "machine": machine_record(auto_cpu_dtype()),  # `kvharbor up`'s engines run its default dtype
+                    "runs": {}}  # fmt: skip
     for name in STRATEGIES:
         result["runs"][name] = run(name, RESULTS / "platform" / name, args.users, args.run_time)
     print(f"\n{'tenant':<8}{'routing':<13}{'TTFT p95':>10}{'goodput/s':>11}")

@@ -27,6 +27,8 @@ from urllib.parse import urlparse
 
 import httpx
 
+from kvharbor.common.machine import machine_record
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -188,6 +190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="requests sent (and not counted) before each run")
     ap.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds in all")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--dtype", default=None, help="the dtype the server runs in, only recorded (default: unknown, recorded as null)"
+    )
     ap.add_argument("--out", type=Path, default=None, help="JSON output (default: benchmarks/results/serve-LABEL.json)")
     args = ap.parse_args(argv)
     check_loopback(args.url)
@@ -232,6 +237,8 @@ async def bench(args: argparse.Namespace) -> dict:
         "model": args.model,
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        # The server runs on this machine (loopback only); its dtype is null when the caller did not say.
+        "machine": machine_record(args.dtype) | {"dtype": args.dtype},
         "runs": runs,
     }
 

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvharbor.common.machine import machine_record, machine_title
+
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIGS = {"off": None, "ngram k=3": 3, "ngram k=5": 5}
 
@@ -131,7 +133,18 @@ def print_table(results: dict) -> None:
                   f"{'yes' if r['same_tokens_as_off'] else 'NO':>5}")  # fmt: skip
 
 
-def plot(results: dict, path: Path) -> None:
+def report(llms: dict, results: dict, batched: dict) -> dict:
+    """The JSON report: the runs, and the machine with the dtype the engines resolved (auto picks per CPU)."""
+    dtype = str(next(iter(llms.values())).engine.dtype).removeprefix("torch.")
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": machine_record(dtype),
+        "results": results,
+        "batched_8": batched,
+    }
+
+
+def plot(results: dict, dtype: str, path: Path) -> None:
     try:
         import matplotlib
 
@@ -151,7 +164,7 @@ def plot(results: dict, path: Path) -> None:
                         ha="center", va="bottom", fontsize=8)  # fmt: skip
     ax.set_xticks(range(len(results)), list(results))
     ax.set_ylabel("output tok/s (one request at a time)")
-    ax.set_title("SmolLM2 on CPU: n-gram speculative decoding")
+    ax.set_title(f"SmolLM2 on CPU: n-gram speculative decoding\n{machine_title(dtype)}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -183,10 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         print("  " + workload + ": " + ", ".join(f"{n} {r['output_tok_s']:.1f} tok/s ({r['speedup']:.2f}x)"
                                                   for n, r in rows.items()))  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    dtype = str(next(iter(llms.values())).engine.dtype).removeprefix("torch.")
-    summary = {"date": time.strftime("%Y-%m-%d"), "dtype": dtype, "results": results, "batched_8": batched}
+    summary = report(llms, results, batched)
     args.out.write_text(json.dumps(summary, indent=2))
-    plot(results, args.out.with_suffix(".png"))
+    plot(results, summary["machine"]["dtype"], args.out.with_suffix(".png"))
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 

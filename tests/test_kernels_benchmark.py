@@ -15,6 +15,7 @@ sys.path.insert(0, str(BENCH))
 import kernels  # noqa: E402
 
 
+@pytest.mark.slow  # runs the benchmark script
 def test_refuses_without_cuda_and_says_why():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the benchmark runs instead of refusing")
@@ -32,3 +33,14 @@ def test_bytes_cases_and_verdict():
     assert good["bandwidth_target_met"] and good["beats_gather_sdpa_from_batch_8"]
     bad = kernels.verdict([row(8, 2000, 0.9), row(64, 2500, 1.2)], copy_gbs=4000)
     assert not bad["bandwidth_target_met"] and bad["decode_cases_not_beating_baseline"] == ["b8/ctx4096"]
+
+
+def test_report_and_title_name_the_machine_and_gpu():
+    row = kernels.Row("decode", 8, 4096, 1, 1.0, 3500, 1.5, None, 1.5)
+    report = kernels.report([row], 4000, "NVIDIA H200", "2.5.0")
+    machine = report["machine"]
+    assert machine["cpu_model"] and machine["cores"] >= 1 and "avx2" in machine["isa"]
+    assert machine["dtype"] == "bfloat16" and machine["gpu"] == "NVIDIA H200"
+    assert report["verdict"]["beats_gather_sdpa_from_batch_8"] and report["rows"][0]["batch"] == 8
+    title = kernels.plot_title("NVIDIA H200")
+    assert title.startswith("Triton attention kernels on NVIDIA H200 — ") and title.endswith(", bfloat16")

@@ -6,7 +6,10 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow  # a real redis-server
 def test_kvindex_benchmark_writes_json_and_png(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import kvindex
@@ -19,4 +22,7 @@ def test_kvindex_benchmark_writes_json_and_png(tmp_path):
         assert 0 < result["lookup"][backend]["p50_ms"] <= result["lookup"][backend]["p99_ms"]
     assert result["intake"]["events"] == 300 and result["intake"]["redis_consumer_events_per_s"] > 0
     assert "ttft" not in result
+    machine = result["machine"]
+    assert machine["cpu_model"] and machine["cores"] >= 1 and "avx2" in machine["isa"]
+    assert "dtype" not in machine  # --ttft-reps 0 runs no engine
     assert out.with_suffix(".png").stat().st_size > 0
