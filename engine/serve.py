@@ -147,7 +147,7 @@ class EngineServer:
             f"[kvharbor] serving {self.engine.model_name} on {url}  (Ctrl-C drains and stops)\n"
             f"[kvharbor] try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{self.engine.model_name}", "messages": [{{"role": "user", '
-            f'"content": "What is the capital of France?"}}]}}\'',
+            f'"content": "What is the capital of France?"}}], "temperature": 0}}\'',
             file=sys.stderr,
             flush=True,
         )

@@ -7,7 +7,8 @@ from __future__ import annotations
 import inspect
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads (see FACTS.md)
+# Spinning OpenMP workers slow CPU decoding ~10x on a busy 2-core machine; set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Triton kernels run under the interpreter here (no GPU); it must be set before they are decorated.
 # On a CUDA machine, TRITON_INTERPRET=0 runs the same tests on the GPU.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from process_guard import pytest_configure, pytest_unconfigure  # noqa: F401 - the tiers' guard, as hooks
 
 from kvharbor.engine import LLM
 from kvharbor.engine.hf_reference import hf_reference_model
@@ -123,7 +125,9 @@ def tiny_qwen2(tmp_path_factory) -> ModelCase:
     return _tiny_case(tmp_path_factory, "qwen2")
 
 
-@pytest.fixture(params=["smollm2", "tiny-llama", "tiny-qwen2"])
+# SmolLM2's cases run 5-35 s each here, so they are in the slow tier; the tiny models keep every
+# exactness check in the fast one.
+@pytest.fixture(params=[pytest.param("smollm2", marks=pytest.mark.slow), "tiny-llama", "tiny-qwen2"])
 def model_case(request) -> ModelCase:
     name = {"smollm2": "smollm_case", "tiny-llama": "tiny_llama", "tiny-qwen2": "tiny_qwen2"}[request.param]
     return request.getfixturevalue(name)
@@ -168,7 +172,29 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[li
     return tokens, logits
 
 
+def hf_next_tokens(
+    model: torch.nn.Module, prompt: list[int], tokens: list[int]
+) -> tuple[list[int], list[torch.Tensor]]:
+    """The reference, teacher-forced: transformers' argmax (and float32 logits) after the prompt and
+    after each prefix of `tokens`, from one forward pass over prompt + tokens[:-1]. By induction
+    over positions it equals `tokens` exactly when `tokens` is HF's own greedy continuation, at a
+    small share of the cost of hf_greedy's step-by-step decoding."""
+    with torch.no_grad():
+        ids = torch.tensor([prompt + tokens[:-1]])
+        rows = model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 :].float()
+    return rows.argmax(-1).tolist(), list(rows)
+
+
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory, smollm) -> Path:
+    """A folder with a random-weight tiny Llama that speaks SmolLM2's tokenizer and chat template,
+    served as model "tiny-chat": for server tests where SmolLM2's weights are not the point."""
+    from servers import make_tiny_chat_model
+
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / "tiny-chat", smollm.tokenizer)
 
 
 @pytest.fixture(scope="session")

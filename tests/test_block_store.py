@@ -41,6 +41,7 @@ def run(redis_url: str, body, **store_kwargs) -> None:
     asyncio.run(main())
 
 
+@pytest.mark.slow  # a real redis-server
 def test_put_then_get_longest_run(redis_server):
     async def body(store, _client):
         assert await store.put(FMT, [(HASHES[i], payload(i)) for i in (0, 1, 2, 4)]) == 4
@@ -58,6 +59,7 @@ def test_put_then_get_longest_run(redis_server):
     run(redis_server.url, body)
 
 
+@pytest.mark.slow  # a real redis-server
 def test_byte_cap_evicts_least_recently_used(redis_server):
     async def body(store, _client):
         size = len(encode_block(FMT, HASHES[0], payload(0)))
@@ -74,6 +76,7 @@ def test_byte_cap_evicts_least_recently_used(redis_server):
     run(redis_server.url, body)
 
 
+@pytest.mark.slow  # a real redis-server
 def test_accounting_survives_keys_vanishing_behind_its_back(redis_server):
     async def body(store, client):
         size = len(encode_block(FMT, HASHES[0], payload(0)))
@@ -92,6 +95,7 @@ def test_accounting_survives_keys_vanishing_behind_its_back(redis_server):
     run(redis_server.url, body)
 
 
+@pytest.mark.slow  # a real redis-server
 def test_corrupt_block_is_refused_and_deleted(redis_server):
     async def body(store, client):
         await store.put(FMT, [(HASHES[i], payload(i)) for i in range(3)])
@@ -107,6 +111,7 @@ def test_corrupt_block_is_refused_and_deleted(redis_server):
     run(redis_server.url, body)
 
 
+@pytest.mark.slow  # a real redis-server
 @pytest.mark.parametrize(("field", "value"), [("fingerprint", "fp-2"), ("dtype", "float32"), ("model", "m2")])
 def test_foreign_block_is_refused_loudly(redis_server, field, value, caplog):
     async def body(store, client):

@@ -1,5 +1,7 @@
 """The engine against Hugging Face transformers (float32) on the same weights: logits of the
-prompt and of 8 decode steps, and greedy 32-token outputs in five scheduling situations.
+prompt and of 8 decode steps, and greedy 32-token outputs in five scheduling situations. The
+reference is teacher-forced (conftest.hf_next_tokens): one HF forward over the prompt and our
+tokens, whose argmax at every position must be our next token.
 
 Models: SmolLM2-135M from the bundled GGUF, and random-weight tiny Llama and Qwen2 (qkv bias,
 tied embeddings) built from transformers configs and loaded from their saved HF folders.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ModelCase, hf_greedy
+from conftest import ModelCase, hf_next_tokens
 
 from kvharbor.engine import SamplingParams
 
@@ -24,20 +26,22 @@ GREEDY = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
 _REFS: dict[tuple[str, tuple[int, ...]], tuple[list[int], list[torch.Tensor]]] = {}
 
 
-def reference(case: ModelCase, prompt: list[int]) -> list[int]:
-    key = (case.name, tuple(prompt))
+def reference(case: ModelCase, prompt: list[int], ours: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+    """HF's greedy tokens and logits at each position of `ours` after `prompt` (teacher-forced:
+    the tokens equal `ours` exactly when ours are HF's greedy continuation)."""
+    key = (case.name, (*prompt, -1, *ours))
     if key not in _REFS:
-        _REFS[key] = hf_greedy(case.hf, prompt, STEPS)
-    return _REFS[key][0]
-
-
-def reference_logits(case: ModelCase, prompt: list[int]) -> list[torch.Tensor]:
-    reference(case, prompt)
-    return _REFS[(case.name, tuple(prompt))][1]
+        _REFS[key] = hf_next_tokens(case.hf, prompt, ours)
+    return _REFS[key]
 
 
 def tokens_of(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_greedy(case: ModelCase, prompts: list[list[int]], ours: list[list[int]]) -> None:
+    assert all(len(o) == STEPS for o in ours)
+    assert ours == [reference(case, p, o)[0] for p, o in zip(prompts, ours, strict=True)]
 
 
 def test_logits_of_prompt_and_8_decode_steps_match(model_case, make_llm):
@@ -54,8 +58,8 @@ def test_logits_of_prompt_and_8_decode_steps_match(model_case, make_llm):
     model.logits = recording
     for prompt in model_case.prompts[::3]:
         captured.clear()
-        llm.generate([prompt], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
-        ref = reference_logits(model_case, prompt)[:9]
+        out = llm.generate([prompt], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True))
+        ref = reference(model_case, prompt, out[0].outputs[0].token_ids)[1]
         assert len(captured) == 9
         for step, (ours, theirs) in enumerate(zip(captured, ref, strict=True)):
             scale = theirs.abs().max().item()
@@ -66,7 +70,7 @@ def test_logits_of_prompt_and_8_decode_steps_match(model_case, make_llm):
 def test_greedy_one_at_a_time(model_case, make_llm):
     llm = make_llm(model_case.loaded)
     for prompt in model_case.prompts:
-        assert tokens_of(llm.generate([prompt], GREEDY)) == [reference(model_case, prompt)]
+        assert_greedy(model_case, [prompt], tokens_of(llm.generate([prompt], GREEDY)))
 
 
 def test_greedy_staggered_arrivals(model_case, make_llm):
@@ -85,13 +89,13 @@ def test_greedy_staggered_arrivals(model_case, make_llm):
                 done[int(out.request_id[1:])] = out.outputs[0].token_ids
         steps += 1
         assert steps < 2000
-    assert [done[i] for i in range(len(model_case.prompts))] == [reference(model_case, p) for p in model_case.prompts]
+    assert_greedy(model_case, model_case.prompts, [done[i] for i in range(len(model_case.prompts))])
 
 
 def test_greedy_with_shared_prefixes_hits_the_cache(model_case, make_llm):
     llm = make_llm(model_case.loaded)
     outs = llm.generate(model_case.shared_prompts, GREEDY)
-    assert tokens_of(outs) == [reference(model_case, p) for p in model_case.shared_prompts]
+    assert_greedy(model_case, model_case.shared_prompts, tokens_of(outs))
     hits = [o.num_cached_tokens for o in outs]
     assert sum(h > 0 for h in hits) >= len(hits) - 1, hits
     assert llm.engine.kv.prefix_hits > 0
@@ -102,7 +106,7 @@ def test_greedy_with_a_tiny_token_budget_chunks_prefill(model_case, make_llm):
     longest = max(len(p) for p in model_case.prompts)
     assert longest > 8  # so every long prompt is prefilled in several chunks
     outs = llm.generate(model_case.prompts, GREEDY)
-    assert tokens_of(outs) == [reference(model_case, p) for p in model_case.prompts]
+    assert_greedy(model_case, model_case.prompts, tokens_of(outs))
 
 
 def test_greedy_with_a_pool_small_enough_to_preempt(model_case, make_llm):
@@ -111,7 +115,7 @@ def test_greedy_with_a_pool_small_enough_to_preempt(model_case, make_llm):
     llm = make_llm(model_case.loaded, num_kv_blocks=blocks, max_model_len=blocks * 16)
     outs = llm.generate(model_case.prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
-    assert tokens_of(outs) == [reference(model_case, p) for p in model_case.prompts]
+    assert_greedy(model_case, model_case.prompts, tokens_of(outs))
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
@@ -119,7 +123,7 @@ def test_prefix_caching_switch_changes_speed_not_tokens(smollm_case, make_llm, p
     llm = make_llm(smollm_case.loaded, enable_prefix_caching=prefix_caching)
     prompts = smollm_case.shared_prompts[:3]
     outs = llm.generate(prompts, GREEDY)
-    assert tokens_of(outs) == [reference(smollm_case, p) for p in prompts]
+    assert_greedy(smollm_case, prompts, tokens_of(outs))
     assert (llm.engine.kv.prefix_hits > 0) == prefix_caching
 
 
@@ -129,4 +133,5 @@ def test_a_repeated_block_aligned_prompt_recomputes_only_its_last_block(model_ca
     first, second = llm.generate([prompt], GREEDY), llm.generate([prompt], GREEDY)
     assert first[0].num_cached_tokens == 0
     assert second[0].num_cached_tokens == 16  # the last token must run, so its block does too
-    assert tokens_of(first) == tokens_of(second) == [reference(model_case, prompt)]
+    assert tokens_of(first) == tokens_of(second)
+    assert_greedy(model_case, [prompt], tokens_of(first))

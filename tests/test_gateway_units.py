@@ -79,6 +79,7 @@ def tenant(name="t", **limits) -> Tenant:
     return Tenant(name, frozenset(), limits=Limits(**limits))
 
 
+@pytest.mark.slow  # a real redis-server
 @pytest.mark.parametrize("backend", ["redis", "local"])
 def test_limits_rpm_tpm_and_concurrency(backend, redis_server):
     async def main():

@@ -532,6 +532,7 @@ def kopf_operator(double, tmp_path):
         print("requests:", *double.requests[-40:], sep="\n  ")
 
 
+@pytest.mark.slow  # the real kopf process
 def test_real_kopf_reconciles_against_the_double(double, kopf_operator):
     double.create(isvc("s"))
 

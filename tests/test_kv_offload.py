@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis
 
 from kvharbor.common.block_hash import block_hashes
@@ -39,6 +40,7 @@ async def flush(client: KVStoreClient) -> None:
     task.cancel()
 
 
+@pytest.mark.slow  # a real redis-server
 def test_evicted_blocks_are_written_back_and_pulled_again(tiny_llama, make_llm, redis_server):
     redis.Redis.from_url(redis_server.url).flushdb()
     # 12 blocks of 16 tokens: the second prompt's 7 blocks evict the tail of the first's.
@@ -72,6 +74,7 @@ def test_evicted_blocks_are_written_back_and_pulled_again(tiny_llama, make_llm, 
     asyncio.run(main())
 
 
+@pytest.mark.slow  # a real redis-server
 def test_write_through_pushes_each_filled_block_once(tiny_llama, make_llm, redis_server):
     redis.Redis.from_url(redis_server.url).flushdb()
     llm = make_llm(tiny_llama.loaded)
@@ -90,6 +93,7 @@ def test_write_through_pushes_each_filled_block_once(tiny_llama, make_llm, redis
     asyncio.run(main())
 
 
+@pytest.mark.slow  # a real redis-server
 def test_hot_pushes_a_prefix_when_it_is_reused(tiny_llama, make_llm, redis_server):
     redis.Redis.from_url(redis_server.url).flushdb()
     llm = make_llm(tiny_llama.loaded)

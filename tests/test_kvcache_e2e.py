@@ -16,8 +16,10 @@ from servers import EngineServerProcess, KVCacheServiceProcess, metric, wait_for
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.kvcache_service.block_store import BlockFormat, encode_block
 
+pytestmark = pytest.mark.slow  # real engines, redis-server and the KV cache service
+
 MODEL = "SmolLM2-135M-Instruct"
-ENGINE_ARGS = ("--kv-cache-memory", "192MiB", "--lease-ttl", "2", "--max-num-batched-tokens", "512")
+ENGINE_ARGS = ("--dtype", "float32", "--num-kv-blocks", "512", "--lease-ttl", "2", "--max-num-batched-tokens", "512")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,8 @@ from kvharbor.kvcache_service.index import LeadershipLost
 from kvharbor.kvcache_service.memory_index import MemoryIndex
 from kvharbor.kvcache_service.redis_index import RedisIndex
 
+pytestmark = pytest.mark.slow  # a real redis-server
+
 MODEL = "intake-model"
 
 

@@ -18,6 +18,8 @@ from kvharbor.common.block_hash import block_hashes, to_hex
 from kvharbor.common.redis_keys import stream_key
 from kvharbor.kvcache_service.memory_index import MemoryIndex
 
+pytestmark = pytest.mark.slow  # real redis-servers and `kvharbor kvcache`
+
 MODEL = "svc-model"
 
 

@@ -52,7 +52,7 @@ class Backend:
             await asyncio.sleep(seconds)  # Redis expires leases on its own clock
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.slow)])  # a real redis-server
 def backend(request) -> Backend:
     url = request.getfixturevalue("redis_server").url if request.param == "redis" else None
     return Backend(request.param, url)

@@ -30,6 +30,8 @@ from kvharbor.kvcache_service.redis_index import RedisIndex
 from kvharbor.operator.config import EngineDefaults, OperatorConfig
 from kvharbor.operator.reconcile import OperatorContext, reconcile_service
 
+pytestmark = pytest.mark.slow  # the real kopf operator and redis-server
+
 CRDS = sorted((Path(__file__).resolve().parent.parent / "charts" / "kvharbor" / "crds").glob("*.yaml"))
 API = "kvharbor.io/v1alpha1"
 NS = "inference"

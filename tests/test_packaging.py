@@ -31,6 +31,7 @@ def test_operator_is_the_stdlib_module_in_this_process():
     assert Path(operator.__file__).resolve().parent == STDLIB
 
 
+@pytest.mark.slow  # fresh interpreters
 @pytest.mark.parametrize("cwd", [REPO, REPO / "operator"])
 def test_operator_is_the_stdlib_module_from_the_repository_root(cwd):
     # `python -m ...` puts the working directory first on sys.path, as `python -m pytest` does.
@@ -38,6 +39,7 @@ def test_operator_is_the_stdlib_module_from_the_repository_root(cwd):
     assert Path(out.stdout.strip()).resolve().parent == STDLIB
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_operator_is_the_stdlib_module_from_a_wheel(tmp_path):
     wheels = tmp_path / "wheels"
     subprocess.run(
@@ -111,6 +113,7 @@ def test_dependency_rules():
         }
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_shared_code_imports_without_torch():
     code = (
         "import sys, kvharbor.common.block_hash, kvharbor.common.kv_events, kvharbor.common.config, "
@@ -122,8 +125,10 @@ def test_shared_code_imports_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+@pytest.mark.slow  # fresh interpreters
 def test_importing_the_engine_makes_openmp_wait_passively():
-    # Spinning OpenMP workers slow CPU decoding ~10x on a busy 2-core machine (FACTS.md).
+    # Spinning OpenMP workers slowed CPU decoding ~10x on a busy 2-core machine (HF SmolLM2 at
+    # torch's default 2 threads: 1.6 tok/s instead of ~14).
     env = {k: v for k, v in __import__("os").environ.items() if k != "OMP_WAIT_POLICY"}
     code = "import os, kvharbor.engine; print(os.environ['OMP_WAIT_POLICY'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -5,6 +5,7 @@ offline engine, 16 concurrent streams, client disconnects, and metrics."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 
@@ -15,9 +16,11 @@ from servers import EngineServerProcess, metric
 
 from kvharbor.engine import SamplingParams
 
+pytestmark = pytest.mark.slow  # a real `kvharbor serve`
+
 MODEL = "SmolLM2-135M-Instruct"
 # float32 so greedy outputs can be compared exactly with the offline engine.
-SERVE_ARGS = ("--dtype", "float32", "--kv-cache-memory", "128MiB", "--max-model-len", "1024", "--log-level", "warning")
+SERVE_ARGS = ("--dtype", "float32", "--num-kv-blocks", "180", "--max-model-len", "1024", "--log-level", "warning")
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?", "Say hello in Spanish."]
 
 
@@ -46,6 +49,14 @@ def chat(client, content, **kw):
 def test_models_lists_the_served_model(client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
+
+
+def test_the_printed_curl_line_answers_the_question(server):
+    (line,) = [line for line in server.log().splitlines() if "try: curl -s " in line]
+    body = json.loads(line.split(" -d '", 1)[1].rsplit("'", 1)[0])
+    url = line.split("curl -s ", 1)[1].split()[0]
+    answer = httpx.post(url, json=body, timeout=120).json()
+    assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
 
 
 def test_chat_unstreamed_with_usage(client):

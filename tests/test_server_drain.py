@@ -12,12 +12,13 @@ import httpx
 import pytest
 from servers import EngineServerProcess
 
-MODEL = "SmolLM2-135M-Instruct"
-ARGS = ("--dtype", "bfloat16", "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--log-level", "info")
+pytestmark = pytest.mark.slow  # a real `kvharbor serve` per test
+
+MODEL = "tiny-chat"  # drain is the point here, not SmolLM2's weights: the tiny model starts in seconds
+ARGS = ("--dtype", "float32", "--num-kv-blocks", "180", "--max-model-len", "512", "--log-level", "info")
 LONG = {
     "model": MODEL,
     "messages": [{"role": "user", "content": "Write a long story."}],
-    "max_tokens": 120,
     "ignore_eos": True,
     "stream": True,
     "temperature": 0,
@@ -37,13 +38,18 @@ def stream_events(lines) -> list[dict]:
     return [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
 
 
-@pytest.mark.parametrize(("drain_timeout", "finish"), [(60, "length"), (0.5, "abort")])
-def test_sigterm_drains_then_exits_zero(tmp_path, drain_timeout, finish):
-    proc = EngineServerProcess(tmp_path, *ARGS, "--drain-timeout", str(drain_timeout)).start()
+# The stream must outlive the checks after SIGTERM (~1 s), and outlive the 0.5 s drain timeout by
+# far: the tiny model decodes one request at a few ms a token here, and can be told to stop after
+# max_model_len - prompt tokens at most (the length case) or to run to the 512-token limit.
+@pytest.mark.parametrize(("drain_timeout", "max_tokens", "finish"), [(60, 400, "length"), (0.5, None, "abort")])
+def test_sigterm_drains_then_exits_zero(tmp_path, tiny_chat_model, drain_timeout, max_tokens, finish):
+    proc = EngineServerProcess(tmp_path, "--model", str(tiny_chat_model), *ARGS, "--drain-timeout", str(drain_timeout))
+    proc.start()
+    body = {**LONG, "max_tokens": max_tokens}
     try:
         with (
             httpx.Client(timeout=120) as http,
-            http.stream("POST", proc.url + "/v1/chat/completions", json=LONG) as stream,
+            http.stream("POST", proc.url + "/v1/chat/completions", json=body) as stream,
         ):
             lines = stream.iter_lines()
             first = next(line for line in lines if line.startswith("data: {"))
@@ -59,6 +65,8 @@ def test_sigterm_drains_then_exits_zero(tmp_path, drain_timeout, finish):
         assert proc.wait(timeout=60) == 0
         log = proc.log()
         assert '"msg": "drained; stopping"' in log
+        (draining,) = [json.loads(line) for line in log.splitlines() if '"msg": "draining"' in line]
+        assert draining["in_flight"] == 1  # the stream was still running when the drain began
         # Structured logs: one JSON object per line, with the request id on request lines.
         finished = [json.loads(line) for line in log.splitlines() if '"msg": "finished"' in line]
         assert finished and finished[0]["request_id"].startswith("chatcmpl-")

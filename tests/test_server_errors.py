@@ -10,17 +10,18 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servers import EngineServerProcess, make_tiny_chat_model
+from servers import EngineServerProcess
+
+pytestmark = pytest.mark.slow  # a real `kvharbor serve`
 
 MODEL = "tiny-chat"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm):
-    folder = make_tiny_chat_model(tmp_path_factory.mktemp("tiny-chat") / MODEL, smollm.tokenizer)
+def server(tmp_path_factory, tiny_chat_model):
     args = (
         "--model",
-        str(folder),
+        str(tiny_chat_model),
         "--dtype",
         "float32",
         "--max-model-len",
@@ -224,12 +225,17 @@ def test_the_serving_benchmark_measures_this_server(server, tmp_path):
             "5",
             "--warmup",
             "1",
+            "--dtype",
+            "float32",
             "--out",
             str(out),
         ]
     )
     assert code == 0
     result = json.loads(out.read_text())
+    machine = result["machine"]
+    assert machine["cpu_model"] and machine["cores"] >= 1 and "avx2" in machine["isa"]
+    assert machine["dtype"] == "float32"  # the fixture's server runs --dtype float32
     assert [(r["shared_prefix"], r["concurrency"]) for r in result["runs"]] == [(0, 1), (0, 2), (16, 1), (16, 2)]
     for run in result["runs"]:
         s = run["summary"]

@@ -10,19 +10,16 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from servers import EngineServerProcess, RedisProcess, free_port, make_tiny_chat_model, wait_for
+from servers import EngineServerProcess, RedisProcess, free_port, wait_for
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.common.kv_events import AllCleared, BlockStored, from_fields
 
+pytestmark = pytest.mark.slow  # real `kvharbor serve` and redis-server
+
 MODEL = "tiny-chat"
 STREAM = f"kvharbor:kv:{MODEL}"
 LEASE = f"kvharbor:lease:{MODEL}:engine-a"
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory, smollm):
-    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / MODEL, smollm.tokenizer)
 
 
 def read_events(client: redis.Redis, after: str = "-") -> list[tuple[str, object]]:
@@ -41,13 +38,13 @@ def tiny_engine_args(model: Path, redis_url: str) -> tuple[str, ...]:
             "--redis-url", redis_url, "--instance-id", "engine-a")  # fmt: skip
 
 
-def test_events_match_the_pool_and_survive_a_redis_restart(tmp_path, tiny_folder):
+def test_events_match_the_pool_and_survive_a_redis_restart(tmp_path, tiny_chat_model):
     redis_port = free_port()
     server_redis = RedisProcess(tmp_path / "redis", port=redis_port).start()
     proc = None
     try:
         url = server_redis.url
-        args = (*tiny_engine_args(tiny_folder, url), "--lease-ttl", "5", "--log-level", "info")
+        args = (*tiny_engine_args(tiny_chat_model, url), "--lease-ttl", "5", "--log-level", "info")
         proc = EngineServerProcess(tmp_path, *args).start()
         client = redis.Redis.from_url(url)
         first = wait_for(lambda: read_events(client))
@@ -105,10 +102,11 @@ def test_events_match_the_pool_and_survive_a_redis_restart(tmp_path, tiny_folder
         server_redis.stop()
 
 
-def test_graceful_stop_clears_the_instance_and_drops_its_lease(tmp_path, tiny_folder):
+def test_graceful_stop_clears_the_instance_and_drops_its_lease(tmp_path, tiny_chat_model):
     with RedisProcess(tmp_path / "redis") as server_redis:
         client = redis.Redis.from_url(server_redis.url)
-        with EngineServerProcess(tmp_path, *tiny_engine_args(tiny_folder, server_redis.url), "--log-level", "warning"):
+        args = (*tiny_engine_args(tiny_chat_model, server_redis.url), "--log-level", "warning")
+        with EngineServerProcess(tmp_path, *args):
             wait_for(lambda: client.get(LEASE))
         assert client.get(LEASE) is None
         assert isinstance(read_events(client)[-1][1].event, AllCleared)

@@ -36,7 +36,10 @@ def chi_square_gof(counts: list[int], probs: list[float]) -> float:
 
 P = torch.tensor([[0.6, 0.3, 0.1], [0.6, 0.3, 0.1]])  # row 1 is only drawn from if all k = 1 accepted
 Q = torch.tensor([[0.5, 0.2, 0.3]])
-DRAWS = 200_000
+# The naive rule below comes out as (0.62, 0.26, 0.12): its chi-square statistic grows as
+# 0.01 x DRAWS, about 200 here against a critical value of 13.8, so 20,000 draws tell the rules
+# apart with room to spare.
+DRAWS = 20_000
 
 
 def first_tokens(rule, q: torch.Tensor | None) -> list[int]:
@@ -172,6 +175,7 @@ def test_long_accepted_runs_and_rejections_keep_greedy_tokens(make_llm, tiny_lla
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow  # over 10 s here
 def test_greedy_smollm2_is_identical_with_speculation(make_llm, smollm):
     tok = smollm.tokenizer
     text = "The committee met on Tuesday and agreed to publish the annual report in March."
@@ -227,6 +231,7 @@ def homogeneity_chi2(a: Counter, b: Counter, min_count: int = 20) -> tuple[float
     return stat, len(cols) - 1
 
 
+@pytest.mark.slow  # over 10 s here
 def test_sampled_tokens_keep_their_distribution(make_llm, tiny_llama):
     """Temperature 1: the first three tokens over 5,000 seeds each, with and without speculation
     (independent seeds). Chi-square tests at alpha = 0.001: homogeneity per position (rare tokens
@@ -321,6 +326,7 @@ def test_a_draft_model_keeps_greedy_tokens_and_frees_its_cache(make_llm, tiny_ll
         proposer.kv.check_integrity()
 
 
+@pytest.mark.slow  # over 10 s here
 def test_a_draft_model_keeps_the_sampled_distribution(make_llm, tiny_llama, tiny_qwen2):
     """q is a real distribution here (not a point): accept with min(1, p/q), else draw from
     max(0, p - q). Same tests as for the deterministic proposer."""

@@ -164,6 +164,7 @@ def _greedy(case, backend: str) -> list[tuple[list[int], list[float]]]:
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
+@pytest.mark.slow  # ~10 s here under the Triton interpreter
 def test_the_engine_with_triton_attention_generates_the_torch_backends_tokens(tiny_llama):
     torch_out = _greedy(tiny_llama, "torch")
     triton_out = _greedy(tiny_llama, "triton")

@@ -4,6 +4,7 @@ or external, and a start-up that fails half-way cleans up after itself."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,8 @@ import openai
 import pytest
 import redis
 from servers import RedisProcess, free_port, wait_for, write_tenants
+
+pytestmark = pytest.mark.slow  # real `kvharbor up` platforms
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -97,7 +100,8 @@ def platform(tmp_path_factory):
     write_tenants(tmp / "tenants.yaml", [{"name": "acme", "key": "sk-acme"}])
     env = {k: v for k, v in os.environ.items() if k not in ("REDIS_URL", "KVHARBOR_REDIS_URL")}
     env["PATH"] = "/usr/bin:/bin"  # no redis-server on PATH: `up` must embed its own
-    up = Up(tmp, "--engines", "2", "--kv-cache-memory", "192MiB", "--tenants-file", str(tmp / "tenants.yaml"), env=env)
+    up = Up(tmp, "--engines", "2", "--num-kv-blocks", "256", "--dtype", "float32",
+            "--tenants-file", str(tmp / "tenants.yaml"), env=env)  # fmt: skip
     try:
         up.wait_ready()
         yield up
@@ -117,6 +121,12 @@ def test_the_platform_answers_through_the_gateway(platform):
     text = platform.text()
     for name in ("redis", "kvcache", "engine-0", "engine-1", "gateway"):
         assert name in text  # the status table
+    # The printed curl line, as a newcomer would paste it, answers the question (greedy).
+    (curl,) = [line for line in text.splitlines() if line.startswith("curl -s ")]
+    body = json.loads(curl.split(" -d '", 1)[1].rsplit("'", 1)[0])
+    url = curl.split()[2]
+    answer = httpx.post(url, json=body, headers={"Authorization": "Bearer sk-acme"}, timeout=120).json()
+    assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
 
 
 def test_a_killed_engine_is_restarted_while_the_other_serves(platform):
@@ -150,7 +160,7 @@ def test_sigterm_leaves_no_child_behind(platform):
 def test_external_redis_via_redis_url(tmp_path):
     with RedisProcess(tmp_path / "redis") as rds:
         write_tenants(tmp_path / "t.yaml", [{"name": "acme", "key": "sk-acme"}])
-        up = Up(tmp_path, "--engines", "1", "--kv-cache-memory", "128MiB", "--tenants-file", str(tmp_path / "t.yaml"),
+        up = Up(tmp_path, "--engines", "1", "--num-kv-blocks", "128", "--tenants-file", str(tmp_path / "t.yaml"),
                 env={"REDIS_URL": rds.url})  # fmt: skip
         try:
             up.wait_ready()
