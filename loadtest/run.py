@@ -25,6 +25,7 @@ from pathlib import Path
 import yaml
 
 from kvharbor.common.loadtest_tenants import LOADTEST_TENANTS as TENANTS
+from kvharbor.common.model_files import DEFAULT_MODEL_NAME, resolve_model
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -46,7 +47,7 @@ def pct(values: list[float], q: float) -> float | None:
 class Platform:
     """`kvharbor up` in the background, for runs without --host."""
 
-    def __init__(self, out: Path, engines: int, routing: str) -> None:
+    def __init__(self, out: Path, engines: int, routing: str, model_path: str | None) -> None:
         from kvharbor.common.embedded_redis import free_port
 
         self.port = free_port()
@@ -56,6 +57,8 @@ class Platform:
         # 384 blocks of 16 tokens per engine, in whatever dtype this CPU runs.
         cmd = [sys.executable, "-m", "kvharbor.common.cli", "up", "--port", str(self.port), "--engines", str(engines),
                "--routing", routing, "--loadtest-tenants", "--num-kv-blocks", "384"]  # fmt: skip
+        if model_path:
+            cmd += ["--model", model_path]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 400) -> None:
@@ -120,8 +123,8 @@ def refused_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r["status"] == 401]
 
 
-def run_locust(host: str, out: Path, users: int, spawn_rate: float, run_time: str) -> int:
-    env = {**os.environ, "KVHARBOR_LOADTEST_RECORDS": str(out / "requests.jsonl"),
+def run_locust(host: str, out: Path, users: int, spawn_rate: float, run_time: str, model: str) -> int:
+    env = {**os.environ, "KVHARBOR_LOADTEST_RECORDS": str(out / "requests.jsonl"), "KVHARBOR_LOADTEST_MODEL": model,
            "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     cmd = [sys.executable, "-m", "locust", "-f", str(HERE / "locustfile.py"), "--headless", "--host", host,
            "-u", str(users), "-r", str(spawn_rate), "-t", run_time, "--stop-timeout", "20",
@@ -273,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "latest", help="report directory")
     ap.add_argument("--engines", type=int, default=2, help="engines, when this run starts the platform")
     ap.add_argument("--routing", default="prefix", help="routing, when this run starts the platform")
+    ap.add_argument("--model", help="model id the personas ask for (default: what --model-path serves, or SmolLM2)")
+    ap.add_argument("--model-path", help="model file or folder, when this run starts the platform (default: SmolLM2)")
     ap.add_argument("--report-only", type=Path, help="judge an earlier run's directory again (no traffic)")
     args = ap.parse_args(argv)
     if args.users < 1 or args.users > 200 or _seconds(args.run_time) > 3600:
@@ -281,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
         return report(args.report_only, args.slos)
     if args.host and not args.host.startswith(("http://127.", "http://localhost")):
         ap.error("load runs talk to loopback only: --host http://127.0.0.1:PORT")
+    if args.host and args.model_path:
+        ap.error("--model-path is for a platform this run starts; with --host, name the served model with --model")
+    try:
+        served = resolve_model(args.model_path)[1] if args.model_path else DEFAULT_MODEL_NAME
+    except FileNotFoundError as exc:
+        ap.error(str(exc))
+    model = args.model or served
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "requests.jsonl").unlink(missing_ok=True)
     platform = None
@@ -288,11 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         host = args.host
         if host is None:
             print(f"[loadtest] starting the platform ({args.engines} engines, routing {args.routing}) ...", flush=True)
-            platform = Platform(args.out, args.engines, args.routing)
+            platform = Platform(args.out, args.engines, args.routing, args.model_path)
             platform.wait_ready()
             host = platform.url
         check_keys(host)
-        run_locust(host, args.out, args.users, args.spawn_rate, args.run_time)
+        run_locust(host, args.out, args.users, args.spawn_rate, args.run_time, model)
         if platform is not None and (stats := platform.kvcache_stats()) is not None:
             (args.out / "kvcache_stats.json").write_text(json.dumps(stats, indent=1))
     except (RuntimeError, TimeoutError, subprocess.TimeoutExpired) as exc:

@@ -130,7 +130,7 @@ def make_tiny_chat_model(path: Path, tokenizer) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=8192,  # SmolLM2's: the load test's long documents fit
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,

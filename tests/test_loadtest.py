@@ -18,7 +18,7 @@ RUN = Path(__file__).resolve().parent.parent / "loadtest" / "run.py"
 
 
 @pytest.mark.slow  # a real platform and Locust
-def test_loadtest_smoke_run_and_slo_verdicts(tmp_path):
+def test_loadtest_smoke_run_and_slo_verdicts(tmp_path, tiny_chat_model):
     loose = tmp_path / "loose.yaml"
     loose.write_text(
         yaml.safe_dump(
@@ -34,7 +34,9 @@ def test_loadtest_smoke_run_and_slo_verdicts(tmp_path):
         "--spawn-rate",
         "3",
         "--run-time",
-        "15s",
+        "10s",
+        "--model-path",
+        str(tiny_chat_model),  # the load test's plumbing is the point here, not SmolLM2's answers
         "--slos",
         str(loose),
         "--out",

@@ -157,21 +157,22 @@ def test_sigterm_leaves_no_child_behind(platform):
     assert all(not Path(d).exists() for d in tmp_dirs)  # the temporary directory is gone
 
 
-def test_external_redis_via_redis_url(tmp_path):
+def test_external_redis_via_redis_url(tmp_path, tiny_chat_model):
     with RedisProcess(tmp_path / "redis") as rds:
         write_tenants(tmp_path / "t.yaml", [{"name": "acme", "key": "sk-acme"}])
+        # Redis is the point here, not SmolLM2: the tiny chat model starts in seconds.
         up = Up(tmp_path, "--engines", "1", "--num-kv-blocks", "128", "--tenants-file", str(tmp_path / "t.yaml"),
-                env={"REDIS_URL": rds.url})  # fmt: skip
+                "--model", str(tiny_chat_model), env={"REDIS_URL": rds.url})  # fmt: skip
         try:
             up.wait_ready()
             assert f"using Redis at {rds.url}" in up.text()
             headers = {"Authorization": "Bearer sk-acme"}
-            body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+            body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
             assert (
                 httpx.post(up.url + "/v1/chat/completions", json=body, headers=headers, timeout=120).status_code == 200
             )
             wait_for(
-                lambda: redis.Redis.from_url(rds.url).exists(f"kvharbor:kv:{MODEL}"), what="KV events in that Redis"
+                lambda: redis.Redis.from_url(rds.url).exists("kvharbor:kv:tiny-chat"), what="KV events in that Redis"
             )
         finally:
             assert up.stop() == 0
