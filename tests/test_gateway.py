@@ -314,9 +314,9 @@ def test_prefix_routing_follows_the_holder_and_beats_round_robin(cluster):
                 resp = client(gateway, key).chat.completions.create(
                     model=MODEL, messages=messages, max_tokens=1, temperature=0
                 )
-                if key == "sk-px":
+                if key == "sk-px":  # round robin reads no index: only prefix routing waits for it
                     cached.append((resp.usage.prompt_tokens_details.cached_tokens, resp.usage.prompt_tokens))
-                time.sleep(0.3)  # let the KV index hear of the blocks
+                    time.sleep(0.3)  # let the KV index hear of the blocks
 
         return go
 
@@ -428,10 +428,11 @@ def test_schemathesis_finds_no_server_error(cluster):
 def test_admission_sheds_queues_and_times_out(cluster, tmp_path):
     a = cluster["a"]
     args = ("--engines", a.url, "--tenants-file", str(cluster["tenants_file"]), "--slo-ttft-ms", "1500")
-    with (
-        GatewayProcess(tmp_path, *args, "--queue-timeout", "60") as patient,
-        GatewayProcess(tmp_path, *args, "--queue-timeout", "1") as hasty,
-    ):
+    patient = GatewayProcess(tmp_path, *args, "--queue-timeout", "60")
+    hasty = GatewayProcess(tmp_path, *args, "--queue-timeout", "1")
+    try:
+        for g in (patient.launch(), hasty.launch()):  # both start at once
+            g.wait_ready()
         long_prompt = [1000 + (i * 37) % 30000 for i in range(1500)]
         body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 1}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -439,8 +440,9 @@ def test_admission_sheds_queues_and_times_out(cluster, tmp_path):
                 pool.submit(
                     httpx.post, a.url + "/v1/completions", json={**body, "cache_salt": f"fill-{i}"}, timeout=300
                 )
-                for i in range(6)
+                for i in range(4)
             ]
+            # 6,000 prefill tokens: several seconds of work for engine A, far past the 1.5 s target.
             wait_for(lambda: httpx.get(a.url + "/load").json()["waiting_prefill_tokens"] > 4000, what="saturation")
             time.sleep(1.0)  # the gateways poll it
             started = time.monotonic()
@@ -458,6 +460,9 @@ def test_admission_sheds_queues_and_times_out(cluster, tmp_path):
         text = httpx.get(patient.url + "/metrics").text
         assert metric(text, "kvharbor_gateway_rejections_total", 'reason="shed_slo"') == 1
         assert metric(text, "kvharbor_gateway_queue_seconds_count", 'tenant="vip"') == 1
+    finally:
+        patient.stop()
+        hasty.stop()
 
 
 def test_failover_ejects_a_dead_engine_and_takes_it_back(cluster):
