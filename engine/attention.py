@@ -45,6 +45,16 @@ class DecodeGroup:
 
 
 @dataclass
+class CpuDecode:
+    """Every decode of the step in one call of the CPU kernel (engine/cpu_kernels.py), which reads
+    the paged cache in place through the block tables."""
+
+    kernels: Any  # cpu_kernels.CpuKernels
+    tables: torch.Tensor  # [num_decodes, max_blocks] int32, padded with 0
+    ctx_lens: torch.Tensor  # [num_decodes] int32
+
+
+@dataclass
 class AttentionMetadata:
     """Built once per step by the runner and shared by every layer."""
 
@@ -54,6 +64,7 @@ class AttentionMetadata:
     decode_groups: list[DecodeGroup]
     prefills: list[PrefillChunk]
     triton: Any = None  # attention_triton.TritonMetadata when the triton backend runs this step
+    cpu_decode: CpuDecode | None = None  # decodes through the CPU kernel instead of decode_groups
 
 
 # One more decode call costs about as much as attending to this many more padded key positions
@@ -98,6 +109,7 @@ def build_metadata(
     device: torch.device,
     backend: str = "torch",
     kv_shape: tuple[int, int] = (0, 0),  # (kv_heads, head_dim), for the triton backend
+    cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decodes through its attention kernel
 ) -> AttentionMetadata:
     """Metadata for sequences (decodes first) with these block tables, computed prefixes
     (`starts`) and new-token counts (`lengths`)."""
@@ -111,6 +123,13 @@ def build_metadata(
         tmeta = build_triton_metadata(block_tables, starts, lengths, num_decodes, block_size, *kv_shape, device)
         return AttentionMetadata(block_size, slot_mapping, num_decodes, [], [], tmeta)
     ctx_lens = [s + 1 for s in starts[:num_decodes]]
+    cpu_decode = None
+    if cpu_kernels is not None and num_decodes:
+        width = max(len(t) for t in block_tables[:num_decodes])
+        padded = [t + [0] * (width - len(t)) for t in block_tables[:num_decodes]]
+        tables, lens = torch.tensor(padded, dtype=torch.int32), torch.tensor(ctx_lens, dtype=torch.int32)
+        cpu_decode = CpuDecode(cpu_kernels, tables, lens)
+        ctx_lens = []  # no decode groups: the kernel takes them all
     groups = [
         _decode_group(
             start, block_tables[start : start + size], ctx_lens[start : start + size], block_size, dtype, device
@@ -129,7 +148,7 @@ def build_metadata(
             prefills.append(PrefillChunk(q_start, n, start + n, blocks, mask))
         q_start += n
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-    return AttentionMetadata(block_size, slot_mapping, num_decodes, groups, prefills)
+    return AttentionMetadata(block_size, slot_mapping, num_decodes, groups, prefills, cpu_decode=cpu_decode)
 
 
 def _decode_group(
@@ -170,6 +189,9 @@ def paged_attention(
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
     bs = meta.block_size
+    if (cpu := meta.cpu_decode) is not None:
+        n = meta.num_decodes
+        cpu.kernels.decode_attention(q[:n], k_cache, v_cache, cpu.tables, cpu.ctx_lens, bs, out[:n])
     for g in meta.decode_groups:
         rows = slice(g.start, g.start + g.size)
         keys = _gather(k_cache, g.blocks, bs).view(kv_heads, g.size, -1, dim).transpose(0, 1)

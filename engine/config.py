@@ -91,7 +91,11 @@ class SpeculativeConfig:
 @dataclass(frozen=True)
 class RuntimeConfig:
     threads: int | None = opt(None, "CPU threads for torch (default: one per physical core)")
-    prepack_weights: bool = opt(True, "prepack bfloat16 weights for oneDNN on CPU (10-20% faster decode)")
+    cpu_kernels: bool = opt(
+        True,
+        "CPU fast paths for linears: bfloat16 weights prepacked for oneDNN, float32 decode rows through "
+        "kvharbor's AVX2 kernel (built with the system C compiler); off: torch's matmul everywhere",
+    )
     attention_backend: Literal["auto", "torch", "triton"] = opt(
         "auto", "paged attention: triton kernels (CUDA), torch (gathers blocks; CPU); auto picks by device"
     )

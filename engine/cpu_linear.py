@@ -1,4 +1,9 @@
-"""Linear layers with weights prepacked for oneDNN on CPU.
+"""CPU fast paths for the model's linear layers, chosen once at load: `prepare_linears`.
+
+- bfloat16 with oneDNN: weights prepacked for oneDNN (below).
+- float32 on x86 with AVX2 + FMA: decode-sized inputs through kvharbor's kernel
+  (engine/cpu_kernels.py), larger ones through F.linear on the same weight.
+- anything else: F.linear.
 
 torch's F.linear in bfloat16 re-lays the weight out for oneDNN on every call; a decode step reads
 each weight once, so that work is never amortized. Prepacking once at load made a SmolLM2 decode
@@ -9,7 +14,9 @@ F.linear at load and falls back to F.linear wherever it is missing or disagrees.
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -40,3 +47,23 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+FastLinear = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, bias) -> y
+
+
+def prepare_linears(dtype: torch.dtype, device: torch.device, threads: int) -> tuple[str, Callable] | None:
+    """(what it is, weight -> FastLinear) for this dtype and device, or None for plain F.linear."""
+    if packing_available(dtype, device):
+        return "weights prepacked for oneDNN", lambda w: functools.partial(_onednn, pack(w))
+    if device.type == "cpu" and dtype == torch.float32:
+        from kvharbor.engine.cpu_kernels import SkinnyLinear, load
+
+        gemm = load(threads)
+        if gemm is not None:
+            return f"AVX2 kernel for float32 decode rows ({gemm.threads} threads)", lambda w: SkinnyLinear(gemm, w)
+    return None
+
+
+def _onednn(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return packed_linear(x, packed, bias)

@@ -39,6 +39,11 @@ def resolve_dtype(name: str, device: torch.device, cpu: CpuInfo | None = None) -
     return getattr(torch, name)
 
 
+def cpu_threads(device: torch.device, threads: int | None) -> int:
+    """Threads for CPU work: the configured count, else one per physical core."""
+    return threads or physical_cores() if device.type == "cpu" else 1
+
+
 def set_cpu_threads(device: torch.device, threads: int | None) -> None:
     if device.type == "cpu":
-        torch.set_num_threads(threads or physical_cores())
+        torch.set_num_threads(cpu_threads(device, threads))

@@ -27,9 +27,12 @@ from kvharbor.engine.sampler import filtered_probs
 from kvharbor.engine.scheduler import ScheduledChunk
 
 
-def load_draft_model(path: str, target_arch: Any, dtype: torch.dtype, device: torch.device) -> LlamaModel:
+def load_draft_model(
+    path: str, target_arch: Any, dtype: torch.dtype, device: torch.device, cpu_threads: int | None
+) -> LlamaModel:
     """The draft's weights, loaded before the target's KV pool is sized (so they are not counted
-    as free memory); its vocabulary must be the target's."""
+    as free memory); its vocabulary must be the target's. `cpu_threads`: give its linears the CPU
+    fast path with this many threads (None: plain F.linear)."""
     loaded = load_model(path)
     if loaded.arch.vocab_size != target_arch.vocab_size:
         raise ValueError(
@@ -38,7 +41,8 @@ def load_draft_model(path: str, target_arch: Any, dtype: torch.dtype, device: to
         )
     model = LlamaModel(loaded.arch, dtype, device)
     model.load_hf_state_dict({k: v.to(dtype) for k, v in loaded.state_dict.items()})
-    model.pack_for_cpu()
+    if cpu_threads is not None:
+        model.prepare_cpu_linears(cpu_threads)
     return model
 
 
@@ -56,7 +60,11 @@ class DraftModelProposer:
         self.pool = BlockPool(engine.capacity.num_blocks, self.block_size, enable_caching=False)
         self.kv = KVCacheManager(self.pool)
         # The target's runner over the draft's model and cache: same batching, same attention backend.
-        self.runner = ModelRunner(model, self.kv, None, self.dtype, self.device, engine.attention_backend)
+        a = model.arch
+        kernels = engine.cpu_kernels if engine.cpu_kernels and engine.cpu_kernels.takes_attention(
+            a.num_heads, a.num_kv_heads, a.head_dim
+        ) else None  # fmt: skip
+        self.runner = ModelRunner(model, self.kv, None, self.dtype, self.device, engine.attention_backend, kernels)
         self.shadows: dict[str, Request] = {}
         self.generators: dict[str, torch.Generator] = {}
 

@@ -15,6 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from kvharbor.common.block_hash import BlockHash, namespace_hash
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.attention_triton import resolve_backend
@@ -22,7 +24,7 @@ from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.capacity import KVCapacity, check_max_model_len, plan_capacity
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.detokenizer import Detokenizer
-from kvharbor.engine.device import resolve_device, resolve_dtype, set_cpu_threads
+from kvharbor.engine.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
 from kvharbor.engine.draft import draft_kv_bytes_per_token
 from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
@@ -120,8 +122,9 @@ class LLMEngine:
         self.model.load_hf_state_dict({k: v.to(self.dtype) for k, v in loaded.state_dict.items()})
         fingerprint = weights_fingerprint(loaded.state_dict)
         del loaded
-        if config.runtime.prepack_weights and self.model.pack_for_cpu():
-            say("prepacked weights for oneDNN")
+        threads = cpu_threads(self.device, config.runtime.threads)
+        if config.runtime.cpu_kernels and (fast := self.model.prepare_cpu_linears(threads)):
+            say(f"CPU linears: {fast}")
         self.draft_model = self._load_draft(config, say)
         shadow = draft_kv_bytes_per_token(self.draft_model, self.dtype) if self.draft_model is not None else 0
         self.capacity: KVCapacity = plan_capacity(
@@ -151,7 +154,12 @@ class LLMEngine:
             config.runtime.attention_backend, self.device, self.capacity.block_size
         )
         say(f"attention backend: {self.attention_backend}")
-        self.runner = ModelRunner(self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend)
+        self.cpu_kernels = self._cpu_attention(threads)
+        if self.cpu_kernels is not None:
+            say("decode attention: AVX2 kernel over the paged cache")
+        self.runner = ModelRunner(
+            self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend, self.cpu_kernels
+        )
         self.kv_io = KVBlockIO(self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint)
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
@@ -163,6 +171,20 @@ class LLMEngine:
 
     # -- set-up -------------------------------------------------------------------------------
 
+    def _cpu_attention(self, threads: int):
+        """The CPU kernels for decode attention, where they run: float32 with the torch backend on a
+        CPU they were built for, with this model's head shape. None elsewhere."""
+        a = self.arch
+        if not (self.config.runtime.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32):
+            return None
+        from kvharbor.engine import cpu_kernels
+
+        if self.attention_backend != "torch" or not cpu_kernels.CpuKernels.takes_attention(
+            a.num_heads, a.num_kv_heads, a.head_dim
+        ):
+            return None
+        return cpu_kernels.load(threads)
+
     def _load_draft(self, config: EngineConfig, say: Progress) -> LlamaModel | None:
         spec = config.speculative
         if spec.speculative_method != "draft":
@@ -170,7 +192,8 @@ class LLMEngine:
         from kvharbor.engine.draft import load_draft_model
 
         say(f"loading draft model {spec.draft_model} ...")
-        return load_draft_model(spec.draft_model, self.arch, self.dtype, self.device)
+        threads = cpu_threads(self.device, config.runtime.threads) if config.runtime.cpu_kernels else None
+        return load_draft_model(spec.draft_model, self.arch, self.dtype, self.device, threads)
 
     def _speculation(self, config: EngineConfig, say: Progress) -> tuple[Proposer | None, AdaptiveK | None]:
         spec = config.speculative

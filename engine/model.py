@@ -18,8 +18,8 @@ from kvharbor.engine.attention import AttentionMetadata, paged_attention
 from kvharbor.engine.model_arch import ModelArch
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None, bias=None) -> torch.Tensor:
-    return F.linear(x, weight, bias) if packed is None else cpu_linear.packed_linear(x, packed, bias)
+def _linear(x: torch.Tensor, weight: torch.Tensor, fast: cpu_linear.FastLinear | None, bias=None) -> torch.Tensor:
+    return F.linear(x, weight, bias) if fast is None else fast(x, bias)
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -63,11 +63,11 @@ class DecoderLayer(nn.Module):
         self.post_norm = _param(h, dtype=dtype, device=device)
         self.gate_up = _param(2 * arch.intermediate_size, h, dtype=dtype, device=device)
         self.down = _param(h, arch.intermediate_size, dtype=dtype, device=device)
-        self.packed: dict[str, torch.Tensor | None] = dict.fromkeys(("qkv", "o_proj", "gate_up", "down"))
+        self.fast: dict[str, cpu_linear.FastLinear | None] = dict.fromkeys(("qkv", "o_proj", "gate_up", "down"))
 
-    def pack(self) -> None:
-        """Prepack every projection for oneDNN (see engine/cpu_linear.py); call after loading."""
-        self.packed = {name: cpu_linear.pack(getattr(self, name).data) for name in self.packed}
+    def prepare(self, make) -> None:
+        """Give every projection its CPU fast path (see engine/cpu_linear.py); call after loading."""
+        self.fast = {name: make(getattr(self, name).data) for name in self.fast}
 
     def forward(
         self,
@@ -80,7 +80,7 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x if residual is None else x + residual
         h = F.rms_norm(residual, (residual.shape[-1],), self.input_norm, self.eps)
-        qkv = _linear(h, self.qkv, self.packed["qkv"], self.qkv_bias)
+        qkv = _linear(h, self.qkv, self.fast["qkv"], self.qkv_bias)
         t = qkv.shape[0]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         # RoPE on q and k together: they are adjacent in the fused projection.
@@ -88,10 +88,10 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, :nq], qk[:, nq:]
         v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
         attn = paged_attention(q, k, v, kv_cache, meta)
-        residual = residual + _linear(attn.reshape(t, nq * d), self.o_proj, self.packed["o_proj"])
+        residual = residual + _linear(attn.reshape(t, nq * d), self.o_proj, self.fast["o_proj"])
         h = F.rms_norm(residual, (residual.shape[-1],), self.post_norm, self.eps)
-        gate, up = _linear(h, self.gate_up, self.packed["gate_up"]).chunk(2, dim=-1)
-        return _linear(F.silu(gate) * up, self.down, self.packed["down"]), residual
+        gate, up = _linear(h, self.gate_up, self.fast["gate_up"]).chunk(2, dim=-1)
+        return _linear(F.silu(gate) * up, self.down, self.fast["down"]), residual
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -114,17 +114,19 @@ class LlamaModel(nn.Module):
             else _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(arch).to(device), persistent=False)
-        self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_fast: cpu_linear.FastLinear | None = None
 
-    def pack_for_cpu(self) -> bool:
-        """Prepack the projections and the LM head when that is available and correct here
-        (bfloat16 on CPU with oneDNN). Returns whether it did. The weights stay as they are."""
-        if not cpu_linear.packing_available(self.embed.dtype, self.embed.device):
-            return False
+    def prepare_cpu_linears(self, threads: int) -> str | None:
+        """Give the projections and the LM head the CPU fast path for this dtype, if there is one
+        (engine/cpu_linear.py). Returns what it is, or None. The weights stay as they are."""
+        chosen = cpu_linear.prepare_linears(self.embed.dtype, self.embed.device, threads)
+        if chosen is None:
+            return None
+        what, make = chosen
         for layer in self.layers:
-            layer.pack()
-        self.lm_head_packed = cpu_linear.pack(self.lm_head.data)
-        return True
+            layer.prepare(make)
+        self.lm_head_fast = make(self.lm_head.data)
+        return what
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for `positions`, [T, 1, head_dim/2], computed in float32 like the reference."""
@@ -149,7 +151,7 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] for the selected hidden rows."""
         h = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.arch.rms_norm_eps)
-        return _linear(h, self.lm_head, self.lm_head_packed).float()
+        return _linear(h, self.lm_head, self.lm_head_fast).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

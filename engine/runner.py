@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 
@@ -24,9 +25,11 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         attention_backend: str = "torch",
+        cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decode attention through its kernel
     ) -> None:
         arch = model.arch
         self.attention_backend = attention_backend
+        self.cpu_kernels = cpu_kernels
         self.kv_shape = (arch.num_kv_heads, arch.head_dim)
         self.model = model
         self.kv = kv
@@ -80,6 +83,7 @@ class ModelRunner:
             self.device,
             self.attention_backend,
             self.kv_shape,
+            self.cpu_kernels,
         )
         return chunks, self.model(input_ids, positions, self.kv_caches, meta)
 

@@ -27,6 +27,16 @@ from kvharbor.engine.loader import LoadedModel, load_model
 torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
 
 
+def pytest_sessionstart(session):
+    # The CPU kernels compile on first use; do it here, before any test, so that no fast-tier test
+    # starts the C compiler (the process guard would fail it). A machine that cannot build them
+    # simply runs without them, as users' machines do.
+    from kvharbor.engine import cpu_kernels
+    from kvharbor.engine.device import physical_cores
+
+    cpu_kernels.load(physical_cores())
+
+
 @dataclass
 class ModelCase:
     """One model under test, with its independent reference."""

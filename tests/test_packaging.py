@@ -62,6 +62,8 @@ def test_operator_is_the_stdlib_module_from_a_wheel(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert not any(n.startswith("operator/") for n in names)
     assert "kvharbor/engine/llm.py" in names and "kvharbor/common/block_hash.py" in names
+    assert "kvharbor/engine/csrc/cpu_kernels.c" in names  # compiled where the engine runs
+    assert "kvharbor/engine/kernels/decode.py" in names
     for module in (REPO / "operator").rglob("*.py"):  # operator code ships under kvharbor/operator/
         assert f"kvharbor/operator/{module.relative_to(REPO / 'operator').as_posix()}" in names
     target = tmp_path / "site"

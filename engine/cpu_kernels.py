@@ -1,0 +1,161 @@
+"""kvharbor's float32 CPU kernels (engine/csrc/cpu_kernels.c, AVX2 + FMA): the linears of
+decode-sized inputs, and paged decode attention read in place from the KV cache.
+
+The C file is compiled once, with the system's C compiler, into a cache directory
+($KVHARBOR_CACHE_DIR, else ~/.cache/kvharbor) under a name that hashes the source and the flags,
+and loaded with ctypes (no torch headers: it builds in about a second). Where the CPU lacks AVX2
+or FMA, no compiler is found, or the build fails, `load()` returns None once, logs why, and the
+engine keeps torch's matmul: the fallback is the same code path as a build-less machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvharbor.common.machine import cpu_info
+
+log = logging.getLogger("kvharbor.engine.cpu_kernels")
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-lpthread", "-lm")
+# Rows up to which the kernel beats torch's float32 matmul here (2 cores, SmolLM2's shapes, weights
+# streamed from memory): decode steps. Prefill chunks keep MKL, which blocks for large M.
+MAX_ROWS = 16
+# The LM head (vocab x hidden) stays ahead to larger M: MKL read it at 4-14 GFLOP/s at 1-8 rows.
+MAX_ROWS_WIDE = 64
+WIDE = 16384  # output columns from which a weight counts as wide
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVHARBOR_CACHE_DIR") or Path.home() / ".cache" / "kvharbor")
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build(cc: str, out_dir: Path) -> Path:
+    """Compile the kernel into out_dir (atomically) unless it is there already; returns the .so."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
+    target = out_dir / f"cpu_kernels-{digest}.so"
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        partial = Path(tmp) / target.name
+        done = subprocess.run([cc, str(SOURCE), "-o", str(partial), *FLAGS], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)
+    return target
+
+
+class CpuKernels:
+    """The loaded kernels; every call is thread-safe (one runs at a time, on the pool's threads)."""
+
+    def __init__(self, path: Path, threads: int) -> None:
+        lib = ctypes.CDLL(str(path))
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.kvharbor_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+        lib.kvharbor_linear.restype = None
+        lib.kvharbor_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64,
+                                                  i64, i64, ctypes.c_float]  # fmt: skip
+        lib.kvharbor_decode_attention.restype = ctypes.c_int
+        lib.kvharbor_set_threads.argtypes = [ctypes.c_int]
+        lib.kvharbor_set_threads.restype = ctypes.c_int
+        self._lib = lib
+        self.threads = lib.kvharbor_set_threads(threads)
+
+    def set_threads(self, threads: int) -> None:
+        self.threads = self._lib.kvharbor_set_threads(threads)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] @ weight [n, k]^T (+ bias), float32, CPU; x rows may be strided, weight contiguous."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        n = weight.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._lib.kvharbor_linear(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+            y.data_ptr(), n, m, k, n,
+        )  # fmt: skip
+        return y
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,  # [B, heads, dim] (rows may be strided)
+        k_cache: torch.Tensor,  # [kv_heads, slots, dim], contiguous
+        v_cache: torch.Tensor,
+        tables: torch.Tensor,  # [B, max_blocks] int32
+        ctx_lens: torch.Tensor,  # [B] int32
+        block_size: int,
+        out: torch.Tensor,  # [B, heads, dim] (rows may be strided), written
+    ) -> None:
+        """Attention of one query per sequence over its first ctx_lens positions, in place from
+        the paged cache. Raises ValueError for a shape the kernel does not take."""
+        b, heads, dim = q.shape
+        kv_heads, slots, _ = k_cache.shape
+        for name, t in (("q", q), ("out", out)):
+            if t.stride(2) != 1 or t.stride(1) != dim:
+                raise ValueError(f"decode attention needs {name}'s heads packed in each row")
+        code = self._lib.kvharbor_decode_attention(
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots * dim, tables.data_ptr(),
+            tables.stride(0), ctx_lens.data_ptr(), out.data_ptr(), out.stride(0), b, heads, kv_heads, dim,
+            block_size, dim**-0.5,
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"decode attention does not take heads={heads}, kv_heads={kv_heads}, dim={dim}")
+
+    @staticmethod
+    def takes_attention(heads: int, kv_heads: int, dim: int) -> bool:
+        """Whether decode_attention takes this shape (GQA groups up to 16, dim a multiple of 8 up to 256)."""
+        return heads % kv_heads == 0 and heads // kv_heads <= 16 and dim % 8 == 0 and dim <= 256
+
+
+@cache
+def load(threads: int) -> CpuKernels | None:
+    """The kernel for this machine, built on first use; None (logged once, with the reason) where
+    it cannot run here."""
+    cpu = cpu_info()
+    if cpu.arch not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= cpu.flags:
+        log.info("no AVX2+FMA on this CPU: float32 linears use torch's matmul")
+        return None
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler (cc, gcc, clang or $CC) found: float32 decode linears use torch's matmul")
+        return None
+    try:
+        path = build(cc, cache_dir())
+    except (OSError, RuntimeError) as exc:
+        log.warning("could not build the AVX2 kernels, float32 steps use torch's matmul and attention: %s", exc)
+        return None
+    return CpuKernels(path, threads)
+
+
+class SkinnyLinear:
+    """One float32 weight: decode-sized inputs through the kernel, larger ones through F.linear."""
+
+    def __init__(self, gemm: CpuKernels, weight: torch.Tensor) -> None:
+        self.gemm = gemm
+        self.weight = weight.contiguous()
+        self.max_rows = MAX_ROWS_WIDE if weight.shape[0] >= WIDE else MAX_ROWS
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.shape[0] > self.max_rows:
+            return F.linear(x, self.weight, bias)
+        return self.gemm.linear(x, self.weight, bias)

@@ -1,0 +1,337 @@
+// kvharbor's CPU kernels for a float32 decode step, AVX2 + FMA, called through ctypes
+// (engine/cpu_kernels.py): the linears (y = x @ W^T + bias for a few rows) and paged decode
+// attention, on a small pool of persistent threads.
+//
+// LINEAR: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+//
+// Why: torch's float32 matmul (MKL) reached 4-20 GFLOP/s on a decode step's shapes here (1-8
+// rows against SmolLM2's 576-1536-wide weights, 2 cores), and 4-14 on the 49,152 x 576 LM head,
+// far below both the cores' FMA rate and the memory bandwidth a step needs (each weight read once).
+//
+// The weight stays as torch holds it, row-major [N, K]: no packed copy, so no extra memory and
+// prefill keeps using MKL on the same tensor. A tile is R rows of x (held in L1) against C rows of
+// W, R x C <= 8 vector sums over K in registers; each weight row is read once per R rows of x.
+// The C sums of a tile are reduced across lanes at the end (one hadd tree for all eight).
+// Work is split by output columns.
+//
+// DECODE ATTENTION: one query per sequence against its K/V through its block table, read in place
+// from the paged cache (no gather), one pass of online softmax per (sequence, KV head), the
+// KV head's query heads together (GQA). Work is split by (sequence, KV head).
+//
+// THREADS: the caller is thread 0; idle workers spin briefly, then sleep on a futex, so they
+// neither hold a core between steps nor pay a wake-up per call when calls come back to back.
+
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define MAX_THREADS 64
+#define SPIN_ROUNDS 20000  // ~50-100 us of _mm_pause before a worker sleeps
+#define COL_ALIGN 8        // thread shares start on a multiple of this many columns
+
+typedef struct {
+    const float *x, *w, *bias;
+    float *y;
+    int64_t m, k, n, ldx, ldy;
+} linear_job_t;
+
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    const int32_t *tables, *ctx_lens;
+    float *out;
+    int64_t q_row, head_stride, table_stride, out_row, seqs, heads, kv_heads, dim, block_size;
+    float scale;
+} attention_job_t;
+
+static int job_kind;  // 0 linear, 1 decode attention
+static linear_job_t job;
+static attention_job_t ajob;
+static atomic_int generation;  // bumped for every job; workers wait for it to change
+static atomic_int pending;     // workers still busy with the current job
+static int num_threads = 1;
+static int started;
+static pthread_t workers[MAX_THREADS];
+static pthread_mutex_t call_lock = PTHREAD_MUTEX_INITIALIZER;  // one job at a time, whoever calls
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_hadd_ps(s, s);
+    s = _mm_hadd_ps(s, s);
+    return _mm_cvtss_f32(s);
+}
+
+// R rows of x (row stride ldx) against C rows of w starting at column n; R and C are constants
+// in every inlined copy, so acc[][] lives in registers.
+static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *x, int64_t ldx,
+                                                       const float *w, int64_t k, int64_t n, float *y,
+                                                       int64_t ldy, const float *bias) {
+    __m256 acc[4][8];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    const float *wr = w + n * k;
+    // The next tile's C weight rows follow these in memory: prefetch them a line at a time, as
+    // fast as this tile consumes its own (C half-lines per step), so the next tile starts warm.
+    const char *next = (const char *)(wr + C * k);
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        for (int q = 0; q < (C + 1) / 2; q++) _mm_prefetch(next + ((i / 8) * ((C + 1) / 2) + q) * 64, _MM_HINT_T0);
+        __m256 wv[8];
+        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(wr + c * k + i);
+        for (int r = 0; r < R; r++) {
+            __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = hsum(acc[r][c]);
+            for (int64_t j = i; j < k; j++) s += x[r * ldx + j] * wr[c * k + j];  // K % 8 tail
+            y[r * ldy + n + c] = bias ? s + bias[n + c] : s;
+        }
+}
+
+// Every row of x against C columns from n: 4-row tiles, then the remainder. With C = 3 a tile
+// keeps 12 sums, 3 weight vectors and one x vector: all 16 registers, so 12 FMAs are in flight.
+static inline __attribute__((always_inline)) void column_group(const int C, const linear_job_t *j, int64_t n) {
+    int64_t r = 0;
+    for (; r + 4 <= j->m; r += 4) tile(4, C, j->x + r * j->ldx, j->ldx, j->w, j->k, n, j->y + r * j->ldy, j->ldy, j->bias);
+    const float *x = j->x + r * j->ldx;
+    float *y = j->y + r * j->ldy;
+    switch (j->m - r) {
+        case 3: tile(3, C, x, j->ldx, j->w, j->k, n, y, j->ldy, j->bias); break;
+        case 2: tile(2, C, x, j->ldx, j->w, j->k, n, y, j->ldy, j->bias); break;
+        case 1: tile(1, C, x, j->ldx, j->w, j->k, n, y, j->ldy, j->bias); break;
+    }
+}
+
+// Columns [n0, n1) for all rows. NOTE: columns outside, rows inside: a pair of weight rows
+// (2 x K floats) stays in L1 while every 4-row group of x passes over it, so each weight is read
+// from memory once per call whatever M is (rows outside re-read the 113 MB LM head per group).
+static void run_columns(int64_t n0, int64_t n1) {
+    const linear_job_t j = job;
+    int64_t n = n0;
+    if (j.m == 1) {
+        for (; n + 8 <= n1; n += 8) tile(1, 8, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
+        for (; n < n1; n++) tile(1, 1, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
+        return;
+    }
+    if (j.m == 2) {
+        for (; n + 4 <= n1; n += 4) tile(2, 4, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
+        for (; n < n1; n++) tile(2, 1, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
+        return;
+    }
+    for (; n + 3 <= n1; n += 3) column_group(3, &j, n);
+    for (; n < n1; n++) column_group(1, &j, n);
+}
+
+static void run_attention(int64_t first, int64_t last);
+static void start_workers(int n);
+static int wanted;
+static atomic_int forked;
+
+// Thread t's part of the current job.
+static void run_share(int t) {
+    if (job_kind == 0) {
+        int64_t units = (job.n + COL_ALIGN - 1) / COL_ALIGN;
+        int64_t a = units * t / num_threads * COL_ALIGN, b = units * (t + 1) / num_threads * COL_ALIGN;
+        run_columns(a < job.n ? a : job.n, b < job.n ? b : job.n);
+    } else {
+        int64_t units = ajob.seqs * ajob.kv_heads;
+        run_attention(units * t / num_threads, units * (t + 1) / num_threads);
+    }
+}
+
+// Run the job already written into job/ajob on every thread; returns when all are done.
+static void run_job(int kind) {
+    if (atomic_exchange(&forked, 0)) start_workers(wanted);
+    job_kind = kind;
+    int helpers = num_threads - 1;
+    if (helpers > 0) {
+        atomic_store_explicit(&pending, helpers, memory_order_relaxed);
+        atomic_fetch_add_explicit(&generation, 1, memory_order_release);
+        syscall(SYS_futex, &generation, FUTEX_WAKE_PRIVATE, helpers, NULL, NULL, 0);
+    }
+    run_share(0);
+    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+}
+
+static void *worker_main(void *arg) {
+    int t = (int)(intptr_t)arg;
+    int seen = atomic_load(&generation);
+    for (;;) {
+        int spins = 0, now;
+        while ((now = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
+            if (++spins < SPIN_ROUNDS)
+                _mm_pause();
+            else
+                syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+        }
+        seen = now;
+        run_share(t);
+        atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+    }
+    return NULL;
+}
+
+static int wanted = 1;  // threads asked for; a forked child starts its own workers again
+
+// NOTE: a child of fork() has none of its parent's workers: it would wait for them forever.
+static void after_fork_in_child(void) {
+    pthread_mutex_init(&call_lock, NULL);
+    started = 0;
+    num_threads = 1;
+    atomic_store(&forked, 1);
+}
+
+static void register_fork_handler(void) { pthread_atfork(NULL, NULL, after_fork_in_child); }
+
+static void start_workers(int n) {
+    for (int t = started + 1; t < n; t++) {
+        if (pthread_create(&workers[t], NULL, worker_main, (void *)(intptr_t)t) != 0) break;
+        pthread_detach(workers[t]);
+        started = t;
+    }
+    num_threads = started + 1 < n ? started + 1 : n;
+}
+
+// How many threads (the caller included) share each call. Returns the count in use.
+int kvharbor_set_threads(int n) {
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, register_fork_handler);
+    pthread_mutex_lock(&call_lock);
+    if (n < 1) n = 1;
+    if (n > MAX_THREADS) n = MAX_THREADS;
+    wanted = n;
+    start_workers(n);
+    pthread_mutex_unlock(&call_lock);
+    return num_threads;
+}
+
+// y = x @ w^T + bias: x [m, k] (row stride ldx), w [n, k] contiguous, bias [n] or NULL,
+// y [m, n] (row stride ldy).
+void kvharbor_linear(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
+                     int64_t m, int64_t k, int64_t n) {
+    pthread_mutex_lock(&call_lock);
+    job = (linear_job_t){x, w, bias, y, m, k, n, ldx, ldy};
+    run_job(0);
+    pthread_mutex_unlock(&call_lock);
+}
+
+// ---- decode attention ---------------------------------------------------------------------------
+
+#define MAX_GROUP 16    // query heads per KV head
+#define MAX_DIM 256     // head_dim, a multiple of 8
+#define ATT_BLOCK 16    // positions scored at a time
+
+// e^x for 8 floats (Cephes' expf: range reduction to [-ln2/2, ln2/2], degree-5 polynomial;
+// about 1e-7 relative error), 0 for x below -87.
+static inline __m256 exp256(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.37626f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+static inline float dot(const float *a, const float *b, int64_t d) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+    }
+    if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    return hsum(_mm256_add_ps(s0, s1));
+}
+
+// Units [first, last) of (sequence, KV head), each: the G query heads of that KV head against
+// every position of the sequence's context, in blocks of ATT_BLOCK positions:
+//   | block 0 | block 1 | ... |   scores -> running max m, sum l, and acc = sum p v, rescaled.
+static void run_attention(int64_t first, int64_t last) {
+    const attention_job_t j = ajob;
+    const int64_t G = j.heads / j.kv_heads, D = j.dim;
+    for (int64_t u = first; u < last; u++) {
+        const int64_t b = u / j.kv_heads, g = u % j.kv_heads, ctx = j.ctx_lens[b];
+        const int32_t *table = j.tables + b * j.table_stride;
+        const float *kc = j.k_cache + g * j.head_stride, *vc = j.v_cache + g * j.head_stride;
+        const float *q = j.q + b * j.q_row + g * G * D;
+        float acc[MAX_GROUP][MAX_DIM] __attribute__((aligned(32)));
+        float m[MAX_GROUP], l[MAX_GROUP];
+        for (int64_t h = 0; h < G; h++) {
+            m[h] = -INFINITY;
+            l[h] = 0.0f;
+            for (int64_t d = 0; d < D; d++) acc[h][d] = 0.0f;
+        }
+        for (int64_t t0 = 0; t0 < ctx; t0 += ATT_BLOCK) {
+            const int64_t nb = ctx - t0 < ATT_BLOCK ? ctx - t0 : ATT_BLOCK;
+            const float *krow[ATT_BLOCK], *vrow[ATT_BLOCK];
+            for (int64_t i = 0; i < nb; i++) {
+                int64_t t = t0 + i, slot = (int64_t)table[t / j.block_size] * j.block_size + t % j.block_size;
+                krow[i] = kc + slot * D;
+                vrow[i] = vc + slot * D;
+            }
+            for (int64_t h = 0; h < G; h++) {
+                float s[ATT_BLOCK] __attribute__((aligned(32)));
+                float top = m[h];
+                for (int64_t i = 0; i < nb; i++) {
+                    s[i] = dot(q + h * D, krow[i], D) * j.scale;
+                    top = s[i] > top ? s[i] : top;
+                }
+                for (int64_t i = nb; i < ATT_BLOCK; i++) s[i] = -INFINITY;
+                const __m256 mv = _mm256_set1_ps(top);
+                __m256 p0 = exp256(_mm256_sub_ps(_mm256_load_ps(s), mv));
+                __m256 p1 = exp256(_mm256_sub_ps(_mm256_load_ps(s + 8), mv));
+                _mm256_store_ps(s, p0);
+                _mm256_store_ps(s + 8, p1);
+                const float corr = m[h] == -INFINITY ? 0.0f : expf(m[h] - top);
+                l[h] = l[h] * corr + hsum(_mm256_add_ps(p0, p1));
+                m[h] = top;
+                const __m256 cv = _mm256_set1_ps(corr);
+                for (int64_t d = 0; d < D; d += 8) {
+                    __m256 a = _mm256_mul_ps(_mm256_load_ps(acc[h] + d), cv);
+                    for (int64_t i = 0; i < nb; i++) a = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), _mm256_loadu_ps(vrow[i] + d), a);
+                    _mm256_store_ps(acc[h] + d, a);
+                }
+            }
+        }
+        float *out = j.out + b * j.out_row + g * G * D;
+        for (int64_t h = 0; h < G; h++) {
+            const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + h * D + d, _mm256_mul_ps(_mm256_load_ps(acc[h] + d), inv));
+        }
+    }
+}
+
+// out[b, h, :] = softmax(q[b, h] . K_b^T * scale) V_b for each decode sequence b, with K_b/V_b the
+// first ctx_lens[b] positions of its blocks in the paged cache. q rows: [heads * dim] floats every
+// q_row; caches: [kv_heads][slots][dim] (head_stride = slots * dim); tables: int32 block ids,
+// table_stride per sequence. Needs heads / kv_heads <= 16, dim a multiple of 8, at most 256.
+int kvharbor_decode_attention(const float *q, int64_t q_row, const float *k_cache, const float *v_cache,
+                              int64_t head_stride, const int32_t *tables, int64_t table_stride,
+                              const int32_t *ctx_lens, float *out, int64_t out_row, int64_t seqs, int64_t heads,
+                              int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
+    if (heads % kv_heads || heads / kv_heads > MAX_GROUP || dim % 8 || dim > MAX_DIM) return -1;
+    pthread_mutex_lock(&call_lock);
+    ajob = (attention_job_t){q, k_cache, v_cache, tables, ctx_lens, out, q_row, head_stride, table_stride,
+                             out_row, seqs, heads, kv_heads, dim, block_size, scale};
+    run_job(1);
+    pthread_mutex_unlock(&call_lock);
+    return 0;
+}

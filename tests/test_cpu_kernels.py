@@ -1,0 +1,120 @@
+"""kvharbor's float32 CPU kernels (engine/csrc/cpu_kernels.c) against float64 references: the
+decode linears and paged decode attention; the build cache, the fallback where nothing can be
+built, a forked child, and the engine's tokens with the kernels on and off."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvharbor.engine import SamplingParams, cpu_kernels
+
+THREADS = 2
+KERNELS = cpu_kernels.load(THREADS)
+needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the AVX2 kernels cannot run or build here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 16])
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (7, 13), (24, 576), (100, 37), (1000, 64)])
+def test_linear_matches_float64(m, n, k):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w = torch.randn(n, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    wide = torch.randn(m, k + 5, generator=gen)
+    x = wide[:, 2 : 2 + k]  # rows strided, as a slice of a fused projection's output
+    for b in (None, bias):
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        got = KERNELS.linear(x, w, b)
+        assert got.shape == (m, n) and got.dtype == torch.float32
+        assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
+def reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size):
+    heads, kv_heads = q.shape[1], k_cache.shape[0]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(ctx_lens.tolist()):
+        slots = [tables[b, t // block_size].item() * block_size + t % block_size for t in range(n)]
+        keys = k_cache[:, slots].double().repeat_interleave(heads // kv_heads, 0)  # [heads, n, dim]
+        values = v_cache[:, slots].double().repeat_interleave(heads // kv_heads, 0)
+        scores = torch.einsum("hd,hnd->hn", q[b].double(), keys) / q.shape[-1] ** 0.5
+        out[b] = torch.einsum("hn,hnd->hd", scores.softmax(-1), values)
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(9, 3, 64, 16), (4, 4, 8, 4), (8, 2, 128, 16)])
+def test_decode_attention_matches_float64(heads, kv_heads, dim, block_size):
+    gen = torch.Generator().manual_seed(heads + dim)
+    num_blocks = 40
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen)
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen)
+    ctx_lens = torch.tensor([1, block_size, block_size + 1, 3 * block_size - 1, 70, 5], dtype=torch.int32)
+    width = max(-(-int(n) // block_size) for n in ctx_lens)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in ctx_lens]).to(torch.int32)
+    q = torch.randn(len(ctx_lens), heads + 2 * kv_heads, dim, generator=gen)[:, :heads]  # a fused qkv slice
+    out = torch.full((len(ctx_lens), heads, dim), float("nan"))
+    KERNELS.decode_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, out)
+    want = reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size)
+    assert (out.double() - want).abs().max() <= 1e-5
+
+
+@needs_kernels
+def test_shapes_the_attention_kernel_does_not_take_are_refused():
+    assert not cpu_kernels.CpuKernels.takes_attention(32, 1, 64)  # a query group over 16
+    assert not cpu_kernels.CpuKernels.takes_attention(8, 2, 60)  # dim not a multiple of 8
+    cache = torch.zeros(1, 16, 60)
+    with pytest.raises(ValueError, match="does not take"):
+        KERNELS.decode_attention(torch.zeros(1, 8, 60), cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                 torch.ones(1, dtype=torch.int32), 16, torch.zeros(1, 8, 60))  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.slow  # runs the C compiler
+def test_a_build_is_cached_by_source_and_flags(tmp_path):
+    cc = cpu_kernels._compiler()
+    first = cpu_kernels.build(cc, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert cpu_kernels.build(cc, tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no half-written file left behind
+
+
+@needs_kernels
+@pytest.mark.slow  # forks a process
+def test_a_forked_child_starts_its_own_workers():
+    x, w = torch.randn(3, 64), torch.randn(40, 64)
+    want = KERNELS.linear(x, w)
+    pid = os.fork()
+    if pid == 0:  # the child: the parent's worker threads are gone
+        ok = torch.equal(KERNELS.linear(x, w), want)
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_without_a_compiler_the_engine_keeps_torchs_matmul(monkeypatch, caplog, tiny_llama, make_llm):
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    cpu_kernels.load.cache_clear()
+    try:
+        with caplog.at_level("INFO", logger="kvharbor.engine.cpu_kernels"):
+            llm = make_llm(tiny_llama.loaded)
+        assert llm.engine.cpu_kernels is None and llm.engine.model.layers[0].fast["qkv"] is None
+        if KERNELS is not None:  # this CPU could run them: the log says why they are not used
+            assert any("no C compiler" in r.getMessage() for r in caplog.records)
+        out = llm.generate([tiny_llama.prompts[2]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        assert len(out[0].outputs[0].token_ids) == 8
+    finally:
+        cpu_kernels.load.cache_clear()
+
+
+@needs_kernels
+def test_the_engine_gives_the_same_tokens_with_the_kernels_on_and_off(tiny_llama, make_llm):
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    on, off = make_llm(tiny_llama.loaded), make_llm(tiny_llama.loaded, cpu_kernels=False)
+    assert on.engine.cpu_kernels is not None and on.engine.model.layers[0].fast["qkv"] is not None
+    assert off.engine.cpu_kernels is None and off.engine.model.layers[0].fast["qkv"] is None
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(tiny_llama.prompts, params)] for llm in (on, off)]
+    assert tokens[0] == tokens[1]
