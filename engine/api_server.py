@@ -295,14 +295,13 @@ class _Routes:
 
     async def load(self) -> dict:
         attainment, counted = self.state.slo.attainment()
-        return {
-            **self.loop.load,
-            "instance_id": self.state.instance_id,
-            "draining": self.state.draining,
-            "in_flight": self.loop.num_in_flight,
-            "slo_requests": counted,
-            **({"slo_attainment": attainment} if attainment is not None else {}),
-        }
+        return self.loop.load.with_server(
+            instance_id=self.state.instance_id,
+            draining=self.state.draining,
+            in_flight=self.loop.num_in_flight,
+            slo_requests=counted,
+            slo_attainment=attainment,
+        ).to_json()
 
     async def metrics(self) -> Response:
         return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4")

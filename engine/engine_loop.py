@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvharbor.common.load_report import LoadReport
 from kvharbor.engine.llm_engine import LLMEngine
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.sampling_params import SamplingParams
@@ -83,7 +84,7 @@ class EngineLoop:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvharbor-engine", daemon=True)
         self.error: BaseException | None = None
-        self.load: dict[str, Any] = engine.load()  # replaced (atomically) after every step
+        self.load: LoadReport = engine.load()  # replaced (atomically) after every step
         self.counters: dict[str, int] = {
             "prefix_queries": 0, "prefix_hits": 0, "aborted": 0, "spec_verifications": 0, "spec_proposed": 0,
             "spec_accepted": 0,

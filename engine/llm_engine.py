@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvharbor.common.block_hash import BlockHash, namespace_hash
+from kvharbor.common.load_report import LoadReport
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.attention_triton import resolve_backend
 from kvharbor.engine.block_pool import BlockPool
@@ -467,25 +468,24 @@ class LLMEngine:
 
     # -- introspection ------------------------------------------------------------------------
 
-    def load(self) -> dict:
-        """The engine load report (DESIGN §2)."""
+    def load(self) -> LoadReport:
+        """The engine's part of the load report (DESIGN §2); the server adds its own fields."""
         waiting, running = self.scheduler.waiting, self.scheduler.running
         # Prompt tokens not computed yet, queued or mid-prefill: what a new request waits behind.
         prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*waiting, *running))
-        return {
-            "model": self.model_name,
-            "running": len(running),
-            "waiting": len(waiting),
-            "waiting_prefill_tokens": prefill,
-            "kv_blocks_total": self.pool.num_blocks,
-            "kv_blocks_free": self.pool.num_free,
-            "kv_blocks_cached": self.pool.num_cached,
-            "prefill_tokens_per_s": round(self.stats.prefill_tokens_per_s, 1),
-            "decode_step_ms": round(self.stats.decode_step_s * 1000, 2),
-            "spec_acceptance_rate": round(self.stats.spec_accepted / self.stats.spec_proposed, 4)
-            if self.stats.spec_proposed
-            else None,
-        }
+        stats = self.stats
+        return LoadReport(
+            model=self.model_name,
+            running=len(running),
+            waiting=len(waiting),
+            waiting_prefill_tokens=prefill,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_free=self.pool.num_free,
+            kv_blocks_cached=self.pool.num_cached,
+            prefill_tokens_per_s=round(stats.prefill_tokens_per_s, 1),
+            decode_step_ms=round(stats.decode_step_s * 1000, 2),
+            spec_acceptance_rate=round(stats.spec_accepted / stats.spec_proposed, 4) if stats.spec_proposed else None,
+        )
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

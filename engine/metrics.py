@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvharbor.common.load_report import LoadReport
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
 class _LoadCollector:
-    def __init__(self, snapshot: Callable[[], tuple[dict[str, Any], dict[str, int]]], labels: dict[str, str]) -> None:
+    def __init__(self, snapshot: Callable[[], tuple[LoadReport, dict[str, int]]], labels: dict[str, str]) -> None:
         self._snapshot = snapshot
         self._labels = labels
 
@@ -37,18 +38,18 @@ class _LoadCollector:
             c.add_metric(values, value)
             return c
 
-        yield gauge("requests_running", "Requests in the running batch", load["running"])
-        yield gauge("requests_waiting", "Requests queued for admission", load["waiting"])
+        yield gauge("requests_running", "Requests in the running batch", load.running)
+        yield gauge("requests_waiting", "Requests queued for admission", load.waiting)
         yield gauge(
             "waiting_prefill_tokens",
             "Prompt tokens not computed yet (queued or mid-prefill)",
-            load["waiting_prefill_tokens"],
+            load.waiting_prefill_tokens,
         )
-        yield gauge("kv_blocks_total", "KV blocks in the pool", load["kv_blocks_total"])
-        yield gauge("kv_blocks_free", "KV blocks with no user (cached or not)", load["kv_blocks_free"])
-        yield gauge("kv_blocks_cached", "KV blocks reusable by prefix", load["kv_blocks_cached"])
-        yield gauge("prefill_tokens_per_second", "Measured prefill speed (EWMA)", load["prefill_tokens_per_s"])
-        yield gauge("decode_step_seconds", "Measured decode step time (EWMA)", load["decode_step_ms"] / 1000)
+        yield gauge("kv_blocks_total", "KV blocks in the pool", load.kv_blocks_total)
+        yield gauge("kv_blocks_free", "KV blocks with no user (cached or not)", load.kv_blocks_free)
+        yield gauge("kv_blocks_cached", "KV blocks reusable by prefix", load.kv_blocks_cached)
+        yield gauge("prefill_tokens_per_second", "Measured prefill speed (EWMA)", load.prefill_tokens_per_s)
+        yield gauge("decode_step_seconds", "Measured decode step time (EWMA)", load.decode_step_ms / 1000)
         queries, hits = counters["prefix_queries"], counters["prefix_hits"]
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
@@ -74,7 +75,7 @@ class _LoadCollector:
 
 class ServerMetrics:
     def __init__(
-        self, snapshot: Callable[[], tuple[dict[str, Any], dict[str, int]]], model: str, instance: str
+        self, snapshot: Callable[[], tuple[LoadReport, dict[str, int]]], model: str, instance: str
     ) -> None:
         self.registry = CollectorRegistry()
         labels = {"model": model, "instance": instance}

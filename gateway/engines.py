@@ -14,9 +14,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
+
+from kvharbor.common.load_report import LoadReport
 
 log = logging.getLogger("kvharbor.gateway.engines")
 COOLDOWN_S = 5.0
@@ -27,7 +28,7 @@ class Engine:
     url: str
     model: str
     instance_id: str | None = None  # from /load: the id its KV events carry
-    load: dict[str, Any] = field(default_factory=dict)
+    load: LoadReport = field(default_factory=LoadReport)
     polled: bool = False
     ejected: bool = False
     draining: bool = False
@@ -43,21 +44,19 @@ class Engine:
     @property
     def queue(self) -> int:
         """Requests on the engine: the polled count, or this gateway's own when that is higher."""
-        polled = int(self.load.get("running", 0)) + int(self.load.get("waiting", 0))
-        return max(polled, self.in_flight)
+        return max(self.load.queue, self.in_flight)
 
     @property
     def kv_free(self) -> float:
-        total = self.load.get("kv_blocks_total") or 0
-        return (self.load.get("kv_blocks_free", 0) / total) if total else 1.0
+        return self.load.kv_free_fraction
 
     @property
     def waiting_prefill_tokens(self) -> int:
-        return max(int(self.load.get("waiting_prefill_tokens", 0)), self.pending_prefill)
+        return max(self.load.waiting_prefill_tokens, self.pending_prefill)
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return float(self.load.get("prefill_tokens_per_s", 0.0))
+        return self.load.prefill_tokens_per_s
 
 
 class EnginePool:
@@ -115,15 +114,13 @@ class EnginePool:
         try:
             resp = await self.client.get(engine.url + "/load", timeout=max(1.0, self.interval * 2))
             resp.raise_for_status()
-            load = resp.json()
-            if not isinstance(load, dict):
-                raise ValueError("/load did not answer a JSON object")
+            load = LoadReport.from_json(resp.json())
         except (httpx.HTTPError, ValueError) as exc:
             self.failed(engine, f"/load: {type(exc).__name__}", hard=isinstance(exc, httpx.ConnectError), passive=False)
             return
         engine.load = load
-        engine.instance_id = load.get("instance_id") or engine.instance_id
-        engine.draining = bool(load.get("draining"))
+        engine.instance_id = load.instance_id or engine.instance_id
+        engine.draining = load.draining
         first = not engine.polled
         engine.polled = True
         self.succeeded(engine, from_poll=True)

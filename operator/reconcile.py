@@ -24,6 +24,7 @@ import httpx
 
 from kvharbor.common.endpoint_slices import SERVICE_NAME_LABEL, service_urls
 from kvharbor.common.kube import Kube, NotOwned, path
+from kvharbor.common.load_report import LoadReport
 from kvharbor.operator.config import OperatorConfig
 from kvharbor.operator.model_profiles import profile_for
 from kvharbor.operator.objects import desired_objects, engine_selector, object_names
@@ -231,14 +232,14 @@ async def engine_urls(ctx: OperatorContext, res: Resource) -> list[str]:
     return service_urls(slices)
 
 
-async def engine_loads(ctx: OperatorContext, urls: list[str]) -> tuple[list[dict], list[str]]:
-    """/load of every engine: the answers, and the URLs that did not answer."""
+async def engine_loads(ctx: OperatorContext, urls: list[str]) -> tuple[list[LoadReport], list[str]]:
+    """/load of every engine: the answers, and the URLs that did not answer (or not a report)."""
 
-    async def one(url: str) -> dict | None:
+    async def one(url: str) -> LoadReport | None:
         try:
             response = await ctx.http.get(f"{url}/load", timeout=ctx.config.watch.load_timeout)
             response.raise_for_status()
-            return response.json()
+            return LoadReport.from_json(response.json())
         except (httpx.HTTPError, ValueError):
             return None
 
@@ -268,7 +269,7 @@ async def observe_service(ctx: OperatorContext, body: dict, now: float | None = 
 
 
 async def autoscale(
-    ctx: OperatorContext, res: Resource, desired: int, loads: list[dict], now: float, outcome: Outcome
+    ctx: OperatorContext, res: Resource, desired: int, loads: list[LoadReport], now: float, outcome: Outcome
 ) -> int:
     """Patch the Deployment's replicas when the scaling rule says so; returns the replicas wanted."""
     low, high = replica_bounds(res)

@@ -13,6 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvharbor.common.load_report import LoadReport
+
 TOLERANCE = 0.10
 
 
@@ -26,16 +28,16 @@ class AutoscalingSpec:
     down_cooldown_s: float = 300.0
 
 
-def observed(metric: str, loads: Sequence[dict]) -> float | None:
+def observed(metric: str, loads: Sequence[LoadReport]) -> float | None:
     """The metric's mean over the replicas' /load reports (None without any)."""
     if not loads:
         return None
     if metric == "queue":
-        values = [l.get("running", 0) + l.get("waiting", 0) for l in loads]  # noqa: E741
+        values = [r.queue for r in loads]
     elif metric == "kv":
-        values = [1 - l.get("kv_blocks_free", 0) / l["kv_blocks_total"] for l in loads if l.get("kv_blocks_total")]  # noqa: E741
+        values = [1 - r.kv_free_fraction for r in loads if r.kv_blocks_total]
     elif metric == "slo":
-        values = [l["slo_attainment"] for l in loads if "slo_attainment" in l]  # noqa: E741
+        values = [r.slo_attainment for r in loads if r.slo_attainment is not None]
     else:
         raise ValueError(f"unknown autoscaling metric {metric!r}: queue, kv or slo")
     return sum(values) / len(values) if values else None

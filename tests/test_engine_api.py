@@ -243,8 +243,8 @@ def test_abort_returns_blocks_at_once(smol):
     assert outs["long"].finished and {o.finish_reason for o in outs["long"].outputs} == {"abort"}
     assert not engine.has_unfinished()
     load = engine.load()
-    assert (load["running"], load["waiting"]) == (0, 0)
-    assert load["kv_blocks_free"] == load["kv_blocks_total"] == engine.pool.num_blocks
+    assert (load.running, load.waiting) == (0, 0)
+    assert load.kv_blocks_free == load.kv_blocks_total == engine.pool.num_blocks
 
 
 def test_abort_before_the_first_token_finishes_all_n_samples(smol):

@@ -9,6 +9,7 @@ import pytest
 import redis.asyncio as aredis
 import yaml
 
+from kvharbor.common.load_report import LoadReport
 from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, predict_ttft_s
 from kvharbor.gateway.config import RoutingConfig
 from kvharbor.gateway.discovery import StaticDiscovery
@@ -191,7 +192,7 @@ def test_queue_deadline_and_bound():
 
 def engine(url, instance, running=0, waiting=0, free=100, total=100) -> Engine:
     e = Engine(
-        url, "m", instance, {"running": running, "waiting": waiting, "kv_blocks_free": free, "kv_blocks_total": total}
+        url, "m", instance, LoadReport(running=running, waiting=waiting, kv_blocks_free=free, kv_blocks_total=total)
     )
     e.polled = True
     return e

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvharbor.common.load_report import LoadReport
 from kvharbor.operator.model_profiles import KNOWN, ModelProfile, profile_for
 from kvharbor.operator.placement import EngineShape, PlacementPlan, Pool, place, pools_from_nodes
 from kvharbor.operator.scaling import AutoscalingSpec, observed, scale_decision
@@ -136,8 +137,8 @@ def test_slo_metric_scales_up_when_attainment_drops():
 
 def test_observed_metrics_from_load_reports():
     loads = [
-        {"running": 3, "waiting": 5, "kv_blocks_total": 100, "kv_blocks_free": 25},
-        {"running": 1, "waiting": 1, "kv_blocks_total": 100, "kv_blocks_free": 75},
+        LoadReport(running=3, waiting=5, kv_blocks_total=100, kv_blocks_free=25),
+        LoadReport(running=1, waiting=1, kv_blocks_total=100, kv_blocks_free=75),
     ]
     assert observed("queue", loads) == 5.0
     assert observed("kv", loads) == 0.5

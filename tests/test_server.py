@@ -15,6 +15,7 @@ import openai
 import pytest
 from servers import EngineServerProcess, metric
 
+from kvharbor.common.load_report import LoadReport
 from kvharbor.engine import SamplingParams
 
 pytestmark = pytest.mark.slow  # a real `kvharbor serve`
@@ -248,3 +249,5 @@ def test_health_ready_and_load(server):
     ):
         assert key in load, key
     assert load["model"] == MODEL
+    report = LoadReport.from_json(load)  # what the gateway and the operator read
+    assert report.model == MODEL and report.instance_id and report.kv_blocks_total == 180 and not report.draining

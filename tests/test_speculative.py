@@ -296,7 +296,7 @@ def test_acceptance_rate_and_mean_accepted_length_are_reported(make_llm, tiny_ll
     llm.generate(repetitive_prompts(512, 4, seed=2), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
     stats = llm.engine.stats
     assert stats.spec_proposed > 0
-    assert llm.engine.load()["spec_acceptance_rate"] == round(stats.spec_accepted / stats.spec_proposed, 4)
+    assert llm.engine.load().spec_acceptance_rate == round(stats.spec_accepted / stats.spec_proposed, 4)
     loop = EngineLoop.__new__(EngineLoop)  # only its snapshot of the engine's counters, no thread
     loop.engine, loop.counters = llm.engine, {"aborted": 0}
     loop._refresh()

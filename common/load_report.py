@@ -1,0 +1,87 @@
+"""The engine load report (DESIGN §2): what `GET /load` answers, typed, in one place.
+
+The engine builds it, `/metrics` renders it, the gateway routes and admits on it, the operator
+scales on it. Fields are added here and nowhere else; a reader gets defaults for fields an older
+engine does not send, and ignores fields it does not know.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class LoadReportError(ValueError):
+    """A /load answer that is not a load report; the message names the field."""
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    model: str = ""
+    instance_id: str = ""
+    running: int = 0  # requests in the running batch
+    waiting: int = 0  # requests queued for admission
+    waiting_prefill_tokens: int = 0  # prompt tokens not computed yet, queued or mid-prefill
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0  # no user (cached or not)
+    kv_blocks_cached: int = 0  # reusable by prefix
+    prefill_tokens_per_s: float = 0.0  # measured (EWMA)
+    decode_step_ms: float = 0.0  # measured (EWMA)
+    spec_acceptance_rate: float | None = None  # None: no speculation yet
+    draining: bool = False
+    in_flight: int = 0  # requests the server holds open
+    slo_requests: int = 0  # finished requests slo_attainment covers
+    slo_attainment: float | None = None  # share of them that met TTFT and ITL; None without any
+
+    @property
+    def queue(self) -> int:
+        return self.running + self.waiting
+
+    @property
+    def kv_free_fraction(self) -> float:
+        """Free share of the pool (1.0 for an engine that reported no pool)."""
+        return self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 1.0
+
+    def with_server(self, **changes: Any) -> LoadReport:
+        """The same report with the server's own fields (instance, drain, in flight, SLO) set."""
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return {k: v for k, v in out.items() if v is not None or k not in _OPTIONAL}
+
+    @classmethod
+    def from_json(cls, data: Any) -> LoadReport:
+        """Parse a /load answer; raises LoadReportError when it is not an object or a known field
+        has the wrong type."""
+        if not isinstance(data, dict):
+            raise LoadReportError(f"/load must answer a JSON object, got {type(data).__name__}")
+        values = {}
+        for f in fields(cls):
+            if f.name not in data:
+                continue
+            values[f.name] = _checked(f.name, data[f.name], _TYPES[f.name])
+        return cls(**values)
+
+
+_OPTIONAL = {"spec_acceptance_rate", "slo_attainment"}
+_TYPES: dict[str, type] = {f.name: f.type for f in fields(LoadReport)}  # postponed: the annotation strings
+
+
+def _checked(name: str, value: Any, annotation: Any) -> Any:
+    kind = str(annotation)
+    if value is None and "None" in kind:
+        return None
+    if kind.startswith("str"):
+        ok = isinstance(value, str)
+    elif kind.startswith("bool"):
+        ok = isinstance(value, bool)
+    elif kind.startswith("int"):
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    else:  # float
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    if not ok:
+        raise LoadReportError(f"/load field {name}={value!r} is not a valid {kind.split(' ')[0]}")
+    return value

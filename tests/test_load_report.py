@@ -1,0 +1,50 @@
+"""The /load contract (common/load_report.py): what the engine builds is what the gateway, the
+operator and /metrics read, through one typed module."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvharbor.common.load_report import LoadReport, LoadReportError
+from kvharbor.engine.metrics import ServerMetrics
+
+FULL = LoadReport(
+    model="m", instance_id="a", running=3, waiting=2, waiting_prefill_tokens=900, kv_blocks_total=100,
+    kv_blocks_free=40, kv_blocks_cached=10, prefill_tokens_per_s=1234.5, decode_step_ms=45.25,
+    spec_acceptance_rate=0.5, draining=True, in_flight=5, slo_requests=7, slo_attainment=0.875,
+)  # fmt: skip
+
+
+def test_a_report_round_trips_through_json():
+    assert LoadReport.from_json(FULL.to_json()) == FULL
+    bare = LoadReport(model="m")
+    assert "slo_attainment" not in bare.to_json() and LoadReport.from_json(bare.to_json()) == bare
+    assert set(FULL.to_json()) == {f.name for f in dataclasses.fields(LoadReport)}
+
+
+def test_readers_get_defaults_for_missing_fields_and_ignore_unknown_ones():
+    report = LoadReport.from_json({"running": 2, "waiting": 1, "a_field_from_the_future": [1, 2]})
+    assert (report.queue, report.kv_free_fraction, report.slo_attainment) == (3, 1.0, None)
+    assert LoadReport.from_json({"prefill_tokens_per_s": 7}).prefill_tokens_per_s == 7.0
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[], "x", {"running": "3"}, {"running": -1}, {"running": 1.5}, {"draining": "yes"}, {"model": 3},
+     {"decode_step_ms": True}, {"slo_attainment": "high"}],
+)  # fmt: skip
+def test_a_malformed_report_is_refused_naming_the_field(bad):
+    with pytest.raises(LoadReportError, match="/load"):
+        LoadReport.from_json(bad)
+
+
+def test_metrics_render_the_same_report():
+    text = ServerMetrics(lambda: (FULL, dict.fromkeys(COUNTERS, 0)), "m", "a").render().decode()
+    assert 'kvharbor_requests_running{instance="a",model="m"} 3.0' in text
+    assert 'kvharbor_kv_blocks_free{instance="a",model="m"} 40.0' in text
+    assert 'kvharbor_decode_step_seconds{instance="a",model="m"} 0.04525' in text
+
+
+COUNTERS = ("prefix_queries", "prefix_hits", "aborted", "spec_verifications", "spec_proposed", "spec_accepted")
