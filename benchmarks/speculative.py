@@ -72,7 +72,7 @@ def run_workload(llms: dict, prompts: list[str], max_tokens: int, repeats: int) 
     totals = {name: {"seconds": 0.0, "tokens": 0, "outputs": []} for name in llms}
     before = {name: _spec_counts(llm) for name, llm in llms.items()}
     for text in prompts:
-        prompt = tok.apply_chat_template([{"role": "user", "content": text}])
+        prompt = {"prompt_token_ids": tok.encode_chat([{"role": "user", "content": text}])}
         for name, llm in llms.items():
             best, out = float("inf"), None
             for _ in range(repeats):
@@ -106,7 +106,7 @@ def run_batched(llms: dict, prompts: list[str], max_tokens: int, total: int = 24
     tok = next(iter(llms.values())).get_tokenizer()
     variants = ["", " Please.", " Thanks!", " Be brief.", " In detail."]
     texts = [t + v for v in variants for t in prompts][:total]
-    chats = [tok.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
+    chats = [{"prompt_token_ids": tok.encode_chat([{"role": "user", "content": t}])} for t in texts]
     report = {}
     for name, llm in llms.items():
         t0 = time.perf_counter()

@@ -66,6 +66,11 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
 
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (unset fields left out)."""
+    return [m.model_dump(exclude_none=True) for m in messages]
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and completions; `sampling_kwargs()` maps them to the engine's names."""
 

@@ -121,6 +121,12 @@ class Tokenizer:
         a multi-byte character is still incomplete."""
         return decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
 
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Token ids of `messages` rendered with the chat template, ready for the assistant's
+        turn: the one way every part turns a chat into a prompt (the template carries any BOS).
+        Raises ValueError as apply_chat_template does."""
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """Render `messages` with the model's chat template. Raises ValueError on malformed
         messages or a model without a template."""

@@ -27,6 +27,7 @@ from kvharbor.common.openai_api import (
     DetokenizeRequest,
     TokenizeRequest,
     error_body,
+    message_dicts,
 )
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.engine_loop import EngineDead, EngineLoop, NewRequest, RequestStream
@@ -175,12 +176,10 @@ class _Routes:
             ids = list(body.prompt_token_ids)
         else:
             self._need_tokenizer()
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
             try:
-                text = self.tokenizer.apply_chat_template(messages)
+                ids = self.tokenizer.encode_chat(message_dicts(body.messages))
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
         rid = _request_id(body.request_id, request, "chatcmpl")
         return await self._generate("chat", rid, [ids], [""], body, request)
 
@@ -264,10 +263,9 @@ class _Routes:
         self._need_tokenizer()
         if body.messages is not None:
             try:
-                text = self.tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+                tokens = self.tokenizer.encode_chat(message_dicts(body.messages))
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
-            tokens = self.tokenizer.encode(text, add_special_tokens=False)
         else:
             tokens = self.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": self.engine.max_model_len}

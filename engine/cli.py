@@ -79,7 +79,7 @@ def _prompt_ids(engine, args: argparse.Namespace, command: str) -> list[int]:
     messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
         {"role": "user", "content": args.text}
     ]
-    return tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    return tok.encode_chat(messages)
 
 
 def _stream(engine) -> int:

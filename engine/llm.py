@@ -95,10 +95,7 @@ class LLM:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot render chats")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [
-            {"prompt_token_ids": tokenizer.encode(tokenizer.apply_chat_template(c), add_special_tokens=False)}
-            for c in convs
-        ]
+        prompts = [{"prompt_token_ids": tokenizer.encode_chat(c)} for c in convs]
         return self.generate(prompts, sampling_params)
 
     def _add(self, rid: str, prompt: PromptInput, params: SamplingParams, priority: int) -> None:

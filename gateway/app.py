@@ -28,7 +28,7 @@ from pydantic import ValidationError
 from kvharbor.common.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
 from kvharbor.common.http_errors import BodyLimitMiddleware, install_error_handlers
 from kvharbor.common.logs import request_context, request_id_var
-from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest
+from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, message_dicts
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.common.tracing import inject
 from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, predict_ttft_s
@@ -215,10 +215,9 @@ class _Handler:
             raise APIError(400, f"model {model.name!r} has no tokenizer here: send prompt_token_ids", param="prompt")
         if kind == "chat":
             try:
-                text = tok.apply_chat_template([m.model_dump(exclude_none=True) for m in body.messages])
+                return [tok.encode_chat(message_dicts(body.messages))]
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
-            return [tok.encode(text, add_special_tokens=False)]
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")

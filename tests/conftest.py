@@ -83,13 +83,8 @@ QUESTIONS = [
 def smollm_case(smollm) -> ModelCase:
     tok = smollm.tokenizer
     prompts = [tok.encode(t) for t in SMOL_TEXTS]
-    shared = [
-        tok.encode(
-            tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]),
-            add_special_tokens=False,
-        )
-        for q in QUESTIONS
-    ]
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    shared = [tok.encode_chat(chat) for chat in chats]
     return ModelCase("smollm2", smollm, hf_reference_model(smollm), prompts, shared)
 
 

@@ -157,7 +157,7 @@ def test_stop_strings_cut_the_text(smol):
 
 def test_stop_string_in_a_stream_is_never_shown_in_part(smol):
     engine = smol.engine
-    ids = smol.get_tokenizer().encode(smol.get_tokenizer().apply_chat_template(CAPITAL), add_special_tokens=False)
+    ids = smol.get_tokenizer().encode_chat(CAPITAL)
     engine.add_request("s", None, SamplingParams(max_tokens=20, temperature=0.0, stop=["of Fr"]), prompt_token_ids=ids)
     deltas = []
     while engine.has_unfinished():

@@ -184,7 +184,7 @@ def test_greedy_smollm2_is_identical_with_speculation(make_llm, smollm):
         f"Rewrite with one word changed: {text}",
         "Write a Python function that returns the sum of a list, then the same function with a docstring.",
     ]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    prompts = [{"prompt_token_ids": tok.encode_chat([{"role": "user", "content": c}])} for c in chats]
     params = SamplingParams(max_tokens=40, temperature=0.0)
     _, off = generate(make_llm, smollm, prompts, params)
     llm, on = generate(make_llm, smollm, prompts, params, speculative_method="ngram", speculative_k=3)

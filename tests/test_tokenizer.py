@@ -57,6 +57,9 @@ def test_chat_template_is_chatml_with_the_default_system_prompt(tok):
     )
     parts = tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "Hi"}]}])
     assert parts == text
+    # encode_chat, the one way every part turns a chat into ids: the template's text, no BOS added
+    assert tok.encode_chat([{"role": "user", "content": "Hi"}]) == tok.encode(text, add_special_tokens=False)
+    assert tok.encode_chat([{"role": "user", "content": "Hi"}])[0] == tok.encode("<|im_start|>")[0]
 
 
 @pytest.mark.parametrize(
