@@ -16,8 +16,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
+from kvharbor.common import sampling_limits as lim
+from kvharbor.common.sampling_limits import MAX_LOGPROBS, MAX_STOP_STRINGS
 
 
 class APIError(Exception):
@@ -76,13 +76,13 @@ class SamplingFields(BaseModel):
 
     model: Annotated[str, Field(min_length=1)]
     n: Annotated[int, Field(ge=1)] = 1
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    temperature: Annotated[float, Field(**lim.TEMPERATURE.field())] | None = None
+    top_p: Annotated[float, Field(**lim.TOP_P.field())] | None = None
     stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: int | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    presence_penalty: Annotated[float, Field(**lim.PRESENCE_PENALTY.field())] | None = None
+    frequency_penalty: Annotated[float, Field(**lim.FREQUENCY_PENALTY.field())] | None = None
+    logit_bias: dict[str, Annotated[float, Field(**lim.LOGIT_BIAS.field())]] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -90,8 +90,8 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     top_k: Annotated[int, Field(ge=-1)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    min_p: Annotated[float, Field(**lim.MIN_P.field())] | None = None
+    repetition_penalty: Annotated[float, Field(**lim.REPETITION_PENALTY.field())] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvharbor.common import sampling_limits as lim
+
+_RANGED = {
+    "temperature": lim.TEMPERATURE,
+    "top_p": lim.TOP_P,
+    "min_p": lim.MIN_P,
+    "repetition_penalty": lim.REPETITION_PENALTY,
+    "presence_penalty": lim.PRESENCE_PENALTY,
+    "frequency_penalty": lim.FREQUENCY_PENALTY,
+}
+
 
 @dataclass
 class SamplingParams:
@@ -59,22 +70,16 @@ class SamplingParams:
             raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        for name in _RANGED:
+            limit, value = _RANGED[name], getattr(self, name)
+            if not limit.allows(value):  # also rejects NaN
+                raise bad(f"{name} must be {limit.describe()}, got {value!r}")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise bad(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not self.repetition_penalty > 0.0:
-            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            raise bad(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if self.logprobs is not None and (
+            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= lim.MAX_LOGPROBS
+        ):
+            raise bad(f"logprobs must be an integer in [0, {lim.MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop strings must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -85,9 +90,9 @@ class SamplingParams:
             for tok, bias in self.logit_bias.items():
                 if not isinstance(tok, int) or isinstance(tok, bool):
                     raise bad(f"logit_bias keys must be integer token ids, got {tok!r}")
-                # OpenAI's range; anything else (inf, NaN) would turn the whole row into NaN.
-                if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100.0 <= bias <= 100.0:
-                    raise bad(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}")
+                if not lim.LOGIT_BIAS.allows(bias):
+                    limit = lim.LOGIT_BIAS.describe()
+                    raise bad(f"logit_bias values must be numbers {limit}, got {bias!r} for token {tok}")
         if not isinstance(self.speculative, bool):
             raise bad(f"speculative must be true or false, got {self.speculative!r}")
         if self.seed is not None and not isinstance(self.seed, int):

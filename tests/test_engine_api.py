@@ -31,8 +31,11 @@ def tiny(tiny_llama, make_llm):
     ("make_params", "match"),
     [
         (lambda: SamplingParams(max_tokens=0), "max_tokens must be an integer >= 1"),
-        (lambda: SamplingParams(temperature=-0.5), "temperature must be >= 0"),
-        (lambda: SamplingParams(temperature=float("nan")), "temperature must be >= 0"),
+        (lambda: SamplingParams(temperature=-0.5), r"temperature must be in \[0, 2\]"),
+        (lambda: SamplingParams(temperature=float("nan")), r"temperature must be in \[0, 2\]"),
+        (lambda: SamplingParams(temperature=2.5), r"temperature must be in \[0, 2\]"),  # the API's range too
+        (lambda: SamplingParams(repetition_penalty=0.0), r"repetition_penalty must be in \(0, 10\]"),
+        (lambda: SamplingParams(presence_penalty=-2.5), r"presence_penalty must be in \[-2, 2\]"),
         (lambda: SamplingParams(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (lambda: SamplingParams(top_p=1.5), r"top_p must be in \(0, 1\]"),
         (lambda: SamplingParams(n=0), "n must be an integer >= 1"),
@@ -300,3 +303,21 @@ def test_a_failed_step_fails_its_requests_frees_them_and_the_engine_goes_on(smol
     assert engine.pool.num_free == engine.pool.num_blocks
     out = smol.generate("This prompt is long enough to fill one block of sixteen tokens easily.", GREEDY)
     assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_the_api_and_the_engine_take_the_same_sampling_ranges():
+    """One table (common/sampling_limits.py): a value the API refuses, the engine refuses too."""
+    from pydantic import ValidationError
+
+    from kvharbor.common.openai_api import CompletionRequest
+
+    for name, bad in [("temperature", 2.5), ("top_p", 0.0), ("min_p", 1.5), ("repetition_penalty", 11.0),
+                      ("presence_penalty", 3.0), ("frequency_penalty", -3.0)]:  # fmt: skip
+        with pytest.raises(ValidationError, match=name):
+            CompletionRequest(model="m", prompt="x", **{name: bad})
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: bad})
+        edge = {"temperature": 2.0, "top_p": 1.0, "min_p": 1.0, "repetition_penalty": 10.0,
+                "presence_penalty": 2.0, "frequency_penalty": -2.0}[name]  # fmt: skip
+        CompletionRequest(model="m", prompt="x", **{name: edge})
+        SamplingParams(**{name: edge})
