@@ -119,7 +119,8 @@ class LlamaModel(nn.Module):
     def prepare_cpu_linears(self, threads: int) -> str | None:
         """Give the projections and the LM head the CPU fast path for this dtype, if there is one
         (engine/cpu_linear.py). Returns what it is, or None. The weights stay as they are."""
-        chosen = cpu_linear.prepare_linears(self.embed.dtype, self.embed.device, threads)
+        weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
+        chosen = cpu_linear.prepare_linears(self.embed.dtype, self.embed.device, threads, weight_bytes)
         if chosen is None:
             return None
         what, make = chosen

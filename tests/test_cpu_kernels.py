@@ -5,6 +5,8 @@ built, a forked child, and the engine's tokens with the kernels on and off."""
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -31,6 +33,21 @@ def test_linear_matches_float64(m, n, k):
         got = KERNELS.linear(x, w, b)
         assert got.shape == (m, n) and got.dtype == torch.float32
         assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 16, 17, 64, 65, 300])
+def test_a_skinny_linear_takes_every_row_count(rows):
+    """Decode rows through the kernel, prefill rows through oneDNN's packed copy (or F.linear)."""
+    from kvharbor.engine import cpu_linear
+
+    gen = torch.Generator().manual_seed(rows)
+    w, bias = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
+    x = torch.randn(rows, 96, generator=gen)
+    packed = cpu_linear.pack(w, 128) if cpu_linear.packing_available(torch.float32, torch.device("cpu")) else None
+    for linear in (cpu_kernels.SkinnyLinear(KERNELS, w, packed), cpu_kernels.SkinnyLinear(KERNELS, w)):
+        want = F.linear(x.double(), w.double(), bias.double())
+        assert (linear(x, bias).double() - want).abs().max() <= 1e-4
 
 
 def reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size):
@@ -91,8 +108,14 @@ def test_a_forked_child_starts_its_own_workers():
     if pid == 0:  # the child: the parent's worker threads are gone
         ok = torch.equal(KERNELS.linear(x, w), want)
         os._exit(0 if ok else 1)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:  # a hung child: kill it, then fail
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in the kernel (it waited for workers it does not have)")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_without_a_compiler_the_engine_keeps_torchs_matmul(monkeypatch, caplog, tiny_llama, make_llm):

@@ -25,8 +25,9 @@ def test_packed_linear_agrees_with_f_linear(rows):
     assert (got - want).abs().max() <= 0.02 * want.abs().max()
 
 
-def test_only_bfloat16_on_cpu_is_packed():
-    assert not cpu_linear.packing_available(torch.float32, torch.device("cpu"))
+def test_only_cpu_bfloat16_and_float32_are_packed():
+    assert not cpu_linear.packing_available(torch.float16, torch.device("cpu"))
+    assert not cpu_linear.packing_available(torch.bfloat16, torch.device("meta"))
 
 
 def test_the_engine_packs_in_bfloat16_and_answers_the_same(smollm, make_llm):

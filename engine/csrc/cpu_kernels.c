@@ -31,7 +31,7 @@
 #include <unistd.h>
 
 #define MAX_THREADS 64
-#define SPIN_ROUNDS 20000  // ~50-100 us of _mm_pause before a worker sleeps
+static int spin_rounds = 2000;  // _mm_pause rounds an idle worker spins before it sleeps
 #define COL_ALIGN 8        // thread shares start on a multiple of this many columns
 
 typedef struct {
@@ -160,13 +160,17 @@ static void run_job(int kind) {
     while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
 }
 
+static int first_seen[MAX_THREADS];  // the generation when each worker was created
+
 static void *worker_main(void *arg) {
     int t = (int)(intptr_t)arg;
-    int seen = atomic_load(&generation);
+    // NOTE: not the generation at the thread's first instruction: a job posted while the thread was
+    // still starting would look already seen, and the caller would wait for it forever.
+    int seen = first_seen[t];
     for (;;) {
         int spins = 0, now;
         while ((now = atomic_load_explicit(&generation, memory_order_acquire)) == seen) {
-            if (++spins < SPIN_ROUNDS)
+            if (++spins < spin_rounds)
                 _mm_pause();
             else
                 syscall(SYS_futex, &generation, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
@@ -192,6 +196,7 @@ static void register_fork_handler(void) { pthread_atfork(NULL, NULL, after_fork_
 
 static void start_workers(int n) {
     for (int t = started + 1; t < n; t++) {
+        first_seen[t] = atomic_load(&generation);
         if (pthread_create(&workers[t], NULL, worker_main, (void *)(intptr_t)t) != 0) break;
         pthread_detach(workers[t]);
         started = t;
@@ -200,6 +205,9 @@ static void start_workers(int n) {
 }
 
 // How many threads (the caller included) share each call. Returns the count in use.
+// How long idle workers spin before they sleep (rounds of _mm_pause, ~10-40 ns each).
+void kvharbor_set_spin(int rounds) { spin_rounds = rounds < 0 ? 0 : rounds; }
+
 int kvharbor_set_threads(int n) {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, register_fork_handler);
