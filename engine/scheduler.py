@@ -112,6 +112,19 @@ class Scheduler:
         request.stop_reason = stop_reason
         del self.requests[request.request_id]
 
+    def stop_at(self, request: Request, num_output_tokens: int, stop_reason: str) -> None:
+        """Retire `request` after its first `num_output_tokens` outputs, where a stop string ended
+        its text: the tokens after it (several when a speculated run was accepted) are forgotten,
+        so it ends where one token at a time would have. A finished request is left alone."""
+        if request.is_finished:
+            return
+        extra = len(request.output_token_ids) - num_output_tokens
+        if extra > 0:
+            del request.output_token_ids[num_output_tokens:]
+            del request.all_token_ids[len(request.all_token_ids) - extra :]
+            del request.logprobs[num_output_tokens:]
+        self.finish(request, FinishReason.STOP, stop_reason=stop_reason)
+
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)

@@ -1,0 +1,449 @@
+"""EngineCore: scheduler, block pool, runner, sampler and proposers; token ids in, token ids out.
+
+proposals = proposer.propose(...)  # speculative decoding, when on: guesses for decoding requests
+plan = scheduler.schedule()        # who runs, how many tokens, which blocks
+out = runner.execute(plan)         # one forward pass + sampling
+scheduler.update(plan, out)        # advance, fork n > 1, token-level stops
+CoreOutputs                        # new token ids per sample (text is the output processor's)
+
+It knows no text: detokenizing, stop strings and RequestOutputs belong to the output processor,
+which tells the core where a stop string ended a sample (`stop_sample`). The offline LLMEngine
+runs both in one process; `kvharbor serve` runs the core in a process of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvharbor.common.block_hash import BlockHash, namespace_hash
+from kvharbor.common.load_report import LoadReport
+from kvharbor.common.tokenizer import Tokenizer
+from kvharbor.engine.attention_triton import resolve_backend
+from kvharbor.engine.block_pool import BlockPool
+from kvharbor.engine.capacity import KVCapacity, check_max_model_len, plan_capacity
+from kvharbor.engine.config import EngineConfig
+from kvharbor.engine.core_outputs import CoreOutput, SampleDelta
+from kvharbor.engine.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
+from kvharbor.engine.draft import draft_kv_bytes_per_token
+from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
+from kvharbor.engine.loader import LoadedModel, load_model
+from kvharbor.engine.model import LlamaModel
+from kvharbor.engine.proposers import AdaptiveK, NgramProposer, Proposal, Proposer
+from kvharbor.engine.request import FinishReason, Request, check_request_id
+from kvharbor.engine.runner import ModelRunner
+from kvharbor.engine.sampler import Sampler
+from kvharbor.engine.sampling_params import SamplingParams
+from kvharbor.engine.scheduler import Scheduler, SchedulerPlan, StepOutput
+
+log = logging.getLogger("kvharbor.engine")
+Progress = Callable[[str], None]
+
+
+@dataclass
+class _Group:
+    """One user request: n samples that share a prompt."""
+
+    request_id: str
+    params: SamplingParams
+    samples: dict[int, Request] = field(default_factory=dict)
+    reported: dict[int, int] = field(default_factory=dict)  # tokens already in a delta
+    reported_finish: set[int] = field(default_factory=set)  # samples whose end was reported
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        # A request aborted or failed before its first token never forks its other samples.
+        all_there = len(self.samples) == self.params.n or not self.samples[0].forked
+        return all_there and all(r.is_finished for r in self.samples.values())
+
+
+@dataclass
+class EngineStats:
+    """Measured speed, as EWMAs (alpha 0.2): the load report's 'prefill tok/s' and 'decode step'."""
+
+    prefill_tokens_per_s: float = 0.0
+    decode_step_s: float = 0.0
+    steps: int = 0
+    spec_verifications: int = 0  # speculative chunks verified
+    spec_proposed: int = 0  # draft tokens scored
+    spec_accepted: int = 0  # of those, accepted
+
+    def record(self, plan: SchedulerPlan, seconds: float) -> None:
+        prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1 and not c.draft)
+        self.steps += 1
+        if prefill:
+            rate = prefill / max(seconds, 1e-9)
+            self.prefill_tokens_per_s = (
+                rate if not self.prefill_tokens_per_s else 0.8 * self.prefill_tokens_per_s + 0.2 * rate
+            )
+        else:
+            self.decode_step_s = seconds if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * seconds
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig, progress: Progress | None = None, loaded_model: LoadedModel | None = None
+    ) -> None:
+        """Load (or adopt `loaded_model`, whose tensors are copied, not changed), size the KV
+        pool, warm up. `progress` receives one line per start-up phase."""
+        say = progress or (lambda msg: log.info(msg))
+        self.config = config
+        self.device = resolve_device(config.model.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        set_cpu_threads(self.device, config.runtime.threads)
+        t0 = time.monotonic()
+        if loaded_model is None:
+            say(f"loading model {config.model.model or '(bundled SmolLM2-135M-Instruct)'} ...")
+        loaded = loaded_model or load_model(config.model.model, config.model.served_model_name)
+        self.model_name = loaded.name
+        self.arch = loaded.arch
+        self.tokenizer: Tokenizer | None = loaded.tokenizer
+        check_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings, self.model_name)
+        say(
+            f"building {self.arch.architecture} ({self.arch.num_parameters / 1e6:.1f}M parameters) "
+            f"in {str(self.dtype).removeprefix('torch.')} on {self.device} ..."
+        )
+        self.model = LlamaModel(self.arch, self.dtype, self.device)
+        self.model.load_hf_state_dict({k: v.to(self.dtype) for k, v in loaded.state_dict.items()})
+        fingerprint = weights_fingerprint(loaded.state_dict)
+        del loaded
+        threads = cpu_threads(self.device, config.runtime.threads)
+        if config.runtime.cpu_kernels and (fast := self.model.prepare_cpu_linears(threads)):
+            say(f"CPU linears: {fast}")
+        self.draft_model = self._load_draft(config, say)
+        shadow = draft_kv_bytes_per_token(self.draft_model, self.dtype) if self.draft_model is not None else 0
+        self.capacity: KVCapacity = plan_capacity(
+            self.arch, config.cache, self.dtype, self.device, config.model.max_model_len, shadow_bytes_per_token=shadow
+        )
+        self.max_model_len = self.capacity.max_model_len
+        say(
+            f"KV pool: {self.capacity.num_blocks} blocks x {self.capacity.block_size} tokens = "
+            f"{self.capacity.capacity_tokens} tokens ({self.capacity.total_bytes / 2**20:.0f} MiB, "
+            f"{self.capacity.bytes_per_token} bytes/token)"
+        )
+        if self.capacity.capped:
+            log.warning(self.capacity.cap_note())
+        self.pool = BlockPool(
+            self.capacity.num_blocks,
+            self.capacity.block_size,
+            enable_caching=config.cache.enable_prefix_caching,
+            enable_events=config.cache.kv_events,
+        )
+        self.kv = KVCacheManager(self.pool)
+        self.eos_token_ids = frozenset(self.arch.eos_token_ids) | frozenset(
+            self.tokenizer.eos_token_ids if self.tokenizer else ()
+        )
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.eos_token_ids)
+        self.sampler = Sampler(self.arch.vocab_size, self.eos_token_ids, config.model.engine_seed)
+        self.attention_backend = resolve_backend(
+            config.runtime.attention_backend, self.device, self.capacity.block_size
+        )
+        say(f"attention backend: {self.attention_backend}")
+        self.cpu_kernels = self._cpu_attention(threads)
+        if self.cpu_kernels is not None:
+            say("decode attention: AVX2 kernel over the paged cache")
+        self.runner = ModelRunner(
+            self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend, self.cpu_kernels
+        )
+        self.kv_io = KVBlockIO(self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint)
+        self.stats = EngineStats()
+        self._groups: dict[str, _Group] = {}
+        self._touched: set[str] = set()
+        self.proposer, self.adaptive_k = self._speculation(config, say)
+        say("warming up ...")
+        self._warm_up()
+        say(f"ready in {time.monotonic() - t0:.1f}s")
+
+    # -- set-up -------------------------------------------------------------------------------
+
+    def _cpu_attention(self, threads: int):
+        """The CPU kernels for decode attention, where they run: float32 with the torch backend on a
+        CPU they were built for, with this model's head shape. None elsewhere."""
+        a = self.arch
+        if not (self.config.runtime.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32):
+            return None
+        from kvharbor.engine import cpu_kernels
+
+        if self.attention_backend != "torch" or not cpu_kernels.CpuKernels.takes_attention(
+            a.num_heads, a.num_kv_heads, a.head_dim
+        ):
+            return None
+        return cpu_kernels.load(threads)
+
+    def _load_draft(self, config: EngineConfig, say: Progress) -> LlamaModel | None:
+        spec = config.speculative
+        if spec.speculative_method != "draft":
+            return None
+        from kvharbor.engine.draft import load_draft_model
+
+        say(f"loading draft model {spec.draft_model} ...")
+        threads = cpu_threads(self.device, config.runtime.threads) if config.runtime.cpu_kernels else None
+        return load_draft_model(spec.draft_model, self.arch, self.dtype, self.device, threads)
+
+    def _speculation(self, config: EngineConfig, say: Progress) -> tuple[Proposer | None, AdaptiveK | None]:
+        spec = config.speculative
+        if spec.speculative_method == "off":
+            return None, None
+        if spec.speculative_method == "ngram":
+            proposer: Proposer = NgramProposer(spec.ngram_n)
+        else:
+            from kvharbor.engine.draft import DraftModelProposer
+
+            proposer = DraftModelProposer(self.draft_model, self)
+        say(f"speculative decoding: {spec.speculative_method}, k={spec.speculative_k}")
+        return proposer, AdaptiveK(spec.speculative_k)
+
+    def _propose(self) -> dict[str, Proposal]:
+        """Guesses for the running requests that decode this step and have not opted out."""
+        if self.proposer is None:
+            return {}
+        decoding = [
+            r for r in self.scheduler.running
+            if r.forked and r.params.speculative and r.num_tokens - r.num_computed_tokens == 1
+        ]  # fmt: skip
+        ks = {r.request_id: self.adaptive_k.k_for(r) for r in decoding}
+        return self.proposer.propose([r for r in decoding if ks[r.request_id]], ks)
+
+    def _warm_up(self) -> None:
+        # One short request through the whole path, so the first user does not pay for lazy
+        # initialization (oneDNN kernels, allocator). Its blocks are dropped from the cache.
+        warm = "warmup-" + os.urandom(4).hex()
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        EngineCore.add_request(self, warm, [0] * min(8, self.max_model_len - 2), params)
+        while self.has_unfinished():
+            EngineCore.step(self)
+        self.pool.reset_prefix_cache()
+        self.pool.take_events()
+        self.stats = EngineStats()
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int] | None,
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (and queues nothing) for bad input."""
+        params = params or SamplingParams()
+        params.validate()
+        check_request_id(request_id)
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = self._check_prompt(prompt_token_ids)
+        if params.n > self.config.scheduler.max_n:
+            raise ValueError(f"n={params.n} exceeds the engine's limit of {self.config.scheduler.max_n} (--max-n)")
+        params.check_vocab(self.arch.vocab_size)
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but this model's context is {self.max_model_len}: "
+                "shorten the prompt (at least one token must be generated)"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} plus the {len(ids)}-token prompt exceeds the model's context "
+                f"of {self.max_model_len} tokens: ask for at most {room}"
+            )
+        request = Request(
+            request_id,
+            ids,
+            params,
+            params.max_tokens or room,
+            namespace_hash(self.model_name, cache_salt),
+            priority=priority,
+            tenant=tenant,
+            arrival_time=arrival_time,
+        )
+        self.scheduler.add(request)
+        group = _Group(request_id, params)
+        self._groups[request_id] = group
+        self._register(group, request)
+
+    def _check_prompt(self, prompt_token_ids: list[int] | None) -> list[int]:
+        if prompt_token_ids is None:
+            raise ValueError("a request needs a prompt or prompt_token_ids")
+        ids = list(prompt_token_ids)
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.arch.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.arch.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty: send at least one token")
+        return ids
+
+    def _register(self, group: _Group, request: Request) -> None:
+        group.samples[request.index] = request
+        group.reported[request.index] = 0
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Cancel requests (all their samples); their blocks go back to the pool at once. Unknown
+        or finished ids are ignored."""
+        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            for request in group.samples.values():
+                self.scheduler.finish(request, FinishReason.ABORT)
+            self._touched.add(rid)
+
+    def stop_sample(self, request_id: str, index: int, num_output_tokens: int, stop_string: str) -> None:
+        """A stop string ended sample `index` of `request_id` after `num_output_tokens` outputs:
+        retire it there (its blocks go back at once). Unknown or finished samples are ignored."""
+        group = self._groups.get(request_id)
+        request = group.samples.get(index) if group is not None else None
+        if request is None:
+            return
+        self.scheduler.stop_at(request, num_output_tokens, stop_string)
+        group.reported[index] = min(group.reported[index], num_output_tokens)
+        self._touched.add(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._touched)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def step(self) -> list[CoreOutput]:
+        """Run one iteration. Returns an output for every request that progressed or finished."""
+        plan = self.scheduler.schedule(self._propose())
+        if plan.is_empty and self.scheduler.num_unfinished and not self.scheduler.running:
+            raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_unfinished} requests waiting")
+        if not plan.is_empty:
+            self._run(plan)
+        outputs = [self._output(self._groups[g]) for g in sorted(self._touched) if g in self._groups]
+        for rid in list(self._touched):
+            group = self._groups.get(rid)
+            if group is not None and group.finished:
+                for request in group.samples.values():
+                    self.sampler.forget(request)
+                    if self.proposer is not None:
+                        self.proposer.release(request)
+                        self.adaptive_k.forget(request)
+                del self._groups[rid]
+        self._touched.clear()
+        return outputs
+
+    def _run(self, plan: SchedulerPlan) -> None:
+        t0 = time.perf_counter()
+        try:
+            out = self.runner.execute(plan)
+        except Exception as exc:
+            self._fail(plan, exc)
+            return
+        self.stats.record(plan, time.perf_counter() - t0)
+        self._record_speculation(plan, out)
+        forked = self.scheduler.update(plan, out)
+        for child in forked:
+            self._register(self._groups[child.group_id], child)
+        for request in [c.request for c in plan.chunks] + forked:
+            self._touched.add(request.group_id)
+
+    def _record_speculation(self, plan: SchedulerPlan, out: StepOutput) -> None:
+        for chunk in plan.chunks:
+            if chunk.draft:
+                accepted = len(out.tokens.get(chunk.request.request_id, [None])) - 1
+                self.stats.spec_verifications += 1
+                self.stats.spec_proposed += len(chunk.draft)
+                self.stats.spec_accepted += accepted
+                self.adaptive_k.record(chunk.request, len(chunk.draft), accepted)
+
+    def _fail(self, plan: SchedulerPlan, exc: Exception) -> None:
+        log.exception("engine step failed; failing its %d requests", len(plan.chunks))
+        self.kv.uncache_blocks([c.request for c in plan.chunks])  # half-written KV: nobody may hit it
+        # A user request fails whole: its samples that were not in this step fail with it.
+        for group in {
+            self._groups[c.request.group_id].request_id: self._groups[c.request.group_id] for c in plan.chunks
+        }.values():
+            group.error = f"{type(exc).__name__}: {exc}"
+            for request in group.samples.values():
+                self.scheduler.finish(request, FinishReason.ERROR)
+            self._touched.add(group.request_id)
+
+    def _output(self, group: _Group) -> CoreOutput:
+        """The group's samples that moved since their last report: new tokens only."""
+        samples = []
+        for index, request in sorted(group.samples.items()):
+            done = group.reported[index]
+            new = request.output_token_ids[done:]
+            reason = request.finish_reason.value if request.finish_reason else None
+            if not new and ((done and reason is None) or index in group.reported_finish):
+                continue  # a sibling that did not move this step, or whose end was already told
+            group.reported[index] = len(request.output_token_ids)
+            if reason is not None:
+                group.reported_finish.add(index)
+            stop = request.stop_reason if isinstance(request.stop_reason, int) else None
+            logprobs = request.logprobs[done:] if group.params.logprobs is not None else []
+            samples.append(SampleDelta(index, new, logprobs, reason, stop))
+        first = group.samples[0]
+        return CoreOutput(group.request_id, samples, group.finished, max(0, first.num_cached_tokens), group.error)
+
+    def import_prefix(
+        self, hashes: Sequence[BlockHash], payloads: Sequence[bytes], prefix: Sequence[BlockHash] = ()
+    ) -> int:
+        """Put KV blocks pulled from elsewhere into the prefix cache, as if computed here.
+
+        `hashes` continues the chain `prefix` (the blocks before it, cached here; empty when the
+        chain starts at block 0) and `payloads[i]` is block i's KV in `kv_io.format`. Blocks already
+        cached are skipped; the rest take free blocks (evicting the least recently used cached ones,
+        never the prefix's) and join the free list as cached, so the next request with this prefix
+        hits them. Returns how many blocks were loaded.
+        """
+        if len(hashes) != len(payloads):
+            raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
+        pool = self.pool
+        # Out of the free list while we allocate: no block of the chain may be the one evicted.
+        pinned = [pool.cached[h] for h in (*prefix, *hashes) if h in pool.cached]
+        pool.touch(pinned)
+        try:
+            todo = [(h, p) for h, p in zip(hashes, payloads, strict=True) if h not in pool.cached]
+            todo = todo[: pool.num_free] if pool.enable_caching else []
+            blocks = pool.get_new_blocks(len(todo)) if todo else []
+            try:
+                self.kv_io.load([b.block_id for b in blocks], [p for _, p in todo])
+            except Exception:
+                pool.free_blocks(blocks)
+                raise
+            chain = [*prefix, *hashes]
+            position = {h: i for i, h in enumerate(chain)}
+            for block, (h, _) in zip(blocks, todo, strict=True):
+                i = position[h]
+                pool.cache_blocks([block], [h], chain[i - 1] if i else None)
+            pool.free_blocks(reversed(blocks))  # tail first: evicted before the blocks it extends
+        finally:
+            pool.free_blocks(reversed(pinned))
+        return len(todo)
+
+    # -- introspection ------------------------------------------------------------------------
+
+    def load(self) -> LoadReport:
+        """The engine's part of the load report (DESIGN §2); the server adds its own fields."""
+        waiting, running = self.scheduler.waiting, self.scheduler.running
+        # Prompt tokens not computed yet, queued or mid-prefill: what a new request waits behind.
+        prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*waiting, *running))
+        stats = self.stats
+        return LoadReport(
+            model=self.model_name,
+            running=len(running),
+            waiting=len(waiting),
+            waiting_prefill_tokens=prefill,
+            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_free=self.pool.num_free,
+            kv_blocks_cached=self.pool.num_cached,
+            prefill_tokens_per_s=round(stats.prefill_tokens_per_s, 1),
+            decode_step_ms=round(stats.decode_step_s * 1000, 2),
+            spec_acceptance_rate=round(stats.spec_accepted / stats.spec_proposed, 4) if stats.spec_proposed else None,
+        )
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

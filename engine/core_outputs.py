@@ -1,0 +1,59 @@
+"""What the engine core reports after a step: token ids per sample, never text.
+
+The core (engine/core.py) produces these; the output processor (engine/output_processor.py) turns
+them into RequestOutputs with text, in the same process (offline LLM) or in the API server's
+process (`kvharbor serve`, which gets them over the link as plain lists: `to_wire`/`from_wire`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvharbor.engine.request import Logprob
+
+
+@dataclass
+class SampleDelta:
+    """One sample's progress since its last report."""
+
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[Logprob] = field(default_factory=list)  # one per new token when asked for
+    finish_reason: str | None = None  # "stop" (EOS or a stop token) | "length" | "abort" | "error"
+    stop_reason: int | None = None  # the stop token id, when one ended it
+
+
+@dataclass
+class CoreOutput:
+    """One user request's progress in a step: its samples that moved, and whether all are done."""
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+    def to_wire(self) -> list:
+        samples = [
+            [s.index, s.new_token_ids, [_logprob_wire(lp) for lp in s.new_logprobs], s.finish_reason, s.stop_reason]
+            for s in self.samples
+        ]
+        return [self.request_id, samples, self.finished, self.num_cached_tokens, self.error]
+
+    @classmethod
+    def from_wire(cls, data: list) -> CoreOutput:
+        request_id, samples, finished, cached, error = data
+        deltas = [
+            SampleDelta(index, list(ids), [_logprob_from_wire(lp) for lp in lps], reason, stop)
+            for index, ids, lps, reason, stop in samples
+        ]
+        return cls(request_id, deltas, finished, cached, error)
+
+
+def _logprob_wire(lp: Logprob) -> list:
+    return [lp.token_id, lp.logprob, [[t, v] for t, v in lp.top]]
+
+
+def _logprob_from_wire(data: list) -> Logprob:
+    token, value, top = data
+    return Logprob(token, value, [(t, v) for t, v in top])
