@@ -1,4 +1,5 @@
-"""The engine server: OpenAI's API over one EngineLoop, plus /health, /ready, /load and /metrics.
+"""The engine server: OpenAI's API over one engine core process (engine/core_client.py), plus
+/health, /ready, /load and /metrics.
 
 Every error leaves as OpenAI's error JSON. Bodies over `max_body_bytes` get 413; while draining,
 new work gets 503 with Retry-After. A client that goes away mid-request has its request aborted,
@@ -30,7 +31,8 @@ from kvharbor.common.openai_api import (
     message_dicts,
 )
 from kvharbor.common.tracing import extract, setup_tracing
-from kvharbor.engine.engine_loop import EngineDead, EngineLoop, NewRequest, RequestStream
+from kvharbor.engine.core_client import CoreClient, RequestStream
+from kvharbor.engine.engine_loop import EngineDead, NewRequest
 from kvharbor.engine.metrics import ServerMetrics
 from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
 from kvharbor.engine.outputs import RequestOutput
@@ -44,20 +46,19 @@ _GUARDED_PREFIXES = ("/v1/chat", "/v1/completions", "/tokenize", "/detokenize")
 
 @dataclass
 class ServerState:
-    loop: EngineLoop
+    loop: CoreClient
     metrics: ServerMetrics
     instance_id: str
     max_body_bytes: int
     draining: bool = False
     ready: bool = True
-    kv_store: Any = None  # kv_offload.KVStoreClient when a shared block store is configured
+    shared_store: bool = False  # the core has a shared block store (--redis-url)
     slo: SLOWindow = field(default_factory=lambda: SLOWindow(2.0, 0.2))
     tracer: Any = field(default_factory=lambda: setup_tracing("engine"))
-    background: list[asyncio.Task] = field(default_factory=list)
 
     @property
     def model(self) -> str:
-        return self.loop.engine.model_name
+        return self.loop.model_name
 
 
 # -- middleware: body limit and drain gate --------------------------------------------------------
@@ -111,8 +112,8 @@ class _Routes:
     def __init__(self, state: ServerState) -> None:
         self.state = state
         self.loop = state.loop
-        self.engine = state.loop.engine
-        self.tokenizer = self.engine.tokenizer
+        self.engine = state.loop.info  # the core's model name, context, vocabulary, block size
+        self.tokenizer = state.loop.tokenizer
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -130,7 +131,7 @@ class _Routes:
             raise APIError(400, "this model has no tokenizer: send prompt_token_ids", param="prompt")
 
     def _params(self, body: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-        if body.kv_prefix_source == "shared" and self.state.kv_store is None:
+        if body.kv_prefix_source == "shared" and not self.state.shared_store:
             raise APIError(
                 400,
                 "kv_prefix_source=shared needs a shared block store: start the engine with --redis-url",
@@ -143,25 +144,11 @@ class _Routes:
         return params
 
     async def _submit(self, rid: str, ids: list[int], params: SamplingParams, body: Any) -> RequestStream:
-        store = self.state.kv_store
-        ext = (
-            await store.pull(ids, body.cache_salt) if store is not None and body.kv_prefix_source == "shared" else None
-        )
         try:
-            stream = await self.loop.add(
-                NewRequest(
-                    rid,
-                    ids,
-                    params,
-                    priority=body.priority,
-                    tenant=body.user,
-                    cache_salt=body.cache_salt,
-                    external_prefix=ext,
-                )
+            return await self.loop.add(
+                NewRequest(rid, ids, params, priority=body.priority, tenant=body.user, cache_salt=body.cache_salt),
+                kv_prefix_source=body.kv_prefix_source,
             )
-            if stream.imported_blocks:
-                store.pulled(stream.imported_blocks)
-            return stream
         except EngineDead as exc:
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
         except ValueError as exc:
@@ -273,7 +260,7 @@ class _Routes:
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         self._check_model(body.model)
         self._need_tokenizer()
-        vocab = self.engine.arch.vocab_size
+        vocab = self.engine.vocab_size
         bad = next((t for t in body.tokens if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
@@ -369,17 +356,12 @@ class _Run:
         if self.span is not None:
             self.span.set_attribute("http.status_code", status)
             self.span.end()
-        store = self.state.kv_store
         pulled = {engine_id: stream.imported_blocks for engine_id, stream in self.streams}
         for engine_id, final in self.finals.items():
             self.state.metrics.observe_request(self.arrival, self.token_times[engine_id], len(final.prompt_token_ids))
             self.state.slo.record(self.arrival, self.token_times[engine_id])
-            if store is not None and not final.error:
-                task = asyncio.ensure_future(
-                    store.record_reuse(len(final.prompt_token_ids), final.num_cached_tokens, pulled[engine_id])
-                )
-                self.state.background.append(task)
-                task.add_done_callback(self.state.background.remove)
+            if self.state.shared_store and not final.error:
+                self.state.loop.record_reuse(len(final.prompt_token_ids), final.num_cached_tokens, pulled[engine_id])
         times = [t for ts in self.token_times.values() for t in ts]
         log.info(
             "finished",

@@ -1,29 +1,29 @@
-"""EngineLoop: one thread owns the LLMEngine; async code talks to it through commands.
+"""EngineLoop: one thread owns the engine core; async code talks to it through commands.
 
-The engine is single-threaded by design: `add_request` and `abort` may only run between steps.
-So the loop thread alternates
+The core is single-threaded by design: `add_request`, `abort` and `stop_sample` may only run
+between steps. So the loop thread alternates
 
-    drain the inbox (add, abort, call)  ->  engine.step()  ->  hand outputs to request streams
+    drain the inbox (add, abort, stop, call)  ->  core.step()  ->  deliver(outputs, now)
 
-and sleeps on an event when idle. torch releases the GIL inside its kernels, so the asyncio
-event loop keeps serving HTTP while a step runs.
+and sleeps on an event when idle. It runs in the engine core's process (engine/core_process.py),
+beside an asyncio loop that talks to the API server and to Redis; torch and the CPU kernels
+release the GIL while they run, so that loop keeps up while a step runs.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvharbor.common.load_report import LoadReport
-from kvharbor.engine.llm_engine import LLMEngine
-from kvharbor.engine.outputs import RequestOutput
+from kvharbor.engine.core import EngineCore
+from kvharbor.engine.core_outputs import CoreOutput
 from kvharbor.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvharbor.engine.loop")
@@ -41,29 +41,6 @@ class NewRequest:
     external_prefix: Any = None  # kv_offload.ExternalPrefix: blocks to load into the cache first
 
 
-class RequestStream:
-    """The outputs of one request, in order; the last has `finished` set. Each item carries the
-    monotonic time the loop produced it (for TTFT/ITL)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.imported_blocks = 0  # prefix blocks loaded from the shared store for this request
-        self._loop = loop
-        self._queue: asyncio.Queue[tuple[RequestOutput, float] | BaseException] = asyncio.Queue()
-
-    def put(self, item: tuple[RequestOutput, float] | BaseException) -> None:
-        """Thread-safe: called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
-
-    async def __aiter__(self) -> AsyncIterator[tuple[RequestOutput, float]]:
-        while True:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item[0].finished:
-                return
-
-
 class EngineDead(RuntimeError):
     """The engine loop stopped on an unexpected error; the process should be restarted."""
 
@@ -71,16 +48,20 @@ class EngineDead(RuntimeError):
 class EngineLoop:
     def __init__(
         self,
-        engine: LLMEngine,
+        engine: EngineCore,
+        deliver: Callable[[list[CoreOutput], float], None],
         event_sink: Callable[[list], None] | None = None,
-        after_step: Callable[[LLMEngine], None] | None = None,
+        after_step: Callable[[EngineCore], None] | None = None,
+        on_death: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
         self.engine = engine
+        self._deliver = deliver  # the step's outputs and when they were made (engine thread)
         self._event_sink = event_sink
         self._after_step = after_step  # runs in the engine thread after each step (KV copy-out)
+        self._on_death = on_death
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, RequestStream] = {}
+        self._in_flight: set[str] = set()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="kvharbor-engine", daemon=True)
         self.error: BaseException | None = None
@@ -107,16 +88,19 @@ class EngineLoop:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._in_flight)
 
-    async def add(self, request: NewRequest) -> RequestStream:
-        """Queue a request; raises the engine's ValueError for bad input, EngineDead if stopped."""
+    def add(self, request: NewRequest) -> concurrent.futures.Future[int]:
+        """Queue a request. The future gives the prefix blocks imported for it, or the engine's
+        ValueError for bad input; EngineDead is raised at once if the loop stopped."""
         self._check_alive()
-        stream = RequestStream(asyncio.get_running_loop())
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._send(("add", request, stream, done))
-        await asyncio.wrap_future(done)
-        return stream
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        self._send(("add", request, done))
+        return done
+
+    def stop_sample(self, request_id: str, index: int, num_output_tokens: int, stop_string: str) -> None:
+        """A stop string ended a sample (engine/output_processor.py): retire it before the next step."""
+        self._send(("stop", request_id, index, num_output_tokens, stop_string))
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the next step. Unknown ids are ignored."""
@@ -126,12 +110,12 @@ class EngineLoop:
         """Cancel every request in flight (drain timeout)."""
         self._send(("abort_all",))
 
-    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run `fn(engine)` in the engine thread between two steps and return its result."""
+    def call(self, fn: Callable[[EngineCore], Any]) -> concurrent.futures.Future[Any]:
+        """Run `fn(engine)` in the engine thread between two steps; the future gives its result."""
         self._check_alive()
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._send(("call", fn, done))
-        return await asyncio.wrap_future(done)
+        return done
 
     def _send(self, command: tuple) -> None:
         self._inbox.put(command)
@@ -157,10 +141,9 @@ class EngineLoop:
         except BaseException as exc:
             log.exception("engine loop stopped")
             self.error = exc
-            for stream in self._streams.values():
-                stream.put(EngineDead(f"the engine loop stopped: {exc!r}"))
-            self._streams.clear()
+            self._in_flight.clear()
             self._fail_inbox(exc)
+            self._on_death(exc)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -172,11 +155,13 @@ class EngineLoop:
             if kind == "add":
                 self._add(*command[1:])
             elif kind == "abort":
-                if command[1] in self._streams:
+                if command[1] in self._in_flight:
                     self.counters = {**self.counters, "aborted": self.counters["aborted"] + 1}
                 self.engine.abort(command[1])
+            elif kind == "stop":
+                self.engine.stop_sample(*command[1:])
             elif kind == "abort_all":
-                for request_id in list(self._streams):
+                for request_id in list(self._in_flight):
                     self.counters = {**self.counters, "aborted": self.counters["aborted"] + 1}
                     self.engine.abort(request_id)
             elif kind == "call":
@@ -186,19 +171,20 @@ class EngineLoop:
                 except Exception as exc:
                     done.set_exception(exc)
 
-    def _add(self, request: NewRequest, stream: RequestStream, done: concurrent.futures.Future) -> None:
+    def _add(self, request: NewRequest, done: concurrent.futures.Future) -> None:
         ext = request.external_prefix
+        imported = 0
         if ext is not None:
             try:
-                stream.imported_blocks = self.engine.import_prefix(ext.hashes, ext.payloads, ext.prefix)
+                imported = self.engine.import_prefix(ext.hashes, ext.payloads, ext.prefix)
             except Exception:
                 log.exception("could not load pulled KV blocks; computing the prefill instead")
         try:
-            self.engine.add_request(
+            EngineCore.add_request(
+                self.engine,
                 request.request_id,
-                None,
+                request.prompt_token_ids,
                 request.params,
-                prompt_token_ids=request.prompt_token_ids,
                 priority=request.priority,
                 tenant=request.tenant,
                 cache_salt=request.cache_salt,
@@ -207,18 +193,17 @@ class EngineLoop:
         except Exception as exc:
             done.set_exception(exc)
             return
-        self._streams[request.request_id] = stream
-        done.set_result(None)
+        self._in_flight.add(request.request_id)
+        done.set_result(imported)
 
     def _step(self) -> None:
-        outputs = self.engine.step()
+        outputs = EngineCore.step(self.engine)
         now = time.monotonic()
         for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.put((out, now))
-                if out.finished:
-                    del self._streams[out.request_id]
+            if out.finished:
+                self._in_flight.discard(out.request_id)
+        self._refresh()  # the load that goes with these outputs: never older than they are
+        self._deliver(outputs, now)
         if self._after_step is not None:
             self._after_step(self.engine)
         if self._event_sink is not None:

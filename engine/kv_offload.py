@@ -70,14 +70,14 @@ class KVStoreClient:
         store: RedisBlockStore,
         engine: Any,
         policy: PushPolicy,
-        metrics: Any,
+        counters: Any,  # metrics.CounterBoard
         max_queue_bytes: int = 256 << 20,
         max_pull_bytes: int = 256 << 20,
     ) -> None:
         self.store = store
         self.engine = engine
         self.policy = policy
-        self.metrics = metrics
+        self.counters = counters
         self.format = engine.kv_io.format
         self._queue: collections.deque[tuple[BlockHash, bytes]] = collections.deque()
         self._queued_bytes = 0
@@ -115,7 +115,7 @@ class KVStoreClient:
             self._enqueue(blocks)
         except Exception:
             log.exception("could not copy KV blocks out for the shared store; dropped them")
-            self.metrics.kv_store_push_dropped.inc(len(blocks))
+            self.counters.inc("kv_store_push_dropped_blocks", len(blocks))
 
     def _enqueue(self, blocks: list[tuple[int, BlockHash]]) -> None:
         todo = [(i, h) for i, h in blocks if h not in self._recent]
@@ -125,7 +125,7 @@ class KVStoreClient:
         with self._lock:
             room = max(0, (self._max_queue_bytes - self._queued_bytes) // size)
         if len(todo) > room:
-            self.metrics.kv_store_push_dropped.inc(len(todo) - room)
+            self.counters.inc("kv_store_push_dropped_blocks", len(todo) - room)
             todo = todo[:room]
         payloads = self.engine.kv_io.export([i for i, _ in todo])
         with self._lock:
@@ -147,14 +147,14 @@ class KVStoreClient:
             try:
                 await self.store.put(self.format, batch)
                 backoff = 0.5
-                self.metrics.kv_store_pushed_blocks.inc(len(batch))
-                self.metrics.kv_store_pushed_bytes.inc(len(batch) * self.format.block_bytes)
+                self.counters.inc("kv_store_pushed_blocks", len(batch))
+                self.counters.inc("kv_store_pushed_bytes", len(batch) * self.format.block_bytes)
                 pushed = {"blocks_pushed": len(batch), "bytes_pushed": len(batch) * self.format.block_bytes}
                 with contextlib.suppress(Exception):
                     await record(self.store.client, self.engine.model_name, pushed)
             except BlockStoreUnavailable as exc:
-                self.metrics.kv_store_errors.labels("push").inc()
-                self.metrics.kv_store_push_dropped.inc(len(batch))
+                self.counters.inc("kv_store_errors", label="push")
+                self.counters.inc("kv_store_push_dropped_blocks", len(batch))
                 log.warning("shared block store unavailable; dropped %d blocks", len(batch), extra={"error": str(exc)})
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
@@ -202,7 +202,7 @@ class KVStoreClient:
         try:
             payloads = await self._get_run(hashes[k : k + limit])
         except BlockStoreUnavailable as exc:
-            self.metrics.kv_store_errors.labels("pull").inc()
+            self.counters.inc("kv_store_errors", label="pull")
             log.warning("shared block store unavailable; computing the prefill", extra={"error": str(exc)})
             return None
         finally:
@@ -228,12 +228,12 @@ class KVStoreClient:
         for reason, n in self.store.refused.items():
             new = n - self._refused_seen.get(reason, 0)
             if new:
-                self.metrics.kv_store_refused.labels(reason).inc(new)
+                self.counters.inc("kv_store_refused_blocks", new, label=reason)
                 self._refused_seen[reason] = n
 
     def pulled(self, blocks: int) -> None:
-        self.metrics.kv_store_pulled_blocks.inc(blocks)
-        self.metrics.kv_store_pulled_bytes.inc(blocks * self.format.block_bytes)
+        self.counters.inc("kv_store_pulled_blocks", blocks)
+        self.counters.inc("kv_store_pulled_bytes", blocks * self.format.block_bytes)
 
     async def record_reuse(self, prompt_tokens: int, cached_tokens: int, pulled_blocks: int) -> None:
         """Add one finished request to the model's reuse counters in Redis (best effort)."""

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 from kvharbor.common.kv_events import AllCleared, BlockStored, EventEnvelope, KVEvent, to_fields
 from kvharbor.common.redis_keys import lease_key
+from kvharbor.engine.core import EngineCore
 from kvharbor.engine.engine_loop import EngineLoop
-from kvharbor.engine.llm_engine import LLMEngine
 
 log = logging.getLogger("kvharbor.engine.kv_events")
 
@@ -82,7 +82,7 @@ class KVEventPublisher:
                 return
             self._queue.extend(events)
 
-    def _snapshot(self, engine: LLMEngine) -> list[bytes]:
+    def _snapshot(self, engine: EngineCore) -> list[bytes]:
         # Runs in the engine thread between steps: everything queued so far is superseded by
         # the full set, so drop it and start counting from here.
         with self._lock:
@@ -123,7 +123,7 @@ class KVEventPublisher:
                 await client.aclose()
 
     async def _resync(self, client, loop: EngineLoop, block_size: int) -> None:
-        hashes = await loop.call(self._snapshot)
+        hashes = await asyncio.wrap_future(loop.call(self._snapshot))
         events: list[KVEvent] = [AllCleared()]
         for i in range(0, len(hashes), RESYNC_BATCH):
             # NOTE: a re-sync sends the set of held blocks; its batches are not chains (parent None).

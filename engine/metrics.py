@@ -1,8 +1,9 @@
 """Prometheus metrics of one engine server (prefix `kvharbor_`), in a registry of its own.
 
 Request counters and latency histograms are fed by the API server as requests finish; the load
-gauges (running, waiting, KV blocks, prefix-cache hit rate, measured speed) are read from the
-engine loop's latest snapshot at scrape time.
+gauges (running, waiting, KV blocks, prefix-cache hit rate, measured speed) and the engine core's
+counters (a CounterBoard: KV events, the shared block store) are read from the latest snapshot
+the core sent, at scrape time.
 """
 
 from __future__ import annotations
@@ -19,14 +20,51 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
+# The engine core's own counters: name -> (help, label name or None).
+BOARD: dict[str, tuple[str, str | None]] = {
+    "kv_events_published": ("KV events written to Redis", None),
+    "kv_events_dropped": ("KV events lost (Redis down, queue full)", None),
+    "kv_store_pulled_blocks": ("KV blocks loaded from the shared store", None),
+    "kv_store_pulled_bytes": ("Bytes of KV loaded from the shared store", None),
+    "kv_store_pushed_blocks": ("KV blocks written to the shared store", None),
+    "kv_store_pushed_bytes": ("Bytes of KV written to the shared store", None),
+    "kv_store_push_dropped_blocks": ("KV blocks not written (queue full, store down)", None),
+    "kv_store_refused_blocks": ("Shared-store blocks refused, by reason", "reason"),
+    "kv_store_errors": ("Shared-store calls that failed, by operation", "op"),
+}
+
+
+class CounterBoard:
+    """The core's counters as a plain dict that crosses the process link: {name: {label: value}}
+    ("" is the label of an unlabelled counter). Thread-safe enough for += from one writer each."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, dict[str, float]] = {name: {} for name in BOARD}
+
+    def inc(self, name: str, amount: float = 1, label: str = "") -> None:
+        series = self.values[name]  # KeyError for a name not in BOARD: a typo, not a new metric
+        series[label] = series.get(label, 0) + amount
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        return {name: dict(series) for name, series in self.values.items()}
+
+
+Snapshot = Callable[[], tuple[LoadReport, dict[str, int], dict[str, dict[str, float]]]]
+
+
 class _LoadCollector:
-    def __init__(self, snapshot: Callable[[], tuple[LoadReport, dict[str, int]]], labels: dict[str, str]) -> None:
+    def __init__(self, snapshot: Snapshot, labels: dict[str, str]) -> None:
         self._snapshot = snapshot
         self._labels = labels
 
     def collect(self):
-        load, counters = self._snapshot()
+        load, counters, board = self._snapshot()
         names, values = list(self._labels), list(self._labels.values())
+        for name, (doc, label) in BOARD.items():
+            c = CounterMetricFamily(f"kvharbor_{name}", doc, labels=names + ([label] if label else []))
+            for key, value in (board.get(name) or ({} if label else {"": 0})).items():
+                c.add_metric(values + ([key] if label else []), value)
+            yield c
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
             g = GaugeMetricFamily(f"kvharbor_{name}", doc, labels=names)
@@ -74,9 +112,7 @@ class _LoadCollector:
 
 
 class ServerMetrics:
-    def __init__(
-        self, snapshot: Callable[[], tuple[LoadReport, dict[str, int]]], model: str, instance: str
-    ) -> None:
+    def __init__(self, snapshot: Snapshot, model: str, instance: str) -> None:
         self.registry = CollectorRegistry()
         labels = {"model": model, "instance": instance}
         self.requests = Counter(
@@ -109,26 +145,7 @@ class ServerMetrics:
             buckets=TOKEN_BUCKETS,
             registry=self.registry,
         )
-        self.kv_events_published = Counter(
-            "kvharbor_kv_events_published", "KV events written to Redis", registry=self.registry
-        )
-        self.kv_events_dropped = Counter(
-            "kvharbor_kv_events_dropped", "KV events lost (Redis down, queue full)", registry=self.registry
-        )
-        self._store_metrics()
         self.registry.register(_LoadCollector(snapshot, labels))
-
-    def _store_metrics(self) -> None:
-        def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
-            return Counter(f"kvharbor_kv_store_{name}", doc, list(labels), registry=self.registry)
-
-        self.kv_store_pulled_blocks = counter("pulled_blocks", "KV blocks loaded from the shared store")
-        self.kv_store_pulled_bytes = counter("pulled_bytes", "Bytes of KV loaded from the shared store")
-        self.kv_store_pushed_blocks = counter("pushed_blocks", "KV blocks written to the shared store")
-        self.kv_store_pushed_bytes = counter("pushed_bytes", "Bytes of KV written to the shared store")
-        self.kv_store_push_dropped = counter("push_dropped_blocks", "KV blocks not written (queue full, store down)")
-        self.kv_store_refused = counter("refused_blocks", "Shared-store blocks refused, by reason", ("reason",))
-        self.kv_store_errors = counter("errors", "Shared-store calls that failed, by operation", ("op",))
 
     def observe_request(self, arrival: float, token_times: list[float], prompt_tokens: int) -> None:
         """Record one finished generation: `token_times` are when each output token appeared."""

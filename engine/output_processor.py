@@ -61,6 +61,9 @@ class OutputProcessor:
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
+    def forget_all(self) -> None:
+        self._requests.clear()
+
     @property
     def num_tracked(self) -> int:
         return len(self._requests)

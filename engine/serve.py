@@ -34,7 +34,7 @@ def main(argv: list[str], prog: str = "kvharbor serve", command: str = "serve") 
     setup_logging(config.server.log_level, config.server.log_json)
     try:
         server = build_server(config)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"kvharbor serve: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
@@ -53,51 +53,30 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 class EngineServer:
-    """The engine, its loop, the KV event publisher and uvicorn, started and stopped together."""
+    """The API server and its engine core process (engine/core_client.py), started and stopped
+    together: the core loads the model and warms up before uvicorn takes a connection."""
 
     def __init__(self, config: Any) -> None:
+        from kvharbor.common.tracing import setup_tracing
         from kvharbor.engine.api_server import ServerState, build_app
-        from kvharbor.engine.engine_loop import EngineLoop
-        from kvharbor.engine.kv_publisher import KVEventPublisher
-        from kvharbor.engine.llm_engine import LLMEngine
+        from kvharbor.engine.core_client import CoreClient
         from kvharbor.engine.metrics import ServerMetrics
         from kvharbor.engine.slo_window import SLOWindow
 
         srv = config.server
-        engine_config = config.engine
-        if srv.redis_url:
-            engine_config = dataclasses.replace(
-                engine_config, cache=dataclasses.replace(engine_config.cache, kv_events=True)
-            )
         self.instance_id = srv.instance_id or f"{socket.gethostname()}-{srv.port}"
-        self.engine = LLMEngine(engine_config, progress=lambda msg: log.info(msg))
-        model = self.engine.model_name
-        self.metrics = ServerMetrics(lambda: (self.loop.load, self.loop.counters), model, self.instance_id)
-        self.publisher = None
-        if srv.redis_url:
-            self.publisher = KVEventPublisher(
-                srv.redis_url,
-                model,
-                self.instance_id,
-                srv.kv_events_stream_prefix + model,
-                srv.lease_ttl,
-                on_published=self.metrics.kv_events_published.inc,
-                on_dropped=self.metrics.kv_events_dropped.inc,
-            )
-        self.kv_store = self._kv_store(srv)
-        self.loop = EngineLoop(
-            self.engine,
-            event_sink=self.publisher.sink if self.publisher else None,
-            after_step=self.kv_store.after_step if self.kv_store and self.kv_store.policy == "all" else None,
+        config = dataclasses.replace(config, server=dataclasses.replace(srv, instance_id=self.instance_id))
+        self.core = CoreClient(config)
+        self.core.start_sync()
+        self.metrics = ServerMetrics(
+            lambda: (self.core.load, self.core.counters, self.core.board), self.core.model_name, self.instance_id
         )
-        from kvharbor.common.tracing import setup_tracing
-
         self.state = ServerState(
-            self.loop,
+            self.core,
             self.metrics,
             self.instance_id,
             srv.max_body_bytes,
-            kv_store=self.kv_store,
+            shared_store=bool(srv.redis_url),
             slo=SLOWindow(srv.slo_ttft_ms / 1000, srv.slo_itl_ms / 1000, srv.slo_window),
             tracer=setup_tracing("engine", srv.otlp_endpoint),
         )
@@ -106,47 +85,26 @@ class EngineServer:
         self.server = DrainingServer(uv_config, self.state, srv.drain_timeout)
         self.config = config
 
-    def _kv_store(self, srv: Any) -> Any:
-        if not srv.redis_url:
-            return None
-        from kvharbor.engine.kv_offload import KVStoreClient
-        from kvharbor.kvcache_service.block_store import RedisBlockStore
-
-        client = KVStoreClient(RedisBlockStore.from_url(srv.redis_url), self.engine, srv.kv_store_push, self.metrics)
-        client.install()
-        return client
-
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Any) -> AsyncIterator[None]:
-        tasks = []
-        if self.publisher is not None:
-            tasks.append(asyncio.create_task(self.publisher.run(self.loop, self.engine.capacity.block_size)))
-        if self.kv_store is not None:
-            tasks.append(asyncio.create_task(self.kv_store.run()))
+        await self.core.attach()
         try:
             yield
         finally:
-            if self.publisher is not None:
-                await self.publisher.stop()
-            for task in tasks:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-            if self.kv_store is not None:
-                await self.kv_store.stop()
+            await self.core.stop()
             from kvharbor.common.tracing import shutdown
 
             shutdown()  # flushes spans still batched
 
     def serve_forever(self) -> int:
         srv = self.config.server
-        self.loop.start()
         url = f"http://{srv.host}:{srv.port}"
-        log.info("serving", extra={"url": url, "model": self.engine.model_name, "instance_id": self.instance_id})
+        model = self.core.model_name
+        log.info("serving", extra={"url": url, "model": model, "instance_id": self.instance_id})
         print(
-            f"[kvharbor] serving {self.engine.model_name} on {url}  (Ctrl-C drains and stops)\n"
+            f"[kvharbor] serving {model} on {url}  (Ctrl-C drains and stops)\n"
             f"[kvharbor] try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
-            f'-d \'{{"model": "{self.engine.model_name}", "messages": [{{"role": "user", '
+            f'-d \'{{"model": "{model}", "messages": [{{"role": "user", '
             f'"content": "What is the capital of France?"}}], "temperature": 0}}\'',
             file=sys.stderr,
             flush=True,
@@ -154,8 +112,8 @@ class EngineServer:
         try:
             self.server.run()
         finally:
-            self.loop.stop()
-        return 0 if self.loop.error is None else 1
+            self.core.kill()
+        return 0 if self.core.error is None else 1
 
 
 def build_server(config: Any) -> EngineServer:

@@ -12,7 +12,7 @@ from kvharbor.common.block_hash import block_hashes
 from kvharbor.engine import SamplingParams
 from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.kv_offload import KVStoreClient
-from kvharbor.engine.metrics import ServerMetrics
+from kvharbor.engine.metrics import CounterBoard
 from kvharbor.kvcache_service.block_store import RedisBlockStore
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -23,8 +23,7 @@ def prompt(seed: int, n: int = 100) -> list[int]:
 
 
 def client_for(llm, url: str, policy: str) -> KVStoreClient:
-    metrics = ServerMetrics(lambda: ({}, {}), "m", "i")
-    client = KVStoreClient(RedisBlockStore.from_url(url), llm.engine, policy, metrics)
+    client = KVStoreClient(RedisBlockStore.from_url(url), llm.engine, policy, CounterBoard())
     client.install()
     return client
 
@@ -56,7 +55,7 @@ def test_evicted_blocks_are_written_back_and_pulled_again(tiny_llama, make_llm, 
         llm.generate([prompt(2)], GREEDY)
         assert client._queue  # the first prompt's tail blocks, copied before their slots were reused
         await flush(client)
-        pushed = int(client.metrics.kv_store_pushed_blocks._value.get())
+        pushed = int(client.counters.values["kv_store_pushed_blocks"][""])
         assert pushed >= 1
 
         client = client_for(llm, redis_server.url, "off")

@@ -41,7 +41,7 @@ def test_a_malformed_report_is_refused_naming_the_field(bad):
 
 
 def test_metrics_render_the_same_report():
-    text = ServerMetrics(lambda: (FULL, dict.fromkeys(COUNTERS, 0)), "m", "a").render().decode()
+    text = ServerMetrics(lambda: (FULL, dict.fromkeys(COUNTERS, 0), {}), "m", "a").render().decode()
     assert 'kvharbor_requests_running{instance="a",model="m"} 3.0' in text
     assert 'kvharbor_kv_blocks_free{instance="a",model="m"} 40.0' in text
     assert 'kvharbor_decode_step_seconds{instance="a",model="m"} 0.04525' in text

@@ -13,7 +13,7 @@ import time
 import httpx
 import openai
 import pytest
-from servers import EngineServerProcess, metric
+from servers import EngineServerProcess, metric, wait_for
 
 from kvharbor.common.load_report import LoadReport
 from kvharbor.engine import SamplingParams
@@ -59,6 +59,15 @@ def test_the_printed_curl_line_answers_the_question(server):
     url = line.split("curl -s ", 1)[1].split()[0]
     answer = httpx.post(url, json=body, timeout=120).json()
     assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
+
+
+def test_a_stop_string_retires_the_request_in_the_engine_core_at_once(client, server):
+    """The API server finds the stop string and tells the core, which stops generating: without
+    that, the core would go on for the 500 tokens asked for (~25 s here)."""
+    resp = chat(client, QUESTIONS[0], temperature=0, max_tokens=500, stop=["Paris"], extra_body={"ignore_eos": True})
+    assert resp.choices[0].message.content == "The capital of France is " and resp.choices[0].finish_reason == "stop"
+    load = wait_for(lambda: (r := httpx.get(server.url + "/load").json())["running"] == 0 and r, timeout=5)
+    assert load["kv_blocks_free"] == load["kv_blocks_total"]
 
 
 def test_chat_unstreamed_with_usage(client):

@@ -4,13 +4,12 @@ restarts, the publisher re-sends `cleared` and then the full set."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import httpx
 import pytest
 import redis
-from servers import EngineServerProcess, RedisProcess, free_port, wait_for
+from servers import EngineServerProcess, RedisProcess, free_port, metric, wait_for
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.common.kv_events import AllCleared, BlockStored, from_fields
@@ -27,9 +26,7 @@ def read_events(client: redis.Redis, after: str = "-") -> list[tuple[str, object
 
 
 def dropped_events(url: str) -> float:
-    text = httpx.get(url + "/metrics").text
-    m = re.search(r"^kvharbor_kv_events_dropped_total ([0-9.]+)$", text, re.MULTILINE)
-    return float(m.group(1)) if m else 0.0
+    return metric(httpx.get(url + "/metrics").text, "kvharbor_kv_events_dropped_total")
 
 
 def tiny_engine_args(model: Path, redis_url: str) -> tuple[str, ...]:

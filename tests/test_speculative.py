@@ -300,7 +300,7 @@ def test_acceptance_rate_and_mean_accepted_length_are_reported(make_llm, tiny_ll
     loop = EngineLoop.__new__(EngineLoop)  # only its snapshot of the engine's counters, no thread
     loop.engine, loop.counters = llm.engine, {"aborted": 0}
     loop._refresh()
-    text = ServerMetrics(lambda: (loop.load, loop.counters), "m", "i").render().decode()
+    text = ServerMetrics(lambda: (loop.load, loop.counters, {}), "m", "i").render().decode()
     rate = stats.spec_accepted / stats.spec_proposed
     assert f'kvharbor_spec_acceptance_rate{{instance="i",model="m"}} {rate}' in text
     mean = stats.spec_accepted / stats.spec_verifications

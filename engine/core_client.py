@@ -1,0 +1,263 @@
+"""CoreClient: the API server's side of its engine core process.
+
+It starts `python -m kvharbor.engine.core_process` as a child joined by a socket pair
+(engine/core_link.py), sends it requests as token ids and sampling options, and turns the token
+deltas it sends back into RequestOutputs (engine/output_processor.py: text, stop strings), one
+RequestStream per request. A stop string is told back to the core, which retires the sample.
+
+Death is loud on both sides: when the core process dies, every open stream ends with EngineDead,
+`alive` turns false (so /ready and /health say 503) and new requests get 503; when this process
+dies, the core sees its link close and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from kvharbor.common.load_report import LoadReport
+from kvharbor.common.model_files import load_tokenizer
+from kvharbor.engine.core_link import LinkClosed, encode, read_message, read_message_sync
+from kvharbor.engine.core_outputs import CoreOutput
+from kvharbor.engine.engine_loop import EngineDead, NewRequest
+from kvharbor.engine.metrics import CounterBoard
+from kvharbor.engine.output_processor import OutputProcessor
+from kvharbor.engine.outputs import RequestOutput
+
+log = logging.getLogger("kvharbor.engine.core_client")
+
+
+class RequestStream:
+    """The outputs of one request, in order; the last has `finished` set. Each item carries the
+    monotonic time the core produced it (for TTFT/ITL)."""
+
+    def __init__(self) -> None:
+        self.imported_blocks = 0  # prefix blocks loaded from the shared store for this request
+        self._queue: asyncio.Queue[tuple[RequestOutput, float] | BaseException] = asyncio.Queue()
+
+    def put(self, item: tuple[RequestOutput, float] | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[tuple[RequestOutput, float]]:
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item[0].finished:
+                return
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreInfo:
+    """What the core process says of itself once its model is loaded and warmed up."""
+
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+
+
+class CoreClient:
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        model = config.engine.model
+        self.model_name, self.tokenizer = load_tokenizer(model.model, model.served_model_name)
+        self.processor = OutputProcessor(self.tokenizer)
+        self.info: CoreInfo | None = None
+        self.error: BaseException | None = None
+        self.load = LoadReport(model=self.model_name)
+        self.counters: dict[str, int] = dict.fromkeys(
+            ("prefix_queries", "prefix_hits", "aborted", "spec_verifications", "spec_proposed", "spec_accepted"), 0
+        )
+        self.board = CounterBoard().snapshot()
+        self.proc: subprocess.Popen | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._streams: dict[str, RequestStream] = {}
+        self._added: dict[str, asyncio.Future] = {}
+        self._reader_task: asyncio.Task | None = None
+        self._sock: socket.socket | None = None
+        self._stopping = False
+
+    # -- life ----------------------------------------------------------------------------------------
+
+    def start_sync(self, timeout: float | None = None) -> CoreInfo:
+        """Start the core process and wait (blocking: before any event loop runs) until its model is
+        loaded and warmed up. Raises ValueError for what the core refused (a bad model path, a KV
+        pool too small) and RuntimeError if it exits first."""
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cmd = [sys.executable, "-m", "kvharbor.engine.core_process", "--link-fd", str(theirs.fileno())]
+        self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=os.environ.copy())
+        theirs.close()
+        self._sock = ours
+        ours.settimeout(timeout)
+        ours.sendall(encode(["config", pickle.dumps(self.config)]))  # once; frozen dataclasses
+        try:
+            first = read_message_sync(ours)
+        except LinkClosed:
+            code = self.proc.wait(30)
+            raise RuntimeError(f"the engine core process exited with code {code} while starting") from None
+        finally:
+            ours.settimeout(None)
+        if first[0] == "failed":
+            self.proc.wait(30)
+            raise ValueError(first[1])
+        info = first[1]
+        self.info = CoreInfo(info["model"], info["max_model_len"], info["vocab_size"], info["block_size"])
+        return self.info
+
+    async def attach(self) -> None:
+        """Hand the link to the running event loop (uvicorn's): from here on outputs flow."""
+        reader, self._writer = await asyncio.open_unix_connection(sock=self._sock)
+        self._reader_task = asyncio.create_task(self._read(reader))
+
+    def kill(self) -> None:
+        """Stop the core process at once if it still runs (after the server stopped)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Ask the core process to stop, then wait for it (killed after `timeout`)."""
+        self._stopping = True
+        if self._writer is not None and not self._writer.is_closing():
+            with contextlib.suppress(Exception):
+                self._writer.write(encode(["shutdown"]))
+                await self._writer.drain()
+        if self.proc is not None:
+            deadline = time.monotonic() + timeout
+            while self.proc.poll() is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._reader_task is not None:
+            self._reader_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader_task
+
+    @property
+    def alive(self) -> bool:
+        return self.error is None and self.proc is not None and self.proc.poll() is None
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- requests ------------------------------------------------------------------------------------
+
+    async def add(self, request: NewRequest, kv_prefix_source: str | None = None) -> RequestStream:
+        """Queue a request in the core; raises its ValueError for bad input, EngineDead if it is gone."""
+        self._check_alive()
+        rid = request.request_id
+        if rid in self._streams or rid in self._added:
+            raise ValueError(f"request id {rid!r} is already in use")
+        done = asyncio.get_running_loop().create_future()
+        self._added[rid] = done
+        # NOTE: tracked before the core hears of it: its first outputs may overtake the reply.
+        stream = self._streams[rid] = RequestStream()
+        self.processor.add(rid, None, request.prompt_token_ids, request.params)
+        params = dataclasses.asdict(request.params)
+        self._send(["add", rid, request.prompt_token_ids, params, request.priority, request.tenant,
+                    request.cache_salt, request.arrival_time, kv_prefix_source])  # fmt: skip
+        try:
+            stream.imported_blocks = await done
+        except BaseException:
+            self._streams.pop(rid, None)
+            self.processor.forget(rid)
+            raise
+        finally:
+            self._added.pop(rid, None)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed before the core's next step. Unknown ids are ignored."""
+        if self.alive:
+            self._send(["abort", request_id])
+
+    def abort_all(self) -> None:
+        if self.alive:
+            self._send(["abort_all"])
+
+    def record_reuse(self, prompt_tokens: int, cached_tokens: int, pulled_blocks: int) -> None:
+        """One finished request, for the shared store's reuse counters (the core owns the store)."""
+        if self.alive:
+            self._send(["reuse", prompt_tokens, cached_tokens, pulled_blocks])
+
+    def _send(self, message: list) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(encode(message))
+
+    def _check_alive(self) -> None:
+        if not self.alive:
+            raise EngineDead(f"the engine core process is gone: {self.error!r}")
+
+    # -- what the core sends -------------------------------------------------------------------------
+
+    async def _read(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                message = await read_message(reader)
+                kind = message[0]
+                if kind == "out":
+                    self.load, self.counters = LoadReport.from_json(message[3]), message[4]
+                    self._deliver(message[1], [CoreOutput.from_wire(o) for o in message[2]])
+                elif kind == "load":
+                    self.load, self.counters, self.board = LoadReport.from_json(message[1]), message[2], message[3]
+                elif kind == "added":
+                    self._answer(*message[1:])
+                elif kind == "dead":
+                    self._fail(EngineDead(message[1]))
+        except LinkClosed:
+            if self._stopping:
+                return  # we asked it to stop
+            code = self.proc.poll() if self.proc is not None else None
+            self._fail(EngineDead(f"the engine core process exited (code {code})"))
+
+    def _deliver(self, now: float, outputs: list[CoreOutput]) -> None:
+        results, stops = self.processor.process(outputs)
+        for stop in stops:
+            self._send(["stop", stop.request_id, stop.index, stop.num_output_tokens, stop.stop_string])
+        for out in results:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            stream.put((out, now))
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _answer(self, rid: str, imported: int | None, error: str | None, kind: str | None) -> None:
+        done = self._added.get(rid)
+        if done is None or done.done():
+            return
+        if error is not None:
+            done.set_exception(EngineDead(error) if kind == "dead" else ValueError(error))
+        else:
+            done.set_result(imported)
+
+    def _fail(self, exc: EngineDead) -> None:
+        if self.error is None:
+            log.error("the engine core process died; every open request fails", extra={"error": str(exc)})
+        self.error = exc
+        for stream in self._streams.values():
+            stream.put(exc)
+        self._streams.clear()
+        for rid in list(self._added):
+            done = self._added[rid]
+            if not done.done():
+                done.set_exception(exc)
+        self.processor.forget_all()

@@ -1,0 +1,213 @@
+"""The engine core process of `kvharbor serve`: the EngineCore on its thread (engine_loop.py), and
+an asyncio loop for everything else the core owns: the link to the API server (core_link.py), the
+KV event publisher and the shared block store client (both talk to Redis).
+
+    python -m kvharbor.engine.core_process --link-fd N
+
+The API server starts it (engine/core_client.py) and sends the ServeConfig as the first message.
+It exits when the link closes: the API server died or stopped it. Ctrl-C reaches the whole
+process group, so it ignores SIGINT and lets the API server drain and stop it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import pickle
+import signal
+import socket
+import time
+from typing import Any
+
+from kvharbor.common.logs import setup_logging
+from kvharbor.engine.core_link import LinkClosed, encode, read_message
+from kvharbor.engine.engine_loop import EngineDead, EngineLoop, NewRequest
+from kvharbor.engine.metrics import CounterBoard
+from kvharbor.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvharbor.engine.core")
+LOAD_INTERVAL_S = 0.05  # how often the API server's /load and /metrics snapshot is refreshed
+
+
+class CoreProcess:
+    def __init__(self, config: Any, writer: asyncio.StreamWriter) -> None:
+        from kvharbor.engine.core import EngineCore
+
+        self.config = config
+        self.writer = writer
+        self.board = CounterBoard()
+        srv = config.server
+        engine_config = config.engine
+        if srv.redis_url:
+            cache = dataclasses.replace(engine_config.cache, kv_events=True)
+            engine_config = dataclasses.replace(engine_config, cache=cache)
+        self.core = EngineCore(engine_config, progress=lambda msg: log.info(msg))
+        self.instance_id = srv.instance_id
+        self.publisher = self._publisher(srv)
+        self.kv_store = self._kv_store(srv)
+        self.loop = EngineLoop(
+            self.core,
+            deliver=self._deliver,
+            event_sink=self.publisher.sink if self.publisher else None,
+            after_step=self.kv_store.after_step if self.kv_store and self.kv_store.policy == "all" else None,
+            on_death=self._died,
+        )
+        self.aio: asyncio.AbstractEventLoop | None = None
+        self._pending: dict[str, bool] = {}  # adds not in the engine yet -> aborted meanwhile
+        self._tasks: set[asyncio.Task] = set()
+
+    def _publisher(self, srv: Any) -> Any:
+        if not srv.redis_url:
+            return None
+        from kvharbor.engine.kv_publisher import KVEventPublisher
+
+        model = self.core.model_name
+        return KVEventPublisher(
+            srv.redis_url, model, self.instance_id, srv.kv_events_stream_prefix + model, srv.lease_ttl,
+            on_published=lambda n: self.board.inc("kv_events_published", n),
+            on_dropped=lambda n: self.board.inc("kv_events_dropped", n),
+        )  # fmt: skip
+
+    def _kv_store(self, srv: Any) -> Any:
+        if not srv.redis_url:
+            return None
+        from kvharbor.engine.kv_offload import KVStoreClient
+        from kvharbor.kvcache_service.block_store import RedisBlockStore
+
+        client = KVStoreClient(RedisBlockStore.from_url(srv.redis_url), self.core, srv.kv_store_push, self.board)
+        client.install()  # before the loop starts: the hooks fire inside the core's steps
+        return client
+
+    # -- the engine thread -------------------------------------------------------------------------
+
+    def _deliver(self, outputs: list, now: float) -> None:
+        if outputs:
+            wire = [o.to_wire() for o in outputs]
+            message = ["out", now, wire, self.loop.load.to_json(), self.loop.counters]
+            self.aio.call_soon_threadsafe(self._send, message)
+
+    def _died(self, exc: BaseException) -> None:
+        self.aio.call_soon_threadsafe(self._send, ["dead", f"the engine core failed: {exc!r}"])
+
+    # -- the asyncio loop ----------------------------------------------------------------------------
+
+    def _send(self, message: list) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(encode(message))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def run(self, reader: asyncio.StreamReader) -> None:
+        self.aio = asyncio.get_running_loop()
+        self.loop.start()
+        core = self.core
+        info = {"model": core.model_name, "max_model_len": core.max_model_len, "vocab_size": core.arch.vocab_size,
+                "block_size": core.capacity.block_size, "instance_id": self.instance_id}  # fmt: skip
+        self._send(["ready", info])
+        if self.publisher is not None:
+            self._spawn(self.publisher.run(self.loop, core.capacity.block_size))
+        if self.kv_store is not None:
+            self._spawn(self.kv_store.run())
+        self._spawn(self._report_load())
+        try:
+            while True:
+                message = await read_message(reader)
+                if message[0] == "shutdown":
+                    return
+                self._handle(message)
+        except LinkClosed:
+            log.info("the API server closed the engine link; stopping")
+        finally:
+            await self._stop()
+
+    def _handle(self, message: list) -> None:
+        kind = message[0]
+        if kind == "add":
+            self._pending[message[1]] = False
+            self._spawn(self._add(*message[1:]))
+        elif kind == "abort":
+            if message[1] in self._pending:
+                self._pending[message[1]] = True  # aborted while its prefix was being pulled
+            self.loop.abort(message[1])
+        elif kind == "abort_all":
+            self._pending = dict.fromkeys(self._pending, True)
+            self.loop.abort_all()
+        elif kind == "stop":
+            self.loop.stop_sample(*message[1:])
+        elif kind == "reuse" and self.kv_store is not None:
+            self._spawn(self.kv_store.record_reuse(*message[1:]))
+        else:
+            log.warning("unknown message on the engine link; ignored", extra={"kind": str(kind)[:40]})
+
+    async def _add(self, rid: str, ids: list[int], params: dict, priority: int, tenant: str | None,
+                   salt: str | None, arrival: float, source: str | None) -> None:  # fmt: skip
+        try:
+            sampling = SamplingParams(**params)
+            ext = None
+            if source == "shared" and self.kv_store is not None:
+                ext = await self.kv_store.pull(ids, salt)
+            request = NewRequest(rid, ids, sampling, priority, tenant, salt, arrival, ext)
+            imported = await asyncio.wrap_future(self.loop.add(request))
+        except (ValueError, TypeError, EngineDead) as exc:
+            self._pending.pop(rid, None)
+            self._send(["added", rid, None, str(exc), "dead" if isinstance(exc, EngineDead) else "invalid"])
+            return
+        if self.kv_store is not None and imported:
+            self.kv_store.pulled(imported)
+        if self._pending.pop(rid, False):
+            self.loop.abort(rid)
+        self._send(["added", rid, imported, None, None])
+
+    async def _report_load(self) -> None:
+        while True:
+            self._send(["load", self.loop.load.to_json(), self.loop.counters, self.board.snapshot()])
+            await asyncio.sleep(LOAD_INTERVAL_S)
+
+    async def _stop(self) -> None:
+        self.loop.stop()
+        if self.publisher is not None:
+            await self.publisher.stop()
+        for task in list(self._tasks):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.kv_store is not None:
+            await self.kv_store.stop()
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+async def serve_link(sock: socket.socket) -> int:
+    reader, writer = await asyncio.open_unix_connection(sock=sock)
+    config = pickle.loads((await read_message(reader))[1])  # once, at start: a frozen ServeConfig
+    setup_logging(config.server.log_level, config.server.log_json)
+    try:
+        core = CoreProcess(config, writer)
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        writer.write(encode(["failed", str(exc)]))
+        await writer.drain()
+        return 2
+    await core.run(reader)
+    return 0 if core.loop.error is None else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="kvharbor's engine core process (started by `kvharbor serve`)")
+    ap.add_argument("--link-fd", type=int, required=True, help="the socket to the API server")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sock = socket.socket(fileno=args.link_fd)
+    started = time.monotonic()
+    code = asyncio.run(serve_link(sock))
+    log.info("engine core stopped", extra={"seconds": round(time.monotonic() - started, 1)})
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,67 @@
+"""`kvharbor serve` runs its engine core in a process of its own: the death of either side is
+loud, and a clean stop stops both (the stop string told to the core: tests/test_server.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+from servers import EngineServerProcess, wait_for
+
+pytestmark = pytest.mark.slow  # real `kvharbor serve` processes
+
+ARGS = ("--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "1024", "--log-level", "info")
+
+
+def core_pid(server: EngineServerProcess) -> int:
+    kids = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+    (pid,) = [int(k) for k in kids if b"core_process" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    return pid
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.fixture
+def server(tmp_path, tiny_chat_model):
+    with EngineServerProcess(tmp_path, "--model", str(tiny_chat_model), *ARGS) as proc:
+        yield proc
+
+
+def test_the_death_of_the_core_makes_the_server_say_503(server):
+    body = {"model": "tiny-chat", "prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as http, http.stream("POST", server.url + "/v1/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        next(line for line in lines if line.startswith("data: {"))
+        os.kill(core_pid(server), signal.SIGKILL)
+        rest = list(lines)  # the open stream ends, with an error event, instead of hanging
+    assert any('"error"' in line for line in rest)
+    assert httpx.get(server.url + "/ready").status_code == 503
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "dead"
+    refused = httpx.post(server.url + "/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+    assert refused.status_code == 503 and "engine core" in refused.json()["error"]["message"]
+    assert server.proc.poll() is None  # the API server stays up to say so
+
+
+def test_the_death_of_the_server_stops_the_core(server):
+    pid = core_pid(server)
+    server.proc.kill()
+    server.proc.wait(10)
+    wait_for(lambda: not alive(pid), timeout=30, what="the core process to exit")
+
+
+def test_sigterm_stops_both_and_the_core_exits_first(server):
+    pid = core_pid(server)
+    server.signal(signal.SIGTERM)
+    assert server.wait(60) == 0
+    assert not alive(pid)
+    assert "engine core stopped" in server.log()
