@@ -124,6 +124,9 @@ class ServerConfig:
         "hot (a prefix once it is reused here, and evicted blocks), evict (before a cached block is reused), off",
     )
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests before aborting them")
+    api_server_nice: int = opt(
+        10, "how much lower the API server's CPU priority is than its engine core's (0: the same; 0-19)"
+    )
     slo_ttft_ms: float = opt(2000.0, "TTFT target (ms) for /load's slo_attainment")
     slo_itl_ms: float = opt(200.0, "mean inter-token latency target (ms) for /load's slo_attainment")
     slo_window: float = opt(60.0, "seconds of finished requests that slo_attainment covers")
@@ -135,6 +138,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if not 0 <= self.api_server_nice <= 19:
+            raise ValueError(f"api_server_nice must be in 0..19, got {self.api_server_nice}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.max_body_bytes < 1024:

@@ -99,6 +99,12 @@ class CoreClient:
         cmd = [sys.executable, "-m", "kvharbor.engine.core_process", "--link-fd", str(theirs.fileno())]
         self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=os.environ.copy())
         theirs.close()
+        if nice := self.config.server.api_server_nice:
+            # NOTE: the core's step is what every request waits on. On few cores, HTTP work (a flood
+            # of /metrics polls, many SSE clients) would take its CPU; at a lower priority the API
+            # server gets what the core leaves. Lowering one's own priority needs no privilege.
+            with contextlib.suppress(OSError):
+                os.nice(nice)
         self._sock = ours
         ours.settimeout(timeout)
         ours.sendall(encode(["config", pickle.dumps(self.config)]))  # once; frozen dataclasses
