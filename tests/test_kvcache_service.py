@@ -54,7 +54,7 @@ def test_lookup_instances_stats_and_leases(redis_fresh, tmp_path):
     tokens = list(range(100, 100 + 64))  # 4 blocks of 16
     hashes = block_hashes(tokens, 16, MODEL, "tenant-1")
     a.heartbeat()
-    b.heartbeat(ttl=1.5)
+    b.heartbeat()
     a.publish(a.stored(hashes))
     b.publish(b.stored(hashes[:2]))
     client.xadd(stream_key(MODEL), {"garbage": "1"})
@@ -74,7 +74,10 @@ def test_lookup_instances_stats_and_leases(redis_fresh, tmp_path):
         metrics = httpx.get(svc.url + "/metrics").text
         assert 'kvharbor_kvcache_events_malformed_total{reason="invalid"} 1.0' in metrics
         assert "kvharbor_kvcache_lookups_total" in metrics
-        # b stops heart-beating: it drops out of lookups, then out of the index.
+        # b's last heartbeat is a short one: its lease lapses, so it drops out of lookups, then out of
+        # the index. (Shortened only now: a short lease from the start could lapse before the slow
+        # service start-up on a busy machine, and the lookups above would miss b.)
+        b.heartbeat(ttl=0.5)
         wait_for(lambda: "b" not in lookup(svc.url, hashes).json()["matches"], what="lease expiry")
         wait_for(
             lambda: [i["instance"] for i in httpx.get(svc.url + "/instances").json()["instances"]] == ["a"],
