@@ -32,7 +32,7 @@ from kvharbor.common.openai_api import (
 )
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_client import CoreClient, RequestStream
-from kvharbor.engine.engine_loop import EngineDead, NewRequest
+from kvharbor.engine.core_io import EngineDead, NewRequest
 from kvharbor.engine.metrics import ServerMetrics
 from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
 from kvharbor.engine.outputs import RequestOutput

@@ -6,15 +6,23 @@ Lifecycle of a block:
     free (ref 0, maybe cached) --get_new_blocks/touch--> in use (ref >= 1) --free_blocks--> free
 A free block keeps its hash, so a later request can revive it (`touch`) until the free list
 hands it out again; only then does it leave the hash map and a `BlockRemoved` event is queued.
+
+Copy-outs (for the shared block store, engine/kv_offload.py) are recorded, never carried out
+here: which cached blocks are about to be overwritten (`evict`), reused (`reuse`) or were just
+filled (`fill`), as the scheduler's plan will need them. `take_saves` hands them over.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Literal
 
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, KVEvent
+
+SaveOn = Literal["evict", "reuse", "fill"]
+Save = tuple[int, BlockHash]  # (block id, its hash): one block to copy out
 
 
 class Block:
@@ -109,13 +117,10 @@ class BlockPool:
         # through `events_dropped` and must re-sync from `cached_hashes()`.
         self._events: deque[KVEvent] = deque(maxlen=max_queued_events)
         self.events_dropped = 0
-        # Hooks for the shared block store (engine/kv_offload.py); None costs nothing.
-        # on_evict sees cached blocks about to be reused while their KV is still intact;
-        # on_reuse sees the blocks of every prefix-cache hit; new_cached collects blocks as
-        # they are cached (its owner empties it).
-        self.on_evict: Callable[[list[Block]], None] | None = None
-        self.on_reuse: Callable[[list[Block]], None] | None = None
-        self.new_cached: list[Block] | None = None
+        # When blocks are recorded for copy-out (empty: never, and it costs nothing).
+        self.save_on: frozenset[SaveOn] = frozenset()
+        self._save_before: list[Save] = []  # intact now; the next forward may overwrite them
+        self._save_after: list[Save] = []  # the next forward fills them
 
     @property
     def num_free(self) -> int:
@@ -135,14 +140,12 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks but only {self.num_free} are free")
         out = []
         evicted: list[BlockHash] = []
-        if self.on_evict is not None:
-            victims = [b for b in self.free_queue.peek(n) if b.block_hash is not None]
-            if victims:
-                self.on_evict(victims)
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
+                if "evict" in self.save_on:
+                    self._save_before.append((block.block_id, block.block_hash))
                 del self.cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
@@ -153,6 +156,17 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: BlockHash) -> Block | None:
         return self.cached.get(block_hash) if self.enable_caching else None
+
+    def reused(self, blocks: Sequence[Block]) -> None:
+        """A prefix-cache hit adopts `blocks` (its KV is intact: record them when saving on reuse)."""
+        if "reuse" in self.save_on:
+            self._save_before.extend((b.block_id, b.block_hash) for b in blocks if b.block_hash is not None)
+
+    def take_saves(self) -> tuple[list[Save], list[Save]]:
+        """Hand over the blocks recorded for copy-out: (before the next forward, after it)."""
+        saves = self._save_before, self._save_after
+        self._save_before, self._save_after = [], []
+        return saves
 
     def touch(self, blocks: Iterable[Block]) -> None:
         """Take one more reference on each block, reviving free ones out of the free list."""
@@ -192,8 +206,8 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached[block_hash] = block
             run.append(block_hash)
-            if self.new_cached is not None:
-                self.new_cached.append(block)
+            if "fill" in self.save_on:
+                self._save_after.append((block.block_id, block_hash))
         self._emit_stored(run, run_parent)
 
     def _emit_stored(self, run: list[BlockHash], parent: BlockHash | None) -> None:

@@ -28,7 +28,7 @@ from kvharbor.engine.attention_triton import resolve_backend
 from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.capacity import KVCapacity, check_max_model_len, plan_capacity
 from kvharbor.engine.config import EngineConfig
-from kvharbor.engine.core_outputs import CoreOutput, SampleDelta
+from kvharbor.engine.core_io import CoreOutput, SampleDelta
 from kvharbor.engine.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
 from kvharbor.engine.draft import draft_kv_bytes_per_token
 from kvharbor.engine.kv_cache_manager import KVCacheManager
@@ -153,6 +153,7 @@ class EngineCore:
             self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend, self.cpu_kernels
         )
         self.kv_io = KVBlockIO(self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint)
+        self.runner.kv_io = self.kv_io
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._touched: set[str] = set()
@@ -194,9 +195,13 @@ class EngineCore:
         if spec.speculative_method == "ngram":
             proposer: Proposer = NgramProposer(spec.ngram_n)
         else:
-            from kvharbor.engine.draft import DraftModelProposer
+            from kvharbor.engine.draft import DraftModelProposer, DraftSetup
 
-            proposer = DraftModelProposer(self.draft_model, self)
+            setup = DraftSetup(
+                self.device, self.dtype, self.capacity.block_size, self.capacity.num_blocks,
+                self.attention_backend, self.cpu_kernels, self.sampler.adjust,
+            )  # fmt: skip
+            proposer = DraftModelProposer(self.draft_model, setup)
         say(f"speculative decoding: {spec.speculative_method}, k={spec.speculative_k}")
         return proposer, AdaptiveK(spec.speculative_k)
 
@@ -319,7 +324,7 @@ class EngineCore:
         plan = self.scheduler.schedule(self._propose())
         if plan.is_empty and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_unfinished} requests waiting")
-        if not plan.is_empty:
+        if not plan.is_empty or plan.moves_kv:
             self._run(plan)
         outputs = [self._output(self._groups[g]) for g in sorted(self._touched) if g in self._groups]
         for rid in list(self._touched):
@@ -339,8 +344,12 @@ class EngineCore:
         try:
             out = self.runner.execute(plan)
         except Exception as exc:
+            self.kv.loaded(ok=False)
             self._fail(plan, exc)
             return
+        self.kv.loaded()
+        if plan.is_empty:
+            return  # it only moved KV
         self.stats.record(plan, time.perf_counter() - t0)
         self._record_speculation(plan, out)
         forked = self.scheduler.update(plan, out)
@@ -391,38 +400,11 @@ class EngineCore:
     def import_prefix(
         self, hashes: Sequence[BlockHash], payloads: Sequence[bytes], prefix: Sequence[BlockHash] = ()
     ) -> int:
-        """Put KV blocks pulled from elsewhere into the prefix cache, as if computed here.
-
-        `hashes` continues the chain `prefix` (the blocks before it, cached here; empty when the
-        chain starts at block 0) and `payloads[i]` is block i's KV in `kv_io.format`. Blocks already
-        cached are skipped; the rest take free blocks (evicting the least recently used cached ones,
-        never the prefix's) and join the free list as cached, so the next request with this prefix
-        hits them. Returns how many blocks were loaded.
-        """
-        if len(hashes) != len(payloads):
-            raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
-        pool = self.pool
-        # Out of the free list while we allocate: no block of the chain may be the one evicted.
-        pinned = [pool.cached[h] for h in (*prefix, *hashes) if h in pool.cached]
-        pool.touch(pinned)
-        try:
-            todo = [(h, p) for h, p in zip(hashes, payloads, strict=True) if h not in pool.cached]
-            todo = todo[: pool.num_free] if pool.enable_caching else []
-            blocks = pool.get_new_blocks(len(todo)) if todo else []
-            try:
-                self.kv_io.load([b.block_id for b in blocks], [p for _, p in todo])
-            except Exception:
-                pool.free_blocks(blocks)
-                raise
-            chain = [*prefix, *hashes]
-            position = {h: i for i, h in enumerate(chain)}
-            for block, (h, _) in zip(blocks, todo, strict=True):
-                i = position[h]
-                pool.cache_blocks([block], [h], chain[i - 1] if i else None)
-            pool.free_blocks(reversed(blocks))  # tail first: evicted before the blocks it extends
-        finally:
-            pool.free_blocks(reversed(pinned))
-        return len(todo)
+        """Put KV blocks pulled from elsewhere into the prefix cache, as if computed here
+        (KVCacheManager.import_blocks: `hashes` continues the chain `prefix`, `payloads[i]` is
+        block i's KV in `kv_io.format`). The next step's runner writes them before its forward,
+        so a request added after this call hits them. Returns how many blocks were imported."""
+        return self.kv.import_blocks(hashes, payloads, prefix, self.kv_io.format.block_bytes)
 
     # -- introspection ------------------------------------------------------------------------
 

@@ -27,9 +27,8 @@ from typing import Any
 
 from kvharbor.common.load_report import LoadReport
 from kvharbor.common.model_files import load_tokenizer
+from kvharbor.engine.core_io import CoreOutput, EngineDead, NewRequest
 from kvharbor.engine.core_link import LinkClosed, encode, read_message, read_message_sync
-from kvharbor.engine.core_outputs import CoreOutput
-from kvharbor.engine.engine_loop import EngineDead, NewRequest
 from kvharbor.engine.metrics import CounterBoard
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput

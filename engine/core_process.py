@@ -23,8 +23,9 @@ import time
 from typing import Any
 
 from kvharbor.common.logs import setup_logging
+from kvharbor.engine.core_io import EngineDead, NewRequest
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
-from kvharbor.engine.engine_loop import EngineDead, EngineLoop, NewRequest
+from kvharbor.engine.engine_loop import EngineLoop
 from kvharbor.engine.metrics import CounterBoard
 from kvharbor.engine.sampling_params import SamplingParams
 
@@ -52,7 +53,6 @@ class CoreProcess:
             self.core,
             deliver=self._deliver,
             event_sink=self.publisher.sink if self.publisher else None,
-            after_step=self.kv_store.after_step if self.kv_store and self.kv_store.policy == "all" else None,
             on_death=self._died,
         )
         self.aio: asyncio.AbstractEventLoop | None = None
@@ -77,8 +77,11 @@ class CoreProcess:
         from kvharbor.engine.kv_offload import KVStoreClient
         from kvharbor.kvcache_service.block_store import RedisBlockStore
 
-        client = KVStoreClient(RedisBlockStore.from_url(srv.redis_url), self.core, srv.kv_store_push, self.board)
-        client.install()  # before the loop starts: the hooks fire inside the core's steps
+        client = KVStoreClient(
+            RedisBlockStore.from_url(srv.redis_url), self.core, srv.kv_store_push, self.board,
+            ask=lambda fn: asyncio.wrap_future(self.loop.call(fn)),  # the pool is the engine thread's
+        )  # fmt: skip
+        client.install()  # before the loop starts: the runner saves blocks from the first step on
         return client
 
     # -- the engine thread -------------------------------------------------------------------------

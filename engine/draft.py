@@ -11,6 +11,8 @@ greedy requests take the draft's argmax.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,21 +52,36 @@ def draft_kv_bytes_per_token(model: LlamaModel, dtype: torch.dtype) -> int:
     return model.arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
 
 
+Adjust = Callable[[torch.Tensor, Request, list[int]], "torch.Tensor | None"]
+
+
+@dataclass(frozen=True)
+class DraftSetup:
+    """What the draft proposer takes from the target engine, and nothing more."""
+
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    num_blocks: int  # the target's pool size (plan_capacity budgeted the draft's cache to match)
+    attention_backend: str
+    cpu_kernels: Any  # cpu_kernels.CpuKernels or None
+    adjust: Adjust  # the target sampler's logit processing (bias, min_tokens, penalties)
+
+
 class DraftModelProposer:
-    def __init__(self, model: LlamaModel, engine: Any) -> None:
-        self.engine = engine
-        self.device, self.dtype = engine.device, engine.dtype
-        self.block_size = engine.capacity.block_size
-        # As many token slots as the target's pool (plan_capacity budgeted both): the draft can
-        # shadow every running request.
-        self.pool = BlockPool(engine.capacity.num_blocks, self.block_size, enable_caching=False)
+    def __init__(self, model: LlamaModel, setup: DraftSetup) -> None:
+        self.device, self.dtype = setup.device, setup.dtype
+        self.block_size = setup.block_size
+        self._adjust = setup.adjust
+        # As many token slots as the target's pool: the draft can shadow every running request.
+        self.pool = BlockPool(setup.num_blocks, self.block_size, enable_caching=False)
         self.kv = KVCacheManager(self.pool)
         # The target's runner over the draft's model and cache: same batching, same attention backend.
         a = model.arch
-        kernels = engine.cpu_kernels if engine.cpu_kernels and engine.cpu_kernels.takes_attention(
+        kernels = setup.cpu_kernels if setup.cpu_kernels and setup.cpu_kernels.takes_attention(
             a.num_heads, a.num_kv_heads, a.head_dim
         ) else None  # fmt: skip
-        self.runner = ModelRunner(model, self.kv, None, self.dtype, self.device, engine.attention_backend, kernels)
+        self.runner = ModelRunner(model, self.kv, None, self.dtype, self.device, setup.attention_backend, kernels)
         self.shadows: dict[str, Request] = {}
         self.generators: dict[str, torch.Generator] = {}
 
@@ -151,7 +168,7 @@ class DraftModelProposer:
     def _draw(self, row: torch.Tensor, request: Request, extra: list[int]) -> tuple[int, torch.Tensor | None]:
         """A draft token and q (None for greedy requests: their acceptance only needs the token)."""
         params = request.params
-        processed = self.engine.sampler._process(row, request, extra)
+        processed = self._adjust(row, request, extra)
         row = row if processed is None else processed
         if params.greedy:
             return int(row.argmax()), None

@@ -18,31 +18,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvharbor.common.load_report import LoadReport
 from kvharbor.engine.core import EngineCore
-from kvharbor.engine.core_outputs import CoreOutput
-from kvharbor.engine.sampling_params import SamplingParams
+from kvharbor.engine.core_io import CoreOutput, EngineDead, NewRequest
 
 log = logging.getLogger("kvharbor.engine.loop")
-
-
-@dataclass
-class NewRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int = 0
-    tenant: str | None = None
-    cache_salt: str | None = None
-    arrival_time: float = field(default_factory=time.monotonic)
-    external_prefix: Any = None  # kv_offload.ExternalPrefix: blocks to load into the cache first
-
-
-class EngineDead(RuntimeError):
-    """The engine loop stopped on an unexpected error; the process should be restarted."""
 
 
 class EngineLoop:
@@ -51,13 +33,11 @@ class EngineLoop:
         engine: EngineCore,
         deliver: Callable[[list[CoreOutput], float], None],
         event_sink: Callable[[list], None] | None = None,
-        after_step: Callable[[EngineCore], None] | None = None,
         on_death: Callable[[BaseException], None] = lambda exc: None,
     ) -> None:
         self.engine = engine
         self._deliver = deliver  # the step's outputs and when they were made (engine thread)
         self._event_sink = event_sink
-        self._after_step = after_step  # runs in the engine thread after each step (KV copy-out)
         self._on_death = on_death
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -204,8 +184,6 @@ class EngineLoop:
                 self._in_flight.discard(out.request_id)
         self._refresh()  # the load that goes with these outputs: never older than they are
         self._deliver(outputs, now)
-        if self._after_step is not None:
-            self._after_step(self.engine)
         if self._event_sink is not None:
             events = self.engine.pool.take_events()
             if events:

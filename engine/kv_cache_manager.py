@@ -1,11 +1,13 @@
-"""KVCacheManager: each request's block table, prefix-cache lookups, allocation and copy-on-write."""
+"""KVCacheManager: each request's block table, prefix-cache lookups, allocation, copy-on-write,
+and imports of KV blocks computed elsewhere (the shared block store, P/D transfers)."""
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from kvharbor.common.block_hash import BlockHash
 from kvharbor.engine.block_pool import Block, BlockPool
 from kvharbor.engine.request import Request
 
@@ -13,6 +15,13 @@ from kvharbor.engine.request import Request
 class PrefixHit(NamedTuple):
     blocks: list[Block]
     num_tokens: int
+
+
+class Load(NamedTuple):
+    """One imported block: the runner writes `payload` into block `block_id` before the forward."""
+
+    block_id: int
+    payload: bytes
 
 
 class KVCacheManager:
@@ -29,6 +38,9 @@ class KVCacheManager:
         self._num_hashed: dict[str, int] = {}  # table entries already offered to the hash map
         self.prefix_queries = 0  # tokens of admitted requests looked up in the prefix cache
         self.prefix_hits = 0  # of those, tokens found cached
+        self._loads: list[Load] = []  # imported, not yet written: for the next plan
+        self._importing: list[Block] = []  # imported blocks whose KV the runner has not written
+        self._held: list[Block] = []  # those and their chains' blocks, in release order
 
     @property
     def num_free_blocks(self) -> int:
@@ -82,8 +94,7 @@ class KVCacheManager:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += hit.num_tokens
         if hit_blocks:
-            if self.pool.on_reuse is not None:
-                self.pool.on_reuse(hit_blocks)
+            self.pool.reused(hit_blocks)
             self.pool.touch(hit_blocks)
             table.extend(hit_blocks)
             self._num_hashed[request.request_id] = len(table)
@@ -152,15 +163,71 @@ class KVCacheManager:
             self.pool.uncache(self.tables.get(request.request_id, []))
             self._num_hashed[request.request_id] = 0
 
-    @property
-    def usage(self) -> float:
-        """Share of blocks in use by requests (cached free blocks count as free)."""
-        return 1.0 - self.pool.num_free / self.pool.num_blocks
+    # -- imports ----------------------------------------------------------------------------------
+
+    def cached_run(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of `hashes` (a chain from block 0) are cached here, from the start."""
+        k = 0
+        while k < len(hashes) and self.pool.get_cached_block(hashes[k]) is not None:
+            k += 1
+        return k
+
+    def import_blocks(
+        self, hashes: Sequence[BlockHash], payloads: Sequence[bytes], prefix: Sequence[BlockHash], block_bytes: int
+    ) -> int:
+        """Cache blocks whose KV was computed elsewhere, as if computed here.
+
+        `hashes` continues the chain `prefix` (cached here; empty when the chain starts at block
+        0); `payloads[i]` is block i's KV, `block_bytes` long. Blocks already cached are skipped;
+        the rest take free blocks (evicting the least recently used cached ones, never the
+        chain's own) and are cached at once, so a request admitted in the next plan hits them.
+        Their payloads go into that plan (`take_loads`): the runner writes them before the
+        forward; until then they are held (`loaded` releases them). Returns the blocks imported.
+        Raises ValueError (and imports nothing) for mismatched or wrong-sized payloads.
+        """
+        if len(hashes) != len(payloads):
+            raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
+        bad = next((len(p) for p in payloads if len(p) != block_bytes), None)
+        if bad is not None:
+            raise ValueError(f"a KV block payload is {bad} bytes, expected {block_bytes}")
+        pool = self.pool
+        if not pool.enable_caching:
+            return 0
+        # Out of the free list while we allocate: no block of the chain may be the one evicted.
+        pinned = [pool.cached[h] for h in (*prefix, *hashes) if h in pool.cached]
+        pool.touch(pinned)
+        todo = [(h, p) for h, p in zip(hashes, payloads, strict=True) if h not in pool.cached]
+        todo = todo[: pool.num_free]
+        blocks = pool.get_new_blocks(len(todo)) if todo else []
+        chain = [*prefix, *hashes]
+        position = {h: i for i, h in enumerate(chain)}
+        for block, (h, payload) in zip(blocks, todo, strict=True):
+            i = position[h]
+            pool.cache_blocks([block], [h], chain[i - 1] if i else None)
+            self._loads.append(Load(block.block_id, payload))
+        self._importing += blocks
+        # Released tail first, the chain's cached blocks last: the chain is evicted from its end.
+        self._held += [*reversed(blocks), *reversed(pinned)]
+        return len(todo)
+
+    def take_loads(self) -> list[Load]:
+        """The imported blocks the next plan's runner must write (handed over once)."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def loaded(self, ok: bool = True) -> None:
+        """The runner wrote the loads it took (or failed to: `ok=False` forgets their hashes, as
+        their KV cannot be trusted). The imported blocks and their chains are released."""
+        if not ok:
+            self.pool.uncache(self._importing)
+        held, self._held, self._importing = self._held, [], []
+        self.pool.free_blocks(held)
 
     def check_integrity(self) -> None:
         """The pool's own checks, plus: every refcount equals the number of tables holding it."""
         self.pool.check_integrity()
         holders = Counter(b.block_id for table in self.tables.values() for b in table)
+        holders.update(b.block_id for b in self._held)  # imports awaiting their write hold a reference
         for block in self.pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), (
                 f"{block} is held by {holders.get(block.block_id, 0)} tables"

@@ -1,9 +1,10 @@
 """KVStoreClient: the engine's side of the shared block store (kvharbor.kvcache_service.block_store).
 
-Pull: for a request with `kv_prefix_source=shared`, the API server asks `pull()` for the longest run
-of the prompt's blocks that this engine lacks and the store holds; the engine thread loads them into
-the prefix cache just before it admits the request (engine_loop.NewRequest.external_prefix), so
-their prefill is skipped. A refused or missing block ends the run; the rest is computed as usual.
+Pull: for a request with `kv_prefix_source=shared`, the core process asks `pull()` for the longest
+run of the prompt's blocks that this engine lacks and the store holds; the engine thread imports
+them into the prefix cache just before it admits the request (engine_loop.NewRequest.external_prefix,
+KVCacheManager.import_blocks; the next plan's runner writes their KV), so their prefill is
+skipped. A refused or missing block ends the run; the rest is computed as usual.
 
 Push, by policy:
 - `all`: every block this engine fills is copied out after the step that filled it (write-through).
@@ -11,8 +12,11 @@ Push, by policy:
   shared document: what other engines are likely to want), and blocks on eviction, as `evict`.
 - `evict`: a cached block is copied out just before its slot is reused (write-back on eviction).
 - `off`: never.
-Copies are taken in the engine thread (the KV tensor is only consistent there) and written to
-Redis by an asyncio task. The queue is bounded in bytes: beyond it, blocks are dropped and counted.
+The block pool records which blocks to copy out (BlockPool.save_on); they travel in the
+scheduler's plan and the runner hands them to `save` before or after its forward, in the engine
+thread (the KV tensor is only consistent there). An asyncio task writes them to Redis. The queue
+is bounded in bytes: beyond it, blocks are dropped and counted. Nothing here touches the pool
+from another thread: `pull` asks the engine thread what is cached (`ask`).
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ import collections
 import contextlib
 import logging
 import threading
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from kvharbor.common.block_hash import BlockHash, block_hashes
 from kvharbor.kvcache_service.block_store import BlockStoreUnavailable, RedisBlockStore
@@ -33,6 +38,18 @@ log = logging.getLogger("kvharbor.engine.kv_store")
 PushPolicy = Literal["all", "hot", "evict", "off"]
 PUSH_BATCH_BYTES = 16 << 20
 PULL_SLICE_BLOCKS = 32
+SAVE_ON: dict[str, frozenset[str]] = {
+    "all": frozenset({"fill"}),  # write-through: every block the forward fills
+    "hot": frozenset({"reuse", "evict"}),  # a prefix when first reused here, and on eviction
+    "evict": frozenset({"evict"}),
+    "off": frozenset(),
+}
+T = TypeVar("T")
+Ask = Callable[[Callable[[Any], T]], Awaitable[T]]  # run fn(core) in the engine thread
+
+
+async def ask_directly(fn: Callable[[Any], T], engine: Any) -> T:
+    return fn(engine)
 
 
 @dataclass(frozen=True)
@@ -73,9 +90,13 @@ class KVStoreClient:
         counters: Any,  # metrics.CounterBoard
         max_queue_bytes: int = 256 << 20,
         max_pull_bytes: int = 256 << 20,
+        ask: Ask | None = None,
     ) -> None:
+        """`engine`: the EngineCore; `ask` runs a function on it in its thread (EngineLoop.call).
+        Without `ask`, the caller is the engine's thread (tests, offline use)."""
         self.store = store
         self.engine = engine
+        self._ask: Ask = ask or (lambda fn: ask_directly(fn, engine))
         self.policy = policy
         self.counters = counters
         self.format = engine.kv_io.format
@@ -89,30 +110,17 @@ class KVStoreClient:
         self._stopping = asyncio.Event()
 
     def install(self) -> None:
-        """Hook into the block pool (call before the engine loop starts)."""
-        pool = self.engine.pool
-        if self.policy in ("hot", "evict"):
-            pool.on_evict = self._evicted
-        if self.policy == "hot":
-            pool.on_reuse = self._evicted  # same copy-out; the blocks are intact and in use
-        elif self.policy == "all":
-            pool.new_cached = []
+        """Tell the pool what to record and the runner where to send it (before the loop starts)."""
+        self.engine.pool.save_on = SAVE_ON[self.policy]
+        self.engine.runner.save = self.save
 
     # -- the engine thread ------------------------------------------------------------------------
 
-    def after_step(self, engine: Any) -> None:
-        if self.policy != "all":
-            return
-        blocks, engine.pool.new_cached = engine.pool.new_cached, []
-        self._copy_out([(b.block_id, b.block_hash) for b in blocks if b.block_hash is not None])
-
-    def _evicted(self, blocks: list) -> None:
-        self._copy_out([(b.block_id, b.block_hash) for b in blocks])
-
-    def _copy_out(self, blocks: list[tuple[int, BlockHash]]) -> None:
-        # Called from inside the scheduler and the step: a cache write must never fail them.
+    def save(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
+        """Copy blocks out (the runner calls this around its forward)."""
+        # A cache write must never fail the step.
         try:
-            self._enqueue(blocks)
+            self._enqueue(list(blocks))
         except Exception:
             log.exception("could not copy KV blocks out for the shared store; dropped them")
             self.counters.inc("kv_store_push_dropped_blocks", len(blocks))
@@ -186,17 +194,14 @@ class KVStoreClient:
         engine = self.engine
         if not 1 < len(prompt_ids) <= engine.max_model_len:
             return None  # the engine refuses it anyway; do not move bytes for it
-        bs = engine.pool.block_size
+        bs = engine.capacity.block_size
         try:
             hashes = block_hashes(prompt_ids[:-1], bs, engine.model_name, cache_salt)
         except ValueError:
             return None  # token ids out of range: the engine answers 400 with its own message
-        cached = engine.pool.cached  # read-only from this thread: membership tests only
-        k = 0
-        while k < len(hashes) and hashes[k] in cached:
-            k += 1
+        k, free = await self._ask(lambda core: (core.kv.cached_run(hashes), core.pool.num_free))
         # Never more than the pool could take, nor more bytes than one pull may move.
-        limit = min(len(hashes) - k, engine.pool.num_free, max(1, self.max_pull_bytes // self.format.block_bytes))
+        limit = min(len(hashes) - k, free, max(1, self.max_pull_bytes // self.format.block_bytes))
         if limit <= 0:
             return None
         try:
@@ -237,7 +242,7 @@ class KVStoreClient:
 
     async def record_reuse(self, prompt_tokens: int, cached_tokens: int, pulled_blocks: int) -> None:
         """Add one finished request to the model's reuse counters in Redis (best effort)."""
-        bs = self.engine.pool.block_size
+        bs = self.engine.capacity.block_size
         increments = classify(prompt_tokens // bs, cached_tokens // bs, pulled_blocks)
         if pulled_blocks:
             increments["bytes_pulled"] = pulled_blocks * self.format.block_bytes

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvharbor.common.tokenizer import Tokenizer
-from kvharbor.engine.core_outputs import CoreOutput, SampleDelta
+from kvharbor.engine.core_io import CoreOutput, SampleDelta
 from kvharbor.engine.detokenizer import Detokenizer
 from kvharbor.engine.outputs import CompletionOutput, RequestOutput
 from kvharbor.engine.request import Logprob

@@ -3,19 +3,27 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvharbor.engine.attention import build_metadata
+from kvharbor.engine.block_pool import Save
 from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.sampler import Sampler, SampleRow
 from kvharbor.engine.scheduler import ScheduledChunk, SchedulerPlan, StepOutput
 
+SaveSink = Callable[[Sequence[Save]], None]
+
 
 class ModelRunner:
-    """Owns the model and its KV tensor `[layers, 2 (K/V), kv_heads, num_blocks * block_size, dim]`."""
+    """Owns the model and its KV tensor `[layers, 2 (K/V), kv_heads, num_blocks * block_size, dim]`.
+
+    KV moves of a plan run here, around the forward: `save` (set by the shared-store client,
+    engine/kv_offload.py) takes blocks to copy out, `kv_io` (engine/kv_transfer.py) writes loads.
+    """
 
     def __init__(
         self,
@@ -42,6 +50,8 @@ class ModelRunner:
         self.kv_caches = torch.zeros(
             arch.num_layers, 2, arch.num_kv_heads, slots, arch.head_dim, dtype=dtype, device=device
         )
+        self.kv_io: Any = None  # kv_transfer.KVBlockIO over kv_caches (its owner sets it)
+        self.save: SaveSink | None = None
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         # Copy-on-write: a sibling's shared partial block is duplicated before anyone appends.
@@ -52,10 +62,24 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: SchedulerPlan) -> StepOutput:
         """Run every chunk of `plan` through the model and sample where a chunk completes its
-        request's known tokens. Writes K/V into the cache; touches no scheduler state."""
+        request's known tokens. Writes K/V into the cache; touches no scheduler state. A plan
+        without chunks only moves KV."""
+        self._move_kv_in(plan)
         self._copy_blocks(plan.block_copies)
-        chunks, hidden = self._forward(plan.chunks)
-        return self._sample(chunks, hidden)
+        out = StepOutput()
+        if plan.chunks:
+            chunks, hidden = self._forward(plan.chunks)
+            out = self._sample(chunks, hidden)
+        if plan.saves_after and self.save is not None:
+            self.save(plan.saves_after)
+        return out
+
+    def _move_kv_in(self, plan: SchedulerPlan) -> None:
+        """Copy out what the forward may overwrite, then write the imported blocks."""
+        if plan.saves_before and self.save is not None:
+            self.save(plan.saves_before)
+        if plan.loads:
+            self.kv_io.load([load.block_id for load in plan.loads], [load.payload for load in plan.loads])
 
     @torch.inference_mode()
     def last_logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -67,7 +67,7 @@ class Sampler:
         argmax = logits.argmax(dim=-1).tolist()
         for r in rows:
             params = r.request.params
-            processed = self._process(logits[r.row], r.request)
+            processed = self.adjust(logits[r.row], r.request)
             picked = []
             for i in range(r.num_samples):
                 if params.greedy:
@@ -92,7 +92,7 @@ class Sampler:
         params = request.params
         rows = []
         for j in range(len(draft) + 1):
-            processed = self._process(logits[j], request, draft[:j])
+            processed = self.adjust(logits[j], request, draft[:j])
             rows.append(logits[j] if processed is None else processed)
         if params.greedy:
             tokens = accept_greedy([int(r.argmax()) for r in rows], draft)
@@ -106,9 +106,10 @@ class Sampler:
         raw = torch.log_softmax(logits[: len(tokens)], dim=-1)
         return tokens, [_logprob(raw[j], t, params.logprobs) for j, t in enumerate(tokens)]
 
-    def _process(self, row: torch.Tensor, request: Request, extra: list[int] | None = None) -> torch.Tensor | None:
+    def adjust(self, row: torch.Tensor, request: Request, extra: list[int] | None = None) -> torch.Tensor | None:
         """Bias, min_tokens and penalties; None when none applies (the raw row is used). `extra`:
-        tokens taken as already generated after the request's own (speculated, being verified)."""
+        tokens taken as already generated after the request's own (speculated, being verified).
+        A draft model's proposals get the same processing (engine/draft.py's DraftSetup)."""
         p = request.params
         extra = extra or []
         mask_stop = len(request.output_token_ids) + len(extra) < p.min_tokens

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvharbor.engine.block_pool import Save
 from kvharbor.engine.config import SchedulerConfig
-from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv_cache_manager import KVCacheManager, Load
 from kvharbor.engine.request import FinishReason, Logprob, Request, RequestStatus, sample_id
 
 
@@ -47,17 +48,24 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerPlan:
+    """One step's work. The runner carries it out in this order: `saves_before` (copied out
+    while intact), `loads` (imported KV written), `block_copies`, the forward over `chunks`,
+    then `saves_after` (blocks the forward filled), so no KV moves inside scheduling."""
+
     chunks: list[ScheduledChunk] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst), run first
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+    saves_before: list[Save] = field(default_factory=list)  # evicted or reused cached blocks
+    loads: list[Load] = field(default_factory=list)  # imported blocks to write
+    saves_after: list[Save] = field(default_factory=list)  # blocks cached by this step
 
     @property
     def is_empty(self) -> bool:
         return not self.chunks
+
+    @property
+    def moves_kv(self) -> bool:
+        return bool(self.saves_before or self.loads or self.saves_after)
 
 
 @dataclass
@@ -161,6 +169,8 @@ class Scheduler:
         if len(plan.preempted) == num_preempted:  # NOTE: a pool that just forced preemption admits nobody
             budget = self._schedule_waiting(plan, budget)
         self._add_speculation(plan, budget, proposals or {})
+        plan.loads = self.kv.take_loads()
+        plan.saves_before, plan.saves_after = self.kv.pool.take_saves()
         return plan
 
     def _preempt_for_priority(self, plan: SchedulerPlan) -> None:

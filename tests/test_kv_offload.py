@@ -1,5 +1,5 @@
 """The engine's shared-store client on a real redis-server: write-back on eviction and
-write-through push, pulls that skip what is cached locally, and the block pool hooks behind them."""
+write-through push, pulls that skip what is cached locally and ask the engine thread what it has."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import redis
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.kv_offload import KVStoreClient
 from kvharbor.engine.metrics import CounterBoard
 from kvharbor.kvcache_service.block_store import RedisBlockStore
@@ -81,9 +80,7 @@ def test_write_through_pushes_each_filled_block_once(tiny_llama, make_llm, redis
     async def main():
         writer = client_for(llm, redis_server.url, "all")
         llm.generate([prompt(3, 70)], GREEDY)  # 73 tokens computed: 4 full blocks
-        writer.after_step(llm.engine)
         llm.generate([prompt(3, 70)], GREEDY)  # the same blocks again: not copied twice
-        writer.after_step(llm.engine)
         assert len(writer._queue) == 4
         await flush(writer)
         stats = await RedisBlockStore.from_url(redis_server.url).stats()
@@ -114,16 +111,20 @@ def test_hot_pushes_a_prefix_when_it_is_reused(tiny_llama, make_llm, redis_serve
     asyncio.run(main())
 
 
-def test_pool_hooks_see_evictions_and_new_cached_blocks():
-    pool = BlockPool(4, 2)
-    seen: list[list[int]] = []
-    pool.on_evict = lambda blocks: seen.append([b.block_id for b in blocks])
-    pool.new_cached = []
-    blocks = pool.get_new_blocks(2)
-    pool.cache_blocks(blocks, [b"h" * 16, b"i" * 16], None)
-    assert [b.block_id for b in pool.new_cached] == [b.block_id for b in blocks]
-    pool.free_blocks(blocks)
-    assert [b.block_id for b in pool.free_queue.peek(10)] == [2, 3, *[b.block_id for b in blocks]]
-    pool.get_new_blocks(3)  # two uncached blocks, then the first cached one
-    assert seen == [[blocks[0].block_id]]
-    pool.check_integrity()
+@pytest.mark.slow  # a real redis-server
+def test_pull_asks_the_engine_thread_what_is_cached(tiny_llama, make_llm, redis_server):
+    redis.Redis.from_url(redis_server.url).flushdb()
+    llm = make_llm(tiny_llama.loaded)
+    asked = []
+
+    async def ask(fn):
+        asked.append(fn)
+        return fn(llm.engine)
+
+    async def main():
+        client = KVStoreClient(RedisBlockStore.from_url(redis_server.url), llm.engine, "off", CounterBoard(), ask=ask)
+        assert await client.pull(prompt(5), None) is None  # nothing in the store
+        assert len(asked) == 1  # the pool was read through `ask`, not from this coroutine
+        await client.stop()
+
+    asyncio.run(main())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvharbor.engine.core_outputs import CoreOutput, SampleDelta
+from kvharbor.engine.core_io import CoreOutput, SampleDelta
 from kvharbor.engine.output_processor import OutputProcessor, StopAt
 from kvharbor.engine.request import Logprob
 from kvharbor.engine.sampling_params import SamplingParams

@@ -125,6 +125,12 @@ def test_shared_code_imports_without_torch():
         "'a control-plane part loaded torch'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+    # The API server of `kvharbor serve` only talks to its engine core process: it stays slim too.
+    server = (
+        "import sys, kvharbor.engine, kvharbor.engine.serve, kvharbor.engine.api_server, "
+        "kvharbor.engine.core_client; assert 'torch' not in sys.modules, 'the engine API server loaded torch'"
+    )
+    subprocess.run([sys.executable, "-c", server], check=True)
 
 
 @pytest.mark.slow  # fresh interpreters

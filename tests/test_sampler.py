@@ -116,7 +116,7 @@ def test_logprobs_are_the_raw_log_softmax_with_top_k():
 def test_repetition_penalty_matches_transformers():
     logits = torch.randn(V, generator=torch.Generator().manual_seed(4)) * 2
     req = make_request(prompt=(1, 5, 9), outputs=(5, 12), repetition_penalty=1.7, temperature=0)
-    got = Sampler(V, frozenset(), seed=0)._process(logits, req)
+    got = Sampler(V, frozenset(), seed=0).adjust(logits, req)
     ref = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([req.all_token_ids]), logits[None].clone())[0]
     assert torch.allclose(got, ref)
 
@@ -124,7 +124,7 @@ def test_repetition_penalty_matches_transformers():
 def test_presence_and_frequency_penalties_count_output_tokens_only():
     logits = torch.zeros(V)
     req = make_request(prompt=(3,), outputs=(5, 5, 9), presence_penalty=0.5, frequency_penalty=0.25, temperature=0)
-    got = Sampler(V, frozenset(), seed=0)._process(logits, req)
+    got = Sampler(V, frozenset(), seed=0).adjust(logits, req)
     assert got[5].item() == pytest.approx(-(0.5 + 2 * 0.25))
     assert got[9].item() == pytest.approx(-(0.5 + 0.25))
     assert got[3].item() == 0.0

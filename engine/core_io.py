@@ -1,15 +1,36 @@
-"""What the engine core reports after a step: token ids per sample, never text.
+"""What goes into the engine core and what comes out: token ids, never text (and no torch, so
+the API server, which only speaks to the core, does not load it).
 
-The core (engine/core.py) produces these; the output processor (engine/output_processor.py) turns
-them into RequestOutputs with text, in the same process (offline LLM) or in the API server's
-process (`kvharbor serve`, which gets them over the link as plain lists: `to_wire`/`from_wire`).
+The core (engine/core.py) takes NewRequests and reports CoreOutputs; the output processor
+(engine/output_processor.py) turns those into RequestOutputs with text, in the same process
+(offline LLM) or in the API server's (`kvharbor serve`, over the link as plain lists:
+`to_wire`/`from_wire`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvharbor.engine.request import Logprob
+from kvharbor.engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    tenant: str | None = None
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    external_prefix: Any = None  # kv_offload.ExternalPrefix: blocks to load into the cache first
+
+
+class EngineDead(RuntimeError):
+    """The engine core stopped on an unexpected error (or its process died); restart the server."""
 
 
 @dataclass
