@@ -44,6 +44,9 @@ class UpConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX/AVX512-BF16, else float32"
     )
+    quantization: Literal["none", "int8"] = opt(
+        "none", "engines' weight quantization: none, or int8 (CPU, float32: pass dtype float32 with it)"
+    )
     kv_cache_memory: str = opt("512MiB", "KV pool of each engine, in bytes (float32 takes twice bfloat16's)")
     num_kv_blocks: int | None = opt(None, "KV pool of each engine in blocks of 16 tokens; overrides kv_cache_memory")
     max_model_len: int | None = opt(None, "context length of each engine (default: the model's, capped to the pool)")
@@ -192,7 +195,8 @@ class Platform:
         for i in range(c.engines):
             port = free_port()
             cmd = [*cli, "serve", "--port", str(port), "--instance-id", f"engine-{i}", "--redis-url", self.redis_url,
-                   "--kv-cache-memory", c.kv_cache_memory, "--dtype", c.dtype]  # fmt: skip
+                   "--kv-cache-memory", c.kv_cache_memory, "--dtype", c.dtype,
+                   "--quantization", c.quantization]  # fmt: skip
             if c.num_kv_blocks is not None:
                 cmd += ["--num-kv-blocks", str(c.num_kv_blocks)]
             if c.max_model_len is not None:

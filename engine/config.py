@@ -28,6 +28,9 @@ class ModelConfig:
         None, "longest prompt + output in tokens (default: the model's limit, capped to what the KV pool holds)"
     )
     device: Device = opt("auto", "where to run: cuda when available, else cpu")
+    quantization: Literal["none", "int8"] = opt(
+        "none", "weight quantization of the linear layers: none, or int8 (per-channel, float32 CPU with AVX2)"
+    )
     engine_seed: int = opt(0, "seed of the engine RNG that seeds requests without a seed of their own")
 
     def __post_init__(self) -> None:

@@ -115,6 +115,9 @@ class EngineCore:
         fingerprint = weights_fingerprint(loaded.state_dict)
         del loaded
         threads = cpu_threads(self.device, config.runtime.threads)
+        if config.model.quantization != "none":
+            self._quantize(threads, say)
+            fingerprint += "+" + config.model.quantization  # other weights: other KV, never imported
         if config.runtime.cpu_kernels and (fast := self.model.prepare_cpu_linears(threads)):
             say(f"CPU linears: {fast}")
         self.draft_model = self._load_draft(config, say)
@@ -163,6 +166,28 @@ class EngineCore:
         say(f"ready in {time.monotonic() - t0:.1f}s")
 
     # -- set-up -------------------------------------------------------------------------------
+
+    def _quantize(self, threads: int, say: Progress) -> None:
+        mode = self.config.model.quantization
+        here = f"{str(self.dtype).removeprefix('torch.')} on {self.device}"
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError(
+                f"--quantization {mode} runs on CPU in float32, this engine is {here}: "
+                "add --device cpu --dtype float32, or use --quantization none"
+            )
+        if not self.config.runtime.cpu_kernels:
+            raise ValueError(f"--quantization {mode} needs the CPU kernels: drop --no-cpu-kernels")
+        from kvharbor.engine import cpu_kernels
+
+        gemm = cpu_kernels.load(threads)
+        if gemm is None:
+            raise ValueError(
+                f"--quantization {mode} needs the AVX2 kernels, which cannot run here (the log says why): "
+                "use --quantization none"
+            )
+        say(f"quantizing the linear layers to {mode} ...")
+        nbytes = self.model.quantize_int8(gemm)
+        say(f"{mode} linear layers: {nbytes / 2**20:.0f} MiB (per-channel scales, AVX2 kernel for every row count)")
 
     def _cpu_attention(self, threads: int):
         """The CPU kernels for decode attention, where they run: float32 with the torch backend on a

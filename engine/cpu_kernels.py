@@ -72,6 +72,8 @@ class CpuKernels:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.kvharbor_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         lib.kvharbor_linear.restype = None
+        lib.kvharbor_linear_q8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+        lib.kvharbor_linear_q8.restype = None
         lib.kvharbor_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64,
                                                   i64, i64, ctypes.c_float]  # fmt: skip
         lib.kvharbor_decode_attention.restype = ctypes.c_int
@@ -96,6 +98,23 @@ class CpuKernels:
         y = torch.empty(m, n, dtype=torch.float32)
         self._lib.kvharbor_linear(
             x.data_ptr(), x.stride(0), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+            y.data_ptr(), n, m, k, n,
+        )  # fmt: skip
+        return y
+
+    def linear_q8(
+        self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [m, k] float32 @ (q [n, k] int8 * scale [n, 1])^T (+ bias): engine/quantize.py's weights."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        if x.dtype != torch.float32 or q.dtype != torch.int8 or not q.is_contiguous() or scale.dtype != torch.float32:
+            raise ValueError("linear_q8 takes float32 x, a contiguous int8 weight and float32 scales")
+        m, k = x.shape
+        n = q.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        self._lib.kvharbor_linear_q8(
+            x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), bias.data_ptr() if bias is not None else None,
             y.data_ptr(), n, m, k, n,
         )  # fmt: skip
         return y

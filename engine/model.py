@@ -66,8 +66,9 @@ class DecoderLayer(nn.Module):
         self.fast: dict[str, cpu_linear.FastLinear | None] = dict.fromkeys(("qkv", "o_proj", "gate_up", "down"))
 
     def prepare(self, make) -> None:
-        """Give every projection its CPU fast path (see engine/cpu_linear.py); call after loading."""
-        self.fast = {name: make(getattr(self, name).data) for name in self.fast}
+        """Give every projection its CPU fast path (see engine/cpu_linear.py); call after loading.
+        Projections that have one already (quantized) keep it."""
+        self.fast = {name: fast or make(getattr(self, name).data) for name, fast in self.fast.items()}
 
     def forward(
         self,
@@ -128,6 +129,22 @@ class LlamaModel(nn.Module):
             layer.prepare(make)
         self.lm_head_fast = make(self.lm_head.data)
         return what
+
+    def quantize_int8(self, gemm) -> int:
+        """Replace every projection with its int8 weight (engine/quantize.py) through `gemm`
+        (cpu_kernels.CpuKernels), releasing the float copies; the embeddings, norms and LM head
+        stay. Call before prepare_cpu_linears (which then leaves them). Returns the projections'
+        new bytes."""
+        from kvharbor.engine.quantize import Int8Linear
+
+        total = 0
+        for layer in self.layers:
+            for name in layer.fast:
+                weight = getattr(layer, name)
+                layer.fast[name] = fast = Int8Linear(gemm, weight.data)
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # only the int8 copy stays
+                total += fast.nbytes
+        return total
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for `positions`, [T, 1, head_dim/2], computed in float32 like the reference."""

@@ -82,6 +82,12 @@ class ModelRunner:
             self.kv_io.load([load.block_id for load in plan.loads], [load.payload for load in plan.loads])
 
     @torch.inference_mode()
+    def all_logits(self, chunk: ScheduledChunk) -> torch.Tensor:
+        """float32 logits after every token of one chunk (teacher forcing: benchmarks/quality.py)."""
+        _, hidden = self._forward([chunk])
+        return self.model.logits(hidden).cpu()
+
+    @torch.inference_mode()
     def last_logits(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """float32 logits after each chunk's last token, in the order given (the draft model's
         steps, which sample on their own)."""

@@ -44,6 +44,12 @@ def test_engines_size_their_pool_in_blocks_and_cap_their_context_by_default(plat
     assert "--max-model-len" not in cmd  # the engine serves the model's context, capped to its pool
     (cmd,) = engine_cmds(platform_for(engines=1, max_model_len=2048))
     assert cmd[cmd.index("--max-model-len") + 1] == "2048" and "--num-kv-blocks" not in cmd
+    assert cmd[cmd.index("--quantization") + 1] == "none"
+
+
+def test_engines_get_the_platforms_quantization(platform_for):
+    (cmd,) = engine_cmds(platform_for(engines=1, dtype="float32", quantization="int8"))
+    assert cmd[cmd.index("--quantization") + 1] == "int8"
 
 
 def test_without_a_tenants_file_a_demo_tenant_gets_a_fresh_key(platform_for):

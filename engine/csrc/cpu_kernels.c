@@ -35,7 +35,9 @@ static int spin_rounds = 2000;  // _mm_pause rounds an idle worker spins before 
 #define COL_ALIGN 8        // thread shares start on a multiple of this many columns
 
 typedef struct {
-    const float *x, *w, *bias;
+    const float *x;
+    const void *w;  // float [n, k], or int8 [n, k] with `scale`
+    const float *scale, *bias;
     float *y;
     int64_t m, k, n, ldx, ldy;
 } linear_job_t;
@@ -48,7 +50,7 @@ typedef struct {
     float scale;
 } attention_job_t;
 
-static int job_kind;  // 0 linear, 1 decode attention
+static int job_kind;  // 0 linear, 1 decode attention, 2 int8 linear
 static linear_job_t job;
 static attention_job_t ajob;
 static atomic_int generation;  // bumped for every job; workers wait for it to change
@@ -65,23 +67,34 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// R rows of x (row stride ldx) against C rows of w starting at column n; R and C are constants
-// in every inlined copy, so acc[][] lives in registers.
-static inline __attribute__((always_inline)) void tile(const int R, const int C, const float *x, int64_t ldx,
-                                                       const float *w, int64_t k, int64_t n, float *y,
-                                                       int64_t ldy, const float *bias) {
+// 8 int8 weights as 8 floats.
+static inline __m256 load_q8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+// R rows of x (row stride ldx) against C rows of w starting at column n; R, C and Q are constants
+// in every inlined copy, so acc[][] lives in registers and the weight type's branches fold away.
+// Q = 0: w is float; Q = 1: w is int8 with one float scale per row (the sums are scaled at the end).
+static inline __attribute__((always_inline)) void tile(const int Q, const int R, const int C, const float *x,
+                                                       int64_t ldx, const void *w, const float *scale, int64_t k,
+                                                       int64_t n, float *y, int64_t ldy, const float *bias) {
     __m256 acc[4][8];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
-    const float *wr = w + n * k;
+    const float *wf = (const float *)w + n * k;
+    const int8_t *wq = (const int8_t *)w + n * k;
     // The next tile's C weight rows follow these in memory: prefetch them a line at a time, as
-    // fast as this tile consumes its own (C half-lines per step), so the next tile starts warm.
-    const char *next = (const char *)(wr + C * k);
+    // fast as this tile consumes its own (C half-lines a step in float, C eighth-lines in int8),
+    // so the next tile starts warm.
+    const char *next = Q ? (const char *)(wq + C * k) : (const char *)(wf + C * k);
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
-        for (int q = 0; q < (C + 1) / 2; q++) _mm_prefetch(next + ((i / 8) * ((C + 1) / 2) + q) * 64, _MM_HINT_T0);
+        if (!Q)
+            for (int q = 0; q < (C + 1) / 2; q++) _mm_prefetch(next + ((i / 8) * ((C + 1) / 2) + q) * 64, _MM_HINT_T0);
+        else if ((i & 63) == 0)
+            for (int q = 0; q < C; q++) _mm_prefetch(next + ((i / 64) * C + q) * 64, _MM_HINT_T0);
         __m256 wv[8];
-        for (int c = 0; c < C; c++) wv[c] = _mm256_loadu_ps(wr + c * k + i);
+        for (int c = 0; c < C; c++) wv[c] = Q ? load_q8(wq + c * k + i) : _mm256_loadu_ps(wf + c * k + i);
         for (int r = 0; r < R; r++) {
             __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -90,44 +103,50 @@ static inline __attribute__((always_inline)) void tile(const int R, const int C,
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float s = hsum(acc[r][c]);
-            for (int64_t j = i; j < k; j++) s += x[r * ldx + j] * wr[c * k + j];  // K % 8 tail
+            for (int64_t j = i; j < k; j++) s += x[r * ldx + j] * (Q ? (float)wq[c * k + j] : wf[c * k + j]);
+            if (Q) s *= scale[n + c];
             y[r * ldy + n + c] = bias ? s + bias[n + c] : s;
         }
 }
 
 // Every row of x against C columns from n: 4-row tiles, then the remainder. With C = 3 a tile
 // keeps 12 sums, 3 weight vectors and one x vector: all 16 registers, so 12 FMAs are in flight.
-static inline __attribute__((always_inline)) void column_group(const int C, const linear_job_t *j, int64_t n) {
+static inline __attribute__((always_inline)) void column_group(const int Q, const int C, const linear_job_t *j,
+                                                               int64_t n) {
     int64_t r = 0;
-    for (; r + 4 <= j->m; r += 4) tile(4, C, j->x + r * j->ldx, j->ldx, j->w, j->k, n, j->y + r * j->ldy, j->ldy, j->bias);
+    for (; r + 4 <= j->m; r += 4)
+        tile(Q, 4, C, j->x + r * j->ldx, j->ldx, j->w, j->scale, j->k, n, j->y + r * j->ldy, j->ldy, j->bias);
     const float *x = j->x + r * j->ldx;
     float *y = j->y + r * j->ldy;
     switch (j->m - r) {
-        case 3: tile(3, C, x, j->ldx, j->w, j->k, n, y, j->ldy, j->bias); break;
-        case 2: tile(2, C, x, j->ldx, j->w, j->k, n, y, j->ldy, j->bias); break;
-        case 1: tile(1, C, x, j->ldx, j->w, j->k, n, y, j->ldy, j->bias); break;
+        case 3: tile(Q, 3, C, x, j->ldx, j->w, j->scale, j->k, n, y, j->ldy, j->bias); break;
+        case 2: tile(Q, 2, C, x, j->ldx, j->w, j->scale, j->k, n, y, j->ldy, j->bias); break;
+        case 1: tile(Q, 1, C, x, j->ldx, j->w, j->scale, j->k, n, y, j->ldy, j->bias); break;
     }
 }
 
 // Columns [n0, n1) for all rows. NOTE: columns outside, rows inside: a pair of weight rows
 // (2 x K floats) stays in L1 while every 4-row group of x passes over it, so each weight is read
 // from memory once per call whatever M is (rows outside re-read the 113 MB LM head per group).
-static void run_columns(int64_t n0, int64_t n1) {
+static inline __attribute__((always_inline)) void columns(const int Q, int64_t n0, int64_t n1) {
     const linear_job_t j = job;
     int64_t n = n0;
     if (j.m == 1) {
-        for (; n + 8 <= n1; n += 8) tile(1, 8, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
-        for (; n < n1; n++) tile(1, 1, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
+        for (; n + 8 <= n1; n += 8) tile(Q, 1, 8, j.x, j.ldx, j.w, j.scale, j.k, n, j.y, j.ldy, j.bias);
+        for (; n < n1; n++) tile(Q, 1, 1, j.x, j.ldx, j.w, j.scale, j.k, n, j.y, j.ldy, j.bias);
         return;
     }
     if (j.m == 2) {
-        for (; n + 4 <= n1; n += 4) tile(2, 4, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
-        for (; n < n1; n++) tile(2, 1, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
+        for (; n + 4 <= n1; n += 4) tile(Q, 2, 4, j.x, j.ldx, j.w, j.scale, j.k, n, j.y, j.ldy, j.bias);
+        for (; n < n1; n++) tile(Q, 2, 1, j.x, j.ldx, j.w, j.scale, j.k, n, j.y, j.ldy, j.bias);
         return;
     }
-    for (; n + 3 <= n1; n += 3) column_group(3, &j, n);
-    for (; n < n1; n++) column_group(1, &j, n);
+    for (; n + 3 <= n1; n += 3) column_group(Q, 3, &j, n);
+    for (; n < n1; n++) column_group(Q, 1, &j, n);
 }
+
+static void run_columns(int64_t n0, int64_t n1) { columns(0, n0, n1); }
+static void run_columns_q8(int64_t n0, int64_t n1) { columns(1, n0, n1); }
 
 static void run_attention(int64_t first, int64_t last);
 static void start_workers(int n);
@@ -136,10 +155,14 @@ static atomic_int forked;
 
 // Thread t's part of the current job.
 static void run_share(int t) {
-    if (job_kind == 0) {
+    if (job_kind != 1) {
         int64_t units = (job.n + COL_ALIGN - 1) / COL_ALIGN;
         int64_t a = units * t / num_threads * COL_ALIGN, b = units * (t + 1) / num_threads * COL_ALIGN;
-        run_columns(a < job.n ? a : job.n, b < job.n ? b : job.n);
+        a = a < job.n ? a : job.n, b = b < job.n ? b : job.n;
+        if (job_kind == 0)
+            run_columns(a, b);
+        else
+            run_columns_q8(a, b);
     } else {
         int64_t units = ajob.seqs * ajob.kv_heads;
         run_attention(units * t / num_threads, units * (t + 1) / num_threads);
@@ -225,8 +248,18 @@ int kvharbor_set_threads(int n) {
 void kvharbor_linear(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
                      int64_t m, int64_t k, int64_t n) {
     pthread_mutex_lock(&call_lock);
-    job = (linear_job_t){x, w, bias, y, m, k, n, ldx, ldy};
+    job = (linear_job_t){x, w, NULL, bias, y, m, k, n, ldx, ldy};
     run_job(0);
+    pthread_mutex_unlock(&call_lock);
+}
+
+// The same with int8 weights: y = x @ (w * scale[:, None])^T + bias, w [n, k] int8 contiguous,
+// scale [n] float (one per output row: symmetric per-channel quantization).
+void kvharbor_linear_q8(const float *x, int64_t ldx, const int8_t *w, const float *scale, const float *bias,
+                        float *y, int64_t ldy, int64_t m, int64_t k, int64_t n) {
+    pthread_mutex_lock(&call_lock);
+    job = (linear_job_t){x, w, scale, bias, y, m, k, n, ldx, ldy};
+    run_job(2);
     pthread_mutex_unlock(&call_lock);
 }
 

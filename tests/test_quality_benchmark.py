@@ -1,0 +1,46 @@
+"""benchmarks/quality.py on a tiny random model: `none` against the float32 reference is exactly
+0 KL with full agreement, a lossy mode is not, and bad arguments are refused."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import quality
+
+from kvharbor.engine.cpu_kernels import load
+
+
+@pytest.mark.slow  # three engines load and run, ~10 s here
+@pytest.mark.skipif(load(2) is None, reason="int8 needs the AVX2 kernels")
+def test_none_is_exact_and_int8_is_measured_as_lossy(tiny_chat_model, tmp_path, capsys):
+    out = tmp_path / "quality.json"
+    args = ["--model", str(tiny_chat_model), "--modes", "none,int8", "--text-tokens", "24", "--greedy-tokens", "6",
+            "--speed-tokens", "3", "--out", str(out)]  # fmt: skip
+    assert quality.main(args) == 0
+    record = json.loads(out.read_text())
+    none, int8 = record["rows"]
+    assert none["mean_kl"] == 0 and none["p99_kl"] == 0 and none["top1_agreement"] == 1 and none["ppl_ratio"] == 1
+    assert none["greedy_full_matches"] == none["greedy_prompts"] == 12  # 3 system prompts x 4 questions
+    assert int8["mean_kl"] > 0 and int8["p99_kl"] >= int8["mean_kl"]
+    assert int8["linear_weight_bytes"] < none["linear_weight_bytes"] / 3  # int8 + scales vs float32
+    assert none["positions"] == int8["positions"] > 0
+    assert record["machine"]["dtype"] == "float32" and out.with_suffix(".png").stat().st_size > 0
+    assert "mean KL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "match"), [(["--modes", "int3"], "unknown mode"), (["--text-tokens", "1"], ">= 2")])
+def test_bad_arguments_are_refused(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        quality.main(argv)
+    assert match in capsys.readouterr().err
+
+
+def test_the_text_is_the_standard_librarys_own():
+    texts = quality.stdlib_texts()
+    assert len(texts) == len(quality.MODULES) and all(len(t) > 100 for t in texts)
+    assert len(quality.chat_prompts()) == 12
