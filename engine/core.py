@@ -340,7 +340,8 @@ class EngineCore:
         self._touched.add(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0 or bool(self._touched)
+        # Pending imports count: their blocks are held until a step writes them.
+        return self.scheduler.num_unfinished > 0 or bool(self._touched) or self.kv.has_loads
 
     # -- the step -----------------------------------------------------------------------------
 

@@ -210,6 +210,11 @@ class KVCacheManager:
         self._held += [*reversed(blocks), *reversed(pinned)]
         return len(todo)
 
+    @property
+    def has_loads(self) -> bool:
+        """Imported blocks wait for their write (a step must run, even with no request)."""
+        return bool(self._loads)
+
     def take_loads(self) -> list[Load]:
         """The imported blocks the next plan's runner must write (handed over once)."""
         loads, self._loads = self._loads, []

@@ -93,13 +93,27 @@ def test_imports_ride_the_next_plan_and_are_held_until_written(tiny_llama, make_
     assert b.engine.import_prefix(hashes, payloads) == 2
     assert kv.cached_run(hashes) == 2 and b.engine.pool.num_free == b.engine.pool.num_blocks - 2  # held
     kv.check_integrity()
+    assert b.engine.has_unfinished()  # no request, but the held blocks need a step to be written
     plan = b.engine.scheduler.schedule()
     assert [load.payload for load in plan.loads] == payloads and plan.is_empty and plan.moves_kv
     b.engine.runner.execute(plan)
     kv.loaded()
     assert b.engine.pool.num_free == b.engine.pool.num_blocks  # released, still cached
-    assert kv.cached_run(hashes) == 2
+    assert kv.cached_run(hashes) == 2 and not b.engine.has_unfinished()
     kv.check_integrity()
+
+
+def test_an_import_whose_request_is_refused_is_still_written_and_released(tiny_llama, make_llm):
+    a, b = make_llm(tiny_llama.loaded), make_llm(tiny_llama.loaded)
+    text = prompt(7, 40)
+    a.generate([text], GREEDY)
+    hashes = block_hashes(text[:32], 16, a.engine.model_name)
+    b.engine.import_prefix(hashes, a.engine.kv_io.export([a.engine.pool.cached[h].block_id for h in hashes]))
+    with pytest.raises(ValueError):
+        b.engine.add_request("bad", prompt_token_ids=[10**9])  # the engine loop imports, then adds
+    while b.engine.has_unfinished():
+        b.engine.step()
+    assert b.engine.pool.num_free == b.engine.pool.num_blocks and b.engine.kv.cached_run(hashes) == 2
 
 
 def test_a_failed_load_forgets_the_imported_hashes_and_fails_only_its_step(tiny_llama, make_llm, monkeypatch):
