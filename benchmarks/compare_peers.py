@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import serve as serve_bench
 from kvharbor.common import __version__
 from kvharbor.common.embedded_redis import free_port
 from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
+from kvharbor.common.process_stop import stop_process
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"
@@ -52,12 +52,7 @@ def server(cmd: list[str], url: str, ready_path: str, log: Path, env: dict[str, 
                 raise TimeoutError(f"not ready after {timeout}s; see {log}")
             yield
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+            stop_process(proc, grace=60)
 
 
 def measure(label: str, url: str, args: argparse.Namespace) -> dict:

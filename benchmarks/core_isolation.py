@@ -16,8 +16,6 @@ import contextlib
 import json
 import multiprocessing
 import os
-import signal
-import subprocess
 import sys
 import threading
 import time
@@ -26,6 +24,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import compare_peers as peers
 import serve as serve_bench
 
 from kvharbor.common.embedded_redis import free_port
@@ -133,26 +132,13 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-m", "kvharbor.common.cli", "serve", "--port", str(port), "--dtype", args.dtype,
            "--num-kv-blocks", "512", "--log-level", "warning", "--api-server-nice", str(args.nice)]  # fmt: skip
     cmd += ["--model", args.model] if args.model else []
-    proc = subprocess.Popen(cmd, env={**os.environ})
-    try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"kvharbor serve exited with {proc.returncode}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
+    log = args.out.parent / "logs" / "core_isolation-serve.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with peers.server(cmd, url, "/ready", log, {}, timeout=300):
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
         result = {"benchmark": "core_isolation", "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
                   "machine": machine_record(args.dtype), "model": model,
                   "config": {k: str(v) for k, v in vars(args).items()}, **measure(url, model, args)}  # fmt: skip
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     q, f = result["quiet"], result["flooded"]
     result["flooded_vs_quiet"] = {
         "core_decode_step": f["core_decode_step_ms"] / q["core_decode_step_ms"],

@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvharbor.common.process_stop import stop_process
+
 
 def find_redis_server() -> str:
     with contextlib.suppress(ImportError):
@@ -74,13 +76,8 @@ class EmbeddedRedis:
             client.close()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        if self.proc is not None:
+            stop_process(self.proc)
         if self._own_dir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
             self.workdir = None

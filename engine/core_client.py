@@ -27,6 +27,7 @@ from typing import Any
 
 from kvharbor.common.load_report import LoadReport
 from kvharbor.common.model_files import load_tokenizer
+from kvharbor.common.process_stop import stop_process
 from kvharbor.engine.core_io import CoreOutput, EngineDead, NewRequest
 from kvharbor.engine.core_link import LinkClosed, encode, read_message, read_message_sync
 from kvharbor.engine.metrics import CounterBoard
@@ -128,13 +129,8 @@ class CoreClient:
 
     def kill(self) -> None:
         """Stop the core process at once if it still runs (after the server stopped)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.proc is not None:
+            stop_process(self.proc)
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Ask the core process to stop, then wait for it (killed after `timeout`)."""

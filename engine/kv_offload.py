@@ -48,10 +48,6 @@ T = TypeVar("T")
 Ask = Callable[[Callable[[Any], T]], Awaitable[T]]  # run fn(core) in the engine thread
 
 
-async def ask_directly(fn: Callable[[Any], T], engine: Any) -> T:
-    return fn(engine)
-
-
 @dataclass(frozen=True)
 class ExternalPrefix:
     """Blocks pulled for one request: `hashes` continue the chain `prefix` (cached here)."""
@@ -96,7 +92,7 @@ class KVStoreClient:
         Without `ask`, the caller is the engine's thread (tests, offline use)."""
         self.store = store
         self.engine = engine
-        self._ask: Ask = ask or (lambda fn: ask_directly(fn, engine))
+        self._ask: Ask = ask or self._ask_here
         self.policy = policy
         self.counters = counters
         self.format = engine.kv_io.format
@@ -108,6 +104,9 @@ class KVStoreClient:
         self._recent = _RecentSet()
         self._refused_seen: dict[str, int] = {}
         self._stopping = asyncio.Event()
+
+    async def _ask_here(self, fn: Callable[[Any], T]) -> T:
+        return fn(self.engine)
 
     def install(self) -> None:
         """Tell the pool what to record and the runner where to send it (before the loop starts)."""
