@@ -35,6 +35,7 @@ from kvharbor.engine import LLM, SamplingParams
 from kvharbor.engine import model as model_module
 from kvharbor.engine import runner as runner_module
 from kvharbor.engine.model import LlamaModel
+from kvharbor.engine.quantize import QUANTIZATIONS
 from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import Sampler
 from kvharbor.engine.scheduler import Scheduler
@@ -93,7 +94,9 @@ def prompts(batch: int, length: int, seed: int) -> list[list[int]]:
 
 
 def profile(label: str, args: argparse.Namespace) -> dict:
-    llm = LLM(args.model, dtype=args.dtype, cpu_kernels=label == "kvharbor", max_model_len=1024, num_kv_blocks=512)
+    quantization = args.quantization if label == "kvharbor" else "none"
+    llm = LLM(args.model, dtype=args.dtype, cpu_kernels=label == "kvharbor", quantization=quantization,
+              max_model_len=1024, num_kv_blocks=512)  # fmt: skip
     engine = llm.engine
     params = SamplingParams(max_tokens=args.output, temperature=0.0, ignore_eos=True)
     llm.generate(prompts(args.batch, args.prompt, 0), params)  # warm-up: first steps are slower
@@ -172,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="sequences decoding together")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens per sequence")
     parser.add_argument("--output", type=int, default=64, help="output tokens per sequence")
+    parser.add_argument(
+        "--quantization",
+        default="none",
+        choices=QUANTIZATIONS,
+        help="the kvharbor row's weights (the torch row stays float)",
+    )
     parser.add_argument("--torch-profile", action="store_true", help="also list torch.profiler's top ops")
     parser.add_argument("--out", type=Path, default=RESULTS / "profile_step.json")
     args = parser.parse_args(argv)

@@ -44,8 +44,8 @@ class UpConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX/AVX512-BF16, else float32"
     )
-    quantization: Literal["none", "int8"] = opt(
-        "none", "engines' weight quantization: none, or int8 (CPU, float32: pass dtype float32 with it)"
+    quantization: Literal["none", "int8", "int4", "gguf"] = opt(
+        "none", "engines' weight quantization: none, int8, int4 or gguf (CPU, float32: pass dtype float32 with it)"
     )
     kv_cache_memory: str = opt("512MiB", "KV pool of each engine, in bytes (float32 takes twice bfloat16's)")
     num_kv_blocks: int | None = opt(None, "KV pool of each engine in blocks of 16 tokens; overrides kv_cache_memory")

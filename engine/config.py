@@ -28,8 +28,10 @@ class ModelConfig:
         None, "longest prompt + output in tokens (default: the model's limit, capped to what the KV pool holds)"
     )
     device: Device = opt("auto", "where to run: cuda when available, else cpu")
-    quantization: Literal["none", "int8"] = opt(
-        "none", "weight quantization of the linear layers: none, or int8 (per-channel, float32 CPU with AVX2)"
+    quantization: Literal["none", "int8", "int4", "gguf"] = opt(
+        "none",
+        "weight quantization (float32 CPU with AVX2): none; int8 (per channel) or int4 (groups of 32) of the "
+        "linear layers; gguf (a GGUF model's own Q4_0/Q4_1/Q8_0 blocks, never dequantized)",
     )
     engine_seed: int = opt(0, "seed of the engine RNG that seeds requests without a seed of their own")
 

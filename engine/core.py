@@ -36,6 +36,7 @@ from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
 from kvharbor.engine.loader import LoadedModel, load_model
 from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.proposers import AdaptiveK, NgramProposer, Proposal, Proposer
+from kvharbor.engine.quantize import QuantWeight
 from kvharbor.engine.request import FinishReason, Request, check_request_id
 from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import Sampler
@@ -44,6 +45,14 @@ from kvharbor.engine.scheduler import Scheduler, SchedulerPlan, StepOutput
 
 log = logging.getLogger("kvharbor.engine")
 Progress = Callable[[str], None]
+
+
+# What each --quantization mode keeps, for the start-up line.
+QUANT_NOTES = {
+    "int8": "linears, one scale per output channel",
+    "int4": "linears, 4 bits in groups of 32 with a scale and min each",
+    "gguf": "the file's own Q4_0/Q4_1/Q8_0 blocks, repacked",
+}
 
 
 @dataclass
@@ -101,7 +110,13 @@ class EngineCore:
         t0 = time.monotonic()
         if loaded_model is None:
             say(f"loading model {config.model.model or '(bundled SmolLM2-135M-Instruct)'} ...")
-        loaded = loaded_model or load_model(config.model.model, config.model.served_model_name)
+        blocks = config.model.quantization == "gguf"
+        loaded = loaded_model or load_model(config.model.model, config.model.served_model_name, keep_blocks=blocks)
+        if blocks and not any(isinstance(v, QuantWeight) for v in loaded.state_dict.values()):
+            raise ValueError(
+                "--quantization gguf needs the model's GGUF blocks, and these weights are float "
+                "(a Hugging Face folder, or a model loaded without keep_blocks): use int8 or int4"
+            )
         self.model_name = loaded.name
         self.arch = loaded.arch
         self.tokenizer: Tokenizer | None = loaded.tokenizer
@@ -111,7 +126,9 @@ class EngineCore:
             f"in {str(self.dtype).removeprefix('torch.')} on {self.device} ..."
         )
         self.model = LlamaModel(self.arch, self.dtype, self.device)
-        self.model.load_hf_state_dict({k: v.to(self.dtype) for k, v in loaded.state_dict.items()})
+        self.model.load_hf_state_dict(
+            {k: v if isinstance(v, QuantWeight) else v.to(self.dtype) for k, v in loaded.state_dict.items()}
+        )
         fingerprint = weights_fingerprint(loaded.state_dict)
         del loaded
         threads = cpu_threads(self.device, config.runtime.threads)
@@ -185,9 +202,9 @@ class EngineCore:
                 f"--quantization {mode} needs the AVX2 kernels, which cannot run here (the log says why): "
                 "use --quantization none"
             )
-        say(f"quantizing the linear layers to {mode} ...")
-        nbytes = self.model.quantize_int8(gemm)
-        say(f"{mode} linear layers: {nbytes / 2**20:.0f} MiB (per-channel scales, AVX2 kernel for every row count)")
+        say("repacking the GGUF blocks ..." if mode == "gguf" else f"quantizing the linear layers to {mode} ...")
+        nbytes = self.model.quantize(gemm, mode)
+        say(f"{mode} weights: {nbytes / 2**20:.0f} MiB ({QUANT_NOTES[mode]})")
 
     def _cpu_attention(self, threads: int):
         """The CPU kernels for decode attention, where they run: float32 with the torch backend on a

@@ -1,5 +1,6 @@
 """kvharbor's float32 CPU kernels (engine/csrc/cpu_kernels.c, AVX2 + FMA): the linears of
-decode-sized inputs, and paged decode attention read in place from the KV cache.
+decode-sized inputs (float32 and quantized weights, engine/quantize.py), dequantization, and paged
+decode attention read in place from the KV cache.
 
 The C file is compiled once, with the system's C compiler, into a cache directory
 ($KVHARBOR_CACHE_DIR, else ~/.cache/kvharbor) under a name that hashes the source and the flags,
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvharbor.common.machine import cpu_info
+from kvharbor.engine.quantize import FORMATS, QuantWeight
 
 log = logging.getLogger("kvharbor.engine.cpu_kernels")
 
@@ -72,8 +74,11 @@ class CpuKernels:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.kvharbor_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         lib.kvharbor_linear.restype = None
-        lib.kvharbor_linear_q8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
-        lib.kvharbor_linear_q8.restype = None
+        c_int = ctypes.c_int
+        lib.kvharbor_linear_quant.argtypes = [c_int, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+        lib.kvharbor_linear_quant.restype = c_int
+        lib.kvharbor_dequantize.argtypes = [c_int, ptr, ptr, ptr, ptr, i64, i64, i64]
+        lib.kvharbor_dequantize.restype = c_int
         lib.kvharbor_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64,
                                                   i64, i64, ctypes.c_float]  # fmt: skip
         lib.kvharbor_decode_attention.restype = ctypes.c_int
@@ -85,6 +90,7 @@ class CpuKernels:
         lib.kvharbor_set_threads.restype = ctypes.c_int
         self._lib = lib
         self.threads = lib.kvharbor_set_threads(threads)
+        self._scratch = torch.empty(0, dtype=torch.float32)
 
     def set_threads(self, threads: int) -> None:
         self.threads = self._lib.kvharbor_set_threads(threads)
@@ -102,22 +108,39 @@ class CpuKernels:
         )  # fmt: skip
         return y
 
-    def linear_q8(
-        self, x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """x [m, k] float32 @ (q [n, k] int8 * scale [n, 1])^T (+ bias): engine/quantize.py's weights."""
+    def linear_quant(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] float32 @ w^T (+ bias) for a weight in a kernel format (engine/quantize.py)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        if x.dtype != torch.float32 or q.dtype != torch.int8 or not q.is_contiguous() or scale.dtype != torch.float32:
-            raise ValueError("linear_q8 takes float32 x, a contiguous int8 weight and float32 scales")
-        m, k = x.shape
-        n = q.shape[0]
-        y = torch.empty(m, n, dtype=torch.float32)
-        self._lib.kvharbor_linear_q8(
-            x.data_ptr(), x.stride(0), q.data_ptr(), scale.data_ptr(), bias.data_ptr() if bias is not None else None,
-            y.data_ptr(), n, m, k, n,
+        _check_quant(w)
+        if x.dtype != torch.float32 or x.shape[1] != w.k:
+            raise ValueError(f"linear_quant takes float32 x [m, {w.k}], got {x.dtype} {tuple(x.shape)}")
+        m = x.shape[0]
+        y = torch.empty(m, w.n, dtype=torch.float32)
+        code = self._lib.kvharbor_linear_quant(
+            FORMATS[w.fmt], x.data_ptr(), x.stride(0), w.data.data_ptr(), w.scale.data_ptr(), _ptr(w.mins),
+            _ptr(bias), y.data_ptr(), w.n, m, w.k, w.n,
         )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the kernel does not take a {w.fmt} weight of {w.n}x{w.k}")
         return y
+
+    def dequantize(self, w: QuantWeight, first: int, last: int) -> torch.Tensor:
+        """Rows [first, last) of w as float32 [last - first, k], in a scratch buffer this object
+        reuses: valid until the next call."""
+        _check_quant(w)
+        rows = last - first
+        if self._scratch.numel() < rows * w.k:
+            self._scratch = torch.empty(rows * w.k, dtype=torch.float32)
+        out = self._scratch[: rows * w.k].view(rows, w.k)
+        per_row = w.scale.numel() // w.n
+        code = self._lib.kvharbor_dequantize(
+            FORMATS[w.fmt], w.data[first:].data_ptr(), w.scale.data_ptr() + first * per_row * 4,
+            w.mins.data_ptr() + first * per_row * 4 if w.mins is not None else None, out.data_ptr(), w.k, w.k, rows,
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"the kernel does not take a {w.fmt} weight of {w.n}x{w.k}")
+        return out
 
     def decode_attention(
         self,
@@ -148,6 +171,19 @@ class CpuKernels:
     def takes_attention(heads: int, kv_heads: int, dim: int) -> bool:
         """Whether decode_attention takes this shape (GQA groups up to 16, dim a multiple of 8 up to 256)."""
         return heads % kv_heads == 0 and heads // kv_heads <= 16 and dim % 8 == 0 and dim <= 256
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check_quant(w: QuantWeight) -> None:
+    want = torch.uint8 if w.fmt == "q4" else torch.int8
+    tensors = [w.data, w.scale] + ([w.mins] if w.mins is not None else [])
+    if w.data.dtype != want or any(not t.is_contiguous() for t in tensors) or w.scale.dtype != torch.float32:
+        raise ValueError(f"a {w.fmt} weight needs contiguous {want} data and float32 scales")
+    if (w.fmt == "q4") != (w.mins is not None) or (w.mins is not None and w.mins.dtype != torch.float32):
+        raise ValueError("q4 weights, and only they, carry float32 mins")
 
 
 @cache

@@ -1,4 +1,5 @@
-"""Load a Llama-family GGUF file: architecture, dequantized weights (HF names), tokenizer fields."""
+"""Load a Llama-family GGUF file: architecture, weights (HF names; dequantized, or with their Q4_0 /
+Q4_1 / Q8_0 blocks kept for `--quantization gguf`), tokenizer fields."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import torch
 
 from kvharbor.common.gguf_file import GGUFError, TensorInfo, read_gguf_header
+from kvharbor.engine import gguf_blocks
 from kvharbor.engine.model_arch import ModelArch
+from kvharbor.engine.quantize import QuantWeight
 
 # GGUF tensor name -> Hugging Face name ("{i}" is the layer index).
 _LAYER_NAMES = {
@@ -39,7 +42,7 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 @dataclass
 class GGUFModel:
     arch: ModelArch
-    state_dict: dict[str, torch.Tensor]  # float32, Hugging Face names and layouts
+    state_dict: dict[str, torch.Tensor | QuantWeight]  # Hugging Face names and layouts; float32 unless kept
     metadata: dict[str, Any]  # every scalar/array field, decoded (tokenizer.* included)
 
 
@@ -78,11 +81,25 @@ def arch_from_metadata(meta: dict[str, Any]) -> ModelArch:
     )
 
 
-def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def _unpermute(w: torch.Tensor | QuantWeight, n_heads: int) -> torch.Tensor | QuantWeight:
     # llama.cpp's converter interleaves the two RoPE halves of each head's rows (for its own
-    # RoPE kernel); undo it to get back to the HF "rotate_half" layout.
+    # RoPE kernel); undo it to get back to the HF "rotate_half" layout. Blocks lie along the
+    # rows, so kept blocks move with their rows.
+    if isinstance(w, QuantWeight):
+        return w.rows(_unpermute(torch.arange(w.n), n_heads))
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _raw(data: np.memmap, info: TensorInfo) -> np.ndarray:
+    """The tensor's bytes in the mapped file."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    nbytes = int(np.prod(info.dims)) * type_size // block
+    if info.offset + nbytes > len(data):
+        raise GGUFError(f"tensor {info.name} runs past the end of the GGUF file: the file is truncated")
+    return data[info.offset : info.offset + nbytes].view(np.ndarray)  # numpy views of a memmap cost per slice
 
 
 def _dequantize(data: np.memmap, info: TensorInfo) -> torch.Tensor:
@@ -93,10 +110,7 @@ def _dequantize(data: np.memmap, info: TensorInfo) -> torch.Tensor:
     kind = GGMLQuantizationType(info.ggml_type)
     block, type_size = GGML_QUANT_SIZES[kind]
     shape = tuple(reversed(info.dims))  # GGML lists the fastest axis first
-    nbytes = int(np.prod(info.dims)) * type_size // block
-    if info.offset + nbytes > len(data):
-        raise GGUFError(f"tensor {info.name} runs past the end of the GGUF file: the file is truncated")
-    raw = data[info.offset : info.offset + nbytes].view(np.ndarray)  # numpy views of a memmap cost per slice
+    raw = _raw(data, info)
     if kind in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         array = np.array(raw.view(np.float32 if kind == GGMLQuantizationType.F32 else np.float16), np.float32)
     else:  # rows of quantized blocks, as gguf.quants.dequantize reads them
@@ -104,9 +118,32 @@ def _dequantize(data: np.memmap, info: TensorInfo) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32).reshape(shape))
 
 
-def load_gguf(path: str | Path) -> GGUFModel:
-    """Dequantize every tensor to float32 under its Hugging Face name. Raises ValueError for an
-    unsupported architecture or a file that is not GGUF."""
+def _blocks(data: np.memmap, info: TensorInfo) -> QuantWeight:
+    """A 2-D tensor's blocks repacked for the kernels (engine/gguf_blocks.py), never dequantized."""
+    if info.ggml_type not in gguf_blocks.BLOCK_BYTES:
+        from gguf import GGMLQuantizationType
+
+        raise ValueError(
+            f"--quantization gguf keeps Q4_0, Q4_1 and Q8_0 blocks, and tensor {info.name} is "
+            f"{GGMLQuantizationType(info.ggml_type).name}: use --quantization none (dequantized at load), int8 or int4"
+        )
+    k, n = info.dims
+    return gguf_blocks.repack(_raw(data, info).reshape(n, -1), info.ggml_type, k)
+
+
+def _kept(name: str, info: TensorInfo) -> bool:
+    """Whether --quantization gguf keeps this tensor's blocks: every projection; the embedding
+    and the LM head when the file quantizes them (float ones stay float)."""
+    if name in ("token_embd.weight", "output.weight"):
+        return info.ggml_type in gguf_blocks.BLOCK_BYTES
+    return name.endswith(".weight") and not name.endswith("norm.weight")
+
+
+def load_gguf(path: str | Path, keep_blocks: bool = False) -> GGUFModel:
+    """Every tensor under its Hugging Face name: dequantized to float32, or, with `keep_blocks`,
+    the projections (and a quantized embedding / LM head) as kernel-format QuantWeights of the
+    file's own blocks. Raises ValueError for an unsupported architecture, a file that is not
+    GGUF, or (keep_blocks) a projection in a block type the kernels do not take."""
     try:
         header = read_gguf_header(path)
         data = np.memmap(path, mode="r")
@@ -129,7 +166,7 @@ def load_gguf(path: str | Path) -> GGUFModel:
             hf_name = _GLOBAL_NAMES[name]
         else:
             raise ValueError(f"GGUF tensor {name!r} is not part of a {arch.architecture} decoder kvharbor knows")
-        weight = _dequantize(data, tensor)
+        weight = _blocks(data, tensor) if keep_blocks and _kept(name, tensor) else _dequantize(data, tensor)
         if arch.architecture == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
             weight = _unpermute(weight, arch.num_heads)
         elif arch.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -138,6 +175,7 @@ def load_gguf(path: str | Path) -> GGUFModel:
     if "model.embed_tokens.weight" not in state:
         raise ValueError(f"{path} has no token_embd.weight tensor")
     # The embedding's rows are the vocabulary, whatever the metadata says (or omits).
-    vocab = state["model.embed_tokens.weight"].shape[0]
+    embed = state["model.embed_tokens.weight"]
+    vocab = embed.n if isinstance(embed, QuantWeight) else embed.shape[0]
     arch = replace(arch, tie_word_embeddings="lm_head.weight" not in state, vocab_size=vocab)
     return GGUFModel(arch, state, meta)

@@ -13,20 +13,24 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kvharbor.engine.quantize import QuantWeight
 from kvharbor.kvcache_service.block_store import BlockFormat
 
 LAYOUT_VERSION = "hm1"  # head-major pool, see engine/runner.py
 
 
-def weights_fingerprint(state_dict: Mapping[str, torch.Tensor]) -> str:
+def weights_fingerprint(state_dict: Mapping[str, torch.Tensor | QuantWeight]) -> str:
     """A digest of tensor names, shapes and a sample of values: cheap, and it differs whenever the
     weights do in practice (another checkpoint, another quantization, a fine-tune)."""
     h = hashlib.blake2b(digest_size=16)
     for name in sorted(state_dict):
         t = state_dict[name]
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else (t.n, t.k)
+        if isinstance(t, QuantWeight):  # kept GGUF blocks: a few dequantized rows
+            t = t.dequantize(torch.unique(torch.linspace(0, t.n - 1, 3).long()))
         flat = t.detach().reshape(-1)
         sample = torch.cat([flat[:64], flat[-64:], flat[:: max(1, flat.numel() // 64)][:64]])
-        h.update(f"{name}:{tuple(t.shape)}:".encode())
+        h.update(f"{name}:{shape}:".encode())
         h.update(sample.to(torch.float32).cpu().numpy().tobytes())
     return h.hexdigest()
 

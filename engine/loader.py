@@ -11,6 +11,7 @@ import torch
 from kvharbor.common.model_files import resolve_model
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.model_arch import ModelArch
+from kvharbor.engine.quantize import QuantWeight
 
 
 @dataclass
@@ -18,20 +19,28 @@ class LoadedModel:
     name: str  # the served model id: API name and block-hash namespace
     path: Path
     arch: ModelArch
-    state_dict: dict[str, torch.Tensor]  # Hugging Face names
+    state_dict: dict[str, torch.Tensor | QuantWeight]  # Hugging Face names; QuantWeight: kept GGUF blocks
     tokenizer: Tokenizer | None
 
 
-def load_model(model: str | None, served_name: str | None = None) -> LoadedModel:
-    """Read weights, architecture and tokenizer. Raises FileNotFoundError/ValueError with a hint."""
+def load_model(model: str | None, served_name: str | None = None, keep_blocks: bool = False) -> LoadedModel:
+    """Read weights, architecture and tokenizer. `keep_blocks` (--quantization gguf): keep a GGUF
+    file's quantized blocks (engine/gguf_loader.py). Raises FileNotFoundError/ValueError with a hint."""
     path, name = resolve_model(model, served_name)
-    return _load_gguf(path, name) if path.suffix == ".gguf" else _load_hf_dir(path, name)
+    if path.suffix == ".gguf":
+        return _load_gguf(path, name, keep_blocks)
+    if keep_blocks:
+        raise ValueError(
+            f"--quantization gguf keeps a GGUF file's quantized blocks, and {path} is a Hugging Face folder: "
+            "pass a .gguf file as --model, or use --quantization int8 or int4"
+        )
+    return _load_hf_dir(path, name)
 
 
-def _load_gguf(path: Path, name: str) -> LoadedModel:
+def _load_gguf(path: Path, name: str, keep_blocks: bool) -> LoadedModel:
     from kvharbor.engine.gguf_loader import load_gguf
 
-    gguf = load_gguf(path)
+    gguf = load_gguf(path, keep_blocks)
     return LoadedModel(name, path, gguf.arch, gguf.state_dict, Tokenizer.from_gguf_metadata(gguf.metadata))
 
 

@@ -1,25 +1,101 @@
-"""Weight-only int8 for the linear layers (`--quantization int8`): symmetric, one scale per output
-channel, float32 activations and accumulation.
+"""Weight-only quantization of the linear layers (`--quantization int8|int4|gguf`): the formats,
+how float weights become them, and the linear that runs them.
 
-Why this shape: a float32 decode step here is memory-bound (benchmarks/README.md: the layers'
-425 MB of weights stream at 11-15 GB/s), so a quarter of the bytes is the lever. Per-channel
-symmetric scales need no zero points and one multiply per output, after the sum; the values are
-the round-to-nearest of w / (max|w_row| / 127), so every weight is off by at most half a step.
+Three formats, one kernel family (engine/csrc/cpu_kernels.c, AVX2), float32 activations and sums:
+- `int8`: symmetric, one scale per output channel, round-to-nearest of w / (max|w_row| / 127),
+  so every weight is off by at most half a step. No zero points: one multiply per output.
+- `q4`: 4 bits in groups of 32 along the input, a float scale and min per group,
+  w = q * scale + min, q in 0..15. `--quantization int4` makes it from float weights (min/max
+  of each group, as llama.cpp's Q4_1); `gguf` repacks the file's Q4_0 (min = -8 scale) and Q4_1
+  blocks into it, bit for bit (engine/gguf_blocks.py).
+- `q8`: int8 in groups of 32 with a float scale per group: GGUF's Q8_0, repacked.
 
-Kernel: engine/csrc/cpu_kernels.c's int8 linear (AVX2: 8 int8 weights widened to floats per
-FMA), for every row count. torch's own `aten::_weight_int8pack_mm` was measured at 5.8 ms on an
-8x576 by 576x1536 product on this machine kind, 7x float32 MKL, so it is not used. Embeddings,
-norms and the LM head stay float (the LM head shares its weight with the embeddings, and its
-rows are a minority of a step's bytes). CUDA has no int8 path yet: the engine refuses it there.
+Why weight-only and these layouts: a float32 decode step here is memory-bound (benchmarks/README.md:
+the layers' 425 MB stream at 11-15 GB/s), so the bytes a step reads are the lever. The nibbles
+keep GGUF's in-group order (element j low, j + 16 high) so a repack is a byte copy; scales and
+mins are float32 arrays beside them (6% of a q4 weight) so the kernel reads them without f16
+conversions.
+
+Which kernel runs: decode-sized inputs (up to `max_rows`) go through the AVX2 kernel straight
+from the quantized bytes; prefill-sized ones are dequantized, a slice at a time into one reused
+scratch buffer, and multiplied by MKL, which blocks large products far better than a row-tiled
+kernel (the int8 kernel alone ran at 0.8x MKL at 128 rows; llama.cpp dequantizes for BLAS in
+the same case). torch's own `aten::_weight_int8pack_mm` was measured at 5.8 ms on an 8x576 by
+576x1536 product on this machine kind, 7x float32 MKL, so it is not used. CUDA has no quantized
+path yet: the engine refuses it there.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
-Quantization = Literal["none", "int8"]
+Quantization = Literal["none", "int8", "int4", "gguf"]
+QUANTIZATIONS: tuple[str, ...] = ("none", "int8", "int4", "gguf")
+GROUP = 32  # elements per group in the q4 and q8 formats (GGUF's block size)
+FORMATS = {"int8": 1, "q4": 2, "q8": 3}  # the kernel's format numbers (cpu_kernels.c)
+# Scratch for the dequantized slice of a prefill product: bounded so the LM head (49,152 rows)
+# goes in slices instead of a 113 MB float copy.
+SCRATCH_FLOATS = 2 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class QuantWeight:
+    """One [n, k] weight in a kernel format: `data` int8 [n, k] (int8, q8) or uint8 [n, k/2] (q4);
+    `scale` [n] (int8) or [n, k/32]; `mins` [n, k/32] for q4, else None."""
+
+    fmt: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    mins: torch.Tensor | None
+    k: int
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"unknown weight format {self.fmt!r} (known: {', '.join(FORMATS)})")
+        if self.fmt != "int8" and self.k % GROUP:
+            raise ValueError(f"a {self.fmt} weight needs rows a multiple of {GROUP} long, not {self.k}")
+
+    @property
+    def n(self) -> int:
+        return self.data.shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        extra = self.mins.numel() * 4 if self.mins is not None else 0
+        return self.data.numel() + self.scale.numel() * 4 + extra
+
+    def rows(self, index: torch.Tensor) -> QuantWeight:
+        """The weight's rows in `index` order (row permutations, fused-projection slices)."""
+        mins = self.mins[index] if self.mins is not None else None
+        return QuantWeight(self.fmt, self.data[index].contiguous(), self.scale[index].contiguous(), mins, self.k)
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 [n, k] (or the selected rows): the reference formula the kernels must match."""
+        pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+        data, scale = pick(self.data), pick(self.scale)
+        if self.fmt == "int8":
+            return data.to(torch.float32) * scale[..., None]
+        if self.fmt == "q8":
+            return (data.to(torch.float32).unflatten(-1, (-1, GROUP)) * scale[..., None]).flatten(-2)
+        nibbles = data.unflatten(-1, (-1, GROUP // 2))  # [..., groups, 16]
+        q = torch.cat([nibbles & 15, nibbles >> 4], dim=-1).to(torch.float32)  # elements j, then j + 16
+        return torch.addcmul(pick(self.mins)[..., None], q, scale[..., None]).flatten(-2)
+
+
+def concat(parts: list[QuantWeight]) -> QuantWeight:
+    """Row-wise concatenation (fused q/k/v, gate/up); all parts in one format and width."""
+    first = parts[0]
+    if any(p.fmt != first.fmt or p.k != first.k for p in parts):
+        kinds = ", ".join(f"{p.fmt}[{p.n}x{p.k}]" for p in parts)
+        raise ValueError(f"a fused projection needs one format and width for its parts, got {kinds}")
+    mins = torch.cat([p.mins for p in parts]) if first.mins is not None else None
+    return QuantWeight(
+        first.fmt, torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), mins, first.k
+    )
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,16 +112,52 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.to(torch.float32) * scale[:, None]
 
 
-class Int8Linear:
-    """One projection's int8 weight; every input goes through the kernel (engine/cpu_kernels.py)."""
+def quantize_int4(weight: torch.Tensor) -> QuantWeight:
+    """q4 with each group's min and max as the ends of its 16 levels (a group of equal values
+    gets scale 1 and is exact). Every weight is off by at most half a step of its group."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"int4 quantizes rows in groups of {GROUP}; this weight's rows are {k} long")
+    w = weight.detach().to(torch.float32).reshape(n, k // GROUP, GROUP)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scale = torch.where(hi > lo, (hi - lo) / 15.0, torch.ones_like(lo))
+    q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
+    packed = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)  # element j low, j + 16 high
+    return QuantWeight("q4", packed.reshape(n, k // 2).contiguous(), scale.contiguous(), lo.contiguous(), k)
 
-    def __init__(self, gemm, weight: torch.Tensor) -> None:
+
+def quantize(weight: torch.Tensor, mode: str) -> QuantWeight:
+    """A float weight in the format `--quantization mode` gives it (int8 or int4)."""
+    if mode == "int8":
+        q, scale = quantize_int8(weight)
+        return QuantWeight("int8", q, scale, None, weight.shape[1])
+    if mode == "int4":
+        return quantize_int4(weight)
+    raise ValueError(f"cannot quantize float weights to {mode!r} (choose int8 or int4)")
+
+
+class QuantLinear:
+    """One projection's quantized weight: decode-sized inputs through the kernel on the quantized
+    bytes, larger ones through MKL on dequantized slices (the module docstring says why)."""
+
+    def __init__(self, gemm, weight: QuantWeight, max_rows: int) -> None:
         self.gemm = gemm
-        self.q, self.scale = quantize_int8(weight)
+        self.weight = weight
+        self.max_rows = max_rows
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + self.scale.numel() * 4
+        return self.weight.nbytes
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.gemm.linear_q8(x, self.q, self.scale, bias)
+        if x.shape[0] <= self.max_rows:
+            return self.gemm.linear_quant(x, self.weight, bias)
+        w = self.weight
+        step = max(1, SCRATCH_FLOATS // w.k)
+        if step >= w.n:
+            return F.linear(x, self.gemm.dequantize(w, 0, w.n), bias)
+        y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+        for a in range(0, w.n, step):
+            b = min(w.n, a + step)
+            y[:, a:b] = F.linear(x, self.gemm.dequantize(w, a, b), None if bias is None else bias[a:b])
+        return y

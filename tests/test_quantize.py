@@ -1,6 +1,7 @@
-"""--quantization int8: per-channel symmetric weights, the AVX2 int8 kernel against a float64
-product of the dequantized weights, and an engine that computes what float32 computes on those
-dequantized weights."""
+"""--quantization int8 and int4: the formats' rounding, every kernel format (int8, q4, q8) against a
+float64 product of its dequantized weights (decode rows through the kernel, prefill rows through
+dequantized slices and MKL), and engines that compute what float32 computes on those dequantized
+weights."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from kvharbor.common.config import ConfigError, load_config
 from kvharbor.engine import LLM, SamplingParams
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.cpu_kernels import load
-from kvharbor.engine.quantize import dequantize_int8, quantize_int8
+from kvharbor.engine.model import QUANT_MAX_ROWS
+from kvharbor.engine.quantize import QuantLinear, QuantWeight, dequantize_int8, quantize, quantize_int4, quantize_int8
 
 GEMM = load(2)
 needs_kernels = pytest.mark.skipif(GEMM is None, reason="no AVX2+FMA kernels on this machine")
@@ -32,58 +34,112 @@ def test_each_weight_is_within_half_a_step_and_zero_rows_survive():
     assert torch.equal(q.abs().amax(dim=1)[w.abs().amax(dim=1) > 0], torch.full((39,), 127, dtype=torch.int8))
 
 
+def test_int4_weights_are_within_half_a_step_of_their_group_and_flat_groups_are_exact():
+    w = torch.randn(6, 96) * torch.logspace(-3, 1, 6)[:, None]
+    w[2, 32:64] = 0.75  # one group of equal values
+    qw = quantize_int4(w)
+    assert qw.data.dtype == torch.uint8 and qw.data.shape == (6, 48) and qw.scale.shape == qw.mins.shape == (6, 3)
+    step = qw.scale.repeat_interleave(32, dim=1)
+    assert torch.all((qw.dequantize() - w).abs() <= step / 2 + 1e-6 * w.abs())
+    assert torch.equal(qw.dequantize()[2, 32:64], w[2, 32:64])
+    assert torch.equal(qw.dequantize(torch.tensor([4, 1])), qw.dequantize()[[4, 1]])  # row selection
+    with pytest.raises(ValueError, match="groups of 32"):
+        quantize_int4(torch.randn(4, 40))
+
+
+def q8_groups(w: torch.Tensor) -> QuantWeight:
+    """GGUF's Q8_0 format (one scale per 32 values) built here, for the kernel's format 3."""
+    n, k = w.shape
+    groups = w.reshape(n, k // 32, 32)
+    scale = groups.abs().amax(dim=-1).clamp_min(1e-8) / 127
+    q = torch.round(groups / scale[..., None]).to(torch.int8).reshape(n, k)
+    return QuantWeight("q8", q, scale.contiguous(), None, k)
+
+
+FORMATS = {"int8": lambda w: quantize(w, "int8"), "q4": quantize_int4, "q8": q8_groups}
+
+
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64])
-@pytest.mark.parametrize(("n", "k"), [(24, 576), (19, 100), (3072, 64)])
-def test_the_int8_kernel_equals_a_float64_product_of_the_dequantized_weight(rows, n, k):
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, QUANT_MAX_ROWS + 7])
+@pytest.mark.parametrize(("n", "k"), [(24, 576), (19, 96), (3072, 64)])
+def test_each_kernel_format_equals_a_float64_product_of_its_dequantized_weight(fmt, rows, n, k):
     g = torch.Generator().manual_seed(rows * 1000 + n + k)
     w = torch.randn(n, k, generator=g)
     x = torch.randn(rows, k, generator=g)
     bias = torch.randn(n, generator=g)
-    q, scale = quantize_int8(w)
-    want = x.double() @ dequantize_int8(q, scale).double().T + bias.double()
-    got = GEMM.linear_q8(x, q, scale, bias)
-    # float32 sums of k products (the kernel: 8 lanes, then a tree): error <= ~k * 2^-24 * sum|x*w|.
-    bound = k * 2.0**-24 * (x.double().abs() @ dequantize_int8(q, scale).double().abs().T) + 1e-6
+    qw = FORMATS[fmt](w)
+    dense = qw.dequantize().double()
+    want = x.double() @ dense.T + bias.double()
+    got = QuantLinear(GEMM, qw, QUANT_MAX_ROWS)(x, bias)  # rows above QUANT_MAX_ROWS: dequantized + MKL
+    # float32 sums of k products (8 lanes then a tree, or MKL's blocking): error <= ~k * 2^-24 * sum|x*w|,
+    # plus one rounding of each dequantized weight (the kernel's fma vs the reference's two steps).
+    bound = (k + 2) * 2.0**-24 * (x.double().abs() @ dense.abs().T) + 1e-6
     assert torch.all((got.double() - want).abs() <= bound)
     strided = torch.randn(rows, 2 * k, generator=g)[:, :k]  # rows of a wider tensor, as attention hands them
-    assert torch.allclose(GEMM.linear_q8(strided, q, scale), strided @ dequantize_int8(q, scale).T, atol=1e-4)
+    assert torch.allclose(GEMM.linear_quant(strided, qw), strided @ qw.dequantize().T, atol=1e-3)
+    assert torch.allclose(GEMM.dequantize(qw, 3, n), qw.dequantize()[3:], rtol=1e-6, atol=0)
+
+
+@needs_kernels
+def test_a_wide_weight_goes_through_mkl_in_bounded_slices(monkeypatch):
+    import kvharbor.engine.quantize as quantize_module
+
+    monkeypatch.setattr(quantize_module, "SCRATCH_FLOATS", 64 * 10)  # ten rows of 64 per slice
+    qw = quantize_int4(torch.randn(37, 64))
+    x, bias = torch.randn(5, 64), torch.randn(37)
+    got = QuantLinear(GEMM, qw, max_rows=2)(x, bias)
+    assert torch.allclose(got, x @ qw.dequantize().T + bias, atol=1e-4)
+    assert GEMM._scratch.numel() >= 640
 
 
 @needs_kernels
 def test_the_kernel_refuses_what_it_does_not_take():
-    q, scale = quantize_int8(torch.randn(8, 16))
+    qw = quantize(torch.randn(8, 64), "int8")
     with pytest.raises(ValueError, match="int8"):
-        GEMM.linear_q8(torch.randn(2, 16), q.to(torch.int16), scale)
+        GEMM.linear_quant(torch.randn(2, 64), QuantWeight("int8", qw.data.to(torch.int16), qw.scale, None, 64))
     with pytest.raises(ValueError, match="float32"):
-        GEMM.linear_q8(torch.randn(2, 16, dtype=torch.float64), q, scale)
+        GEMM.linear_quant(torch.randn(2, 64, dtype=torch.float64), qw)
+    with pytest.raises(ValueError, match=r"\[m, 64\]"):
+        GEMM.linear_quant(torch.randn(2, 32), qw)
+    q4 = quantize_int4(torch.randn(8, 64))
+    with pytest.raises(ValueError, match="mins"):
+        GEMM.linear_quant(torch.randn(2, 64), QuantWeight("q4", q4.data, q4.scale, None, 64))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantWeight("q8", torch.zeros(2, 40, dtype=torch.int8), torch.ones(2, 2), None, 40)
+    with pytest.raises(ValueError, match="unknown weight format"):
+        QuantWeight("q5", qw.data, qw.scale, None, 64)
 
 
-def dequantized_copy(loaded):
-    """The same model with every projection replaced by its int8 round trip, in float32."""
+def dequantized_copy(loaded, mode: str):
+    """The same model with every projection replaced by its round trip through `mode`, in float32."""
     state = dict(loaded.state_dict)
     for name, tensor in state.items():
         if any(name.endswith(p + ".weight") for p in PROJECTIONS):
-            state[name] = dequantize_int8(*quantize_int8(tensor))
+            state[name] = quantize(tensor, mode).dequantize()
     return dataclasses.replace(loaded, state_dict=state)
 
 
 @needs_kernels
-def test_an_int8_engine_generates_what_float32_generates_on_the_dequantized_weights(tiny_llama, make_llm):
-    prompts = [[(i * 37 + s) % 500 + 3 for i in range(n)] for s, n in ((1, 20), (2, 45), (3, 7))]
-    int8 = make_llm(tiny_llama.loaded, quantization="int8")
-    reference = make_llm(dequantized_copy(tiny_llama.loaded), cpu_kernels=False)
-    got = [o.outputs[0].token_ids for o in int8.generate(prompts, GREEDY)]
+@pytest.mark.parametrize(("mode", "dtype"), [("int8", torch.int8), ("int4", torch.uint8)])
+def test_a_quantized_engine_generates_what_float32_generates_on_the_dequantized_weights(
+    mode, dtype, tiny_llama, make_llm
+):
+    # 45 and 70 tokens: prefill chunks above QUANT_MAX_ROWS (dequantized + MKL) as well as below.
+    prompts = [[(i * 37 + s) % 500 + 3 for i in range(n)] for s, n in ((1, 20), (2, 45), (3, 7), (4, 70))]
+    quantized = make_llm(tiny_llama.loaded, quantization=mode)
+    reference = make_llm(dequantized_copy(tiny_llama.loaded, mode), cpu_kernels=False)
+    got = [o.outputs[0].token_ids for o in quantized.generate(prompts, GREEDY)]
     want = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
     assert got == want
     plain = make_llm(tiny_llama.loaded)
-    assert int8.engine.kv_io.format.fingerprint == plain.engine.kv_io.format.fingerprint + "+int8"
-    layer = int8.engine.model.layers[0]
-    assert layer.qkv.numel() == 0 and layer.fast["qkv"].q.dtype == torch.int8  # no float copy kept
+    assert quantized.engine.kv_io.format.fingerprint == plain.engine.kv_io.format.fingerprint + "+" + mode
+    layer = quantized.engine.model.layers[0]
+    assert layer.qkv.numel() == 0 and layer.fast["qkv"].weight.data.dtype == dtype  # no float copy kept
 
 
 def test_bad_quantization_values_and_combinations_are_refused(tiny_llama):
-    with pytest.raises(ConfigError, match="must be one of none, int8"):
+    with pytest.raises(ConfigError, match="must be one of none, int8, int4, gguf"):
         load_config(EngineConfig, env={"KVHARBOR_QUANTIZATION": "int3"})
     assert load_config(EngineConfig, env={"KVHARBOR_QUANTIZATION": "int8"}).model.quantization == "int8"
     with pytest.raises(ValueError, match="float32"):

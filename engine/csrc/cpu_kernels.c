@@ -34,10 +34,19 @@
 static int spin_rounds = 2000;  // _mm_pause rounds an idle worker spins before it sleeps
 #define COL_ALIGN 8        // thread shares start on a multiple of this many columns
 
+// Weight formats (the Q of every template below; engine/quantize.py makes them):
+//   0 float32 [n, k]
+//   1 int8 [n, k], one float scale per row                          (--quantization int8)
+//   2 4-bit [n, k/2] in groups of 32: a group's 16 bytes hold its elements j (low nibble) and
+//     j + 16 (high nibble), as GGUF's Q4_0/Q4_1 blocks do; w = q * scale[g] + min[g]
+//     with one float scale and min per (row, group)                 (--quantization int4, gguf)
+//   3 int8 [n, k] in groups of 32, w = q * scale[g]                  (gguf's Q8_0)
+#define GROUP 32
+
 typedef struct {
     const float *x;
-    const void *w;  // float [n, k], or int8 [n, k] with `scale`
-    const float *scale, *bias;
+    const void *w;
+    const float *scale, *mins, *bias;
     float *y;
     int64_t m, k, n, ldx, ldy;
 } linear_job_t;
@@ -50,7 +59,8 @@ typedef struct {
     float scale;
 } attention_job_t;
 
-static int job_kind;  // 0 linear, 1 decode attention, 2 int8 linear
+static int job_kind;  // 0 linear, 1 decode attention, 2 linear of weight format job_q, 3 dequantize
+static int job_q;
 static linear_job_t job;
 static attention_job_t ajob;
 static atomic_int generation;  // bumped for every job; workers wait for it to change
@@ -72,12 +82,65 @@ static inline __m256 load_q8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 
+// 8 weights of a grouped row as floats: elements [8 * sub, 8 * sub + 8) of the group at p (its
+// 16 nibble bytes in format 2, its 32 int8 in format 3), with the group's scale s and min mn.
+static inline __attribute__((always_inline)) __m256 load_grouped(const int Q, const uint8_t *p, const int sub,
+                                                                 __m256 s, __m256 mn) {
+    if (Q == 3) return _mm256_mul_ps(load_q8((const int8_t *)p + 8 * sub), s);
+    __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + (sub & 1) * 8)));
+    if (sub & 2) v = _mm256_srli_epi32(v, 4);
+    v = _mm256_and_si256(v, _mm256_set1_epi32(15));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), s, mn);
+}
+
+static inline __attribute__((always_inline)) void grouped_tile(const int Q, const int R, const int C, const float *x,
+                                                               int64_t ldx, const void *w, const float *scale,
+                                                               const float *mins, int64_t k, int64_t n, float *y,
+                                                               int64_t ldy, const float *bias) {
+    const int64_t groups = k / GROUP, row_bytes = Q == 2 ? k / 2 : k, group_bytes = Q == 2 ? 16 : 32;
+    const uint8_t *wb = (const uint8_t *)w + n * row_bytes;
+    const float *sc = scale + n * groups, *mc = Q == 2 ? mins + n * groups : NULL;
+    const char *next = (const char *)(wb + C * row_bytes);
+    __m256 acc[4][8];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        // A line of each of the next tile's rows every 64 / group_bytes groups (see tile()).
+        if ((g * group_bytes & 63) == 0)
+            for (int q = 0; q < C; q++) _mm_prefetch(next + ((g * group_bytes / 64) * C + q) * 64, _MM_HINT_T0);
+#pragma GCC unroll 4
+        for (int sub = 0; sub < 4; sub++) {
+            __m256 wv[8];
+            for (int c = 0; c < C; c++)
+                wv[c] = load_grouped(Q, wb + c * row_bytes + g * group_bytes, sub, _mm256_broadcast_ss(sc + c * groups + g),
+                                     Q == 2 ? _mm256_broadcast_ss(mc + c * groups + g) : _mm256_setzero_ps());
+            const int64_t i = g * GROUP + sub * 8;
+            for (int r = 0; r < R; r++) {
+                __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
+                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = hsum(acc[r][c]);
+            y[r * ldy + n + c] = bias ? s + bias[n + c] : s;
+        }
+}
+
 // R rows of x (row stride ldx) against C rows of w starting at column n; R, C and Q are constants
 // in every inlined copy, so acc[][] lives in registers and the weight type's branches fold away.
-// Q = 0: w is float; Q = 1: w is int8 with one float scale per row (the sums are scaled at the end).
+// Q = 0: w is float; Q = 1: w is int8 with one float scale per row (the sums are scaled at the end);
+// Q = 2, 3: grouped formats, each 8 weights made floats (scale and min applied) before the FMAs, so
+// the sums need no per-group rescaling; k is then a multiple of GROUP.
 static inline __attribute__((always_inline)) void tile(const int Q, const int R, const int C, const float *x,
-                                                       int64_t ldx, const void *w, const float *scale, int64_t k,
-                                                       int64_t n, float *y, int64_t ldy, const float *bias) {
+                                                       int64_t ldx, const void *w, const float *scale,
+                                                       const float *mins, int64_t k, int64_t n, float *y,
+                                                       int64_t ldy, const float *bias) {
+    if (Q >= 2) {
+        grouped_tile(Q, R, C, x, ldx, w, scale, mins, k, n, y, ldy, bias);
+        return;
+    }
     __m256 acc[4][8];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
@@ -115,13 +178,13 @@ static inline __attribute__((always_inline)) void column_group(const int Q, cons
                                                                int64_t n) {
     int64_t r = 0;
     for (; r + 4 <= j->m; r += 4)
-        tile(Q, 4, C, j->x + r * j->ldx, j->ldx, j->w, j->scale, j->k, n, j->y + r * j->ldy, j->ldy, j->bias);
+        tile(Q, 4, C, j->x + r * j->ldx, j->ldx, j->w, j->scale, j->mins, j->k, n, j->y + r * j->ldy, j->ldy, j->bias);
     const float *x = j->x + r * j->ldx;
     float *y = j->y + r * j->ldy;
     switch (j->m - r) {
-        case 3: tile(Q, 3, C, x, j->ldx, j->w, j->scale, j->k, n, y, j->ldy, j->bias); break;
-        case 2: tile(Q, 2, C, x, j->ldx, j->w, j->scale, j->k, n, y, j->ldy, j->bias); break;
-        case 1: tile(Q, 1, C, x, j->ldx, j->w, j->scale, j->k, n, y, j->ldy, j->bias); break;
+        case 3: tile(Q, 3, C, x, j->ldx, j->w, j->scale, j->mins, j->k, n, y, j->ldy, j->bias); break;
+        case 2: tile(Q, 2, C, x, j->ldx, j->w, j->scale, j->mins, j->k, n, y, j->ldy, j->bias); break;
+        case 1: tile(Q, 1, C, x, j->ldx, j->w, j->scale, j->mins, j->k, n, y, j->ldy, j->bias); break;
     }
 }
 
@@ -132,21 +195,54 @@ static inline __attribute__((always_inline)) void columns(const int Q, int64_t n
     const linear_job_t j = job;
     int64_t n = n0;
     if (j.m == 1) {
-        for (; n + 8 <= n1; n += 8) tile(Q, 1, 8, j.x, j.ldx, j.w, j.scale, j.k, n, j.y, j.ldy, j.bias);
-        for (; n < n1; n++) tile(Q, 1, 1, j.x, j.ldx, j.w, j.scale, j.k, n, j.y, j.ldy, j.bias);
+        for (; n + 8 <= n1; n += 8) tile(Q, 1, 8, j.x, j.ldx, j.w, j.scale, j.mins, j.k, n, j.y, j.ldy, j.bias);
+        for (; n < n1; n++) tile(Q, 1, 1, j.x, j.ldx, j.w, j.scale, j.mins, j.k, n, j.y, j.ldy, j.bias);
         return;
     }
     if (j.m == 2) {
-        for (; n + 4 <= n1; n += 4) tile(Q, 2, 4, j.x, j.ldx, j.w, j.scale, j.k, n, j.y, j.ldy, j.bias);
-        for (; n < n1; n++) tile(Q, 2, 1, j.x, j.ldx, j.w, j.scale, j.k, n, j.y, j.ldy, j.bias);
+        for (; n + 4 <= n1; n += 4) tile(Q, 2, 4, j.x, j.ldx, j.w, j.scale, j.mins, j.k, n, j.y, j.ldy, j.bias);
+        for (; n < n1; n++) tile(Q, 2, 1, j.x, j.ldx, j.w, j.scale, j.mins, j.k, n, j.y, j.ldy, j.bias);
         return;
     }
     for (; n + 3 <= n1; n += 3) column_group(Q, 3, &j, n);
     for (; n < n1; n++) column_group(Q, 1, &j, n);
 }
 
-static void run_columns(int64_t n0, int64_t n1) { columns(0, n0, n1); }
-static void run_columns_q8(int64_t n0, int64_t n1) { columns(1, n0, n1); }
+static void run_columns(int q, int64_t n0, int64_t n1) {
+    switch (q) {
+        case 0: columns(0, n0, n1); break;
+        case 1: columns(1, n0, n1); break;
+        case 2: columns(2, n0, n1); break;
+        case 3: columns(3, n0, n1); break;
+    }
+}
+
+// Rows [n0, n1) of the weight in job (format job_q) as float32 rows of y (row stride ldy): what
+// a prefill-sized product reads, so MKL's blocked GEMM does it (engine/quantize.py says why).
+static void run_dequantize(int q, int64_t n0, int64_t n1) {
+    const linear_job_t j = job;
+    const int64_t groups = j.k / GROUP;
+    for (int64_t n = n0; n < n1; n++) {
+        float *out = j.y + n * j.ldy;
+        if (q == 1) {
+            const int8_t *w = (const int8_t *)j.w + n * j.k;
+            const __m256 s = _mm256_broadcast_ss(j.scale + n);
+            int64_t i = 0;
+            for (; i + 8 <= j.k; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(load_q8(w + i), s));
+            for (; i < j.k; i++) out[i] = w[i] * j.scale[n];
+            continue;
+        }
+        const uint8_t *w = (const uint8_t *)j.w + n * (q == 2 ? j.k / 2 : j.k);
+        for (int64_t g = 0; g < groups; g++) {
+            const __m256 s = _mm256_broadcast_ss(j.scale + n * groups + g);
+            const __m256 mn = q == 2 ? _mm256_broadcast_ss(j.mins + n * groups + g) : _mm256_setzero_ps();
+            for (int sub = 0; sub < 4; sub++) {
+                __m256 v = q == 2 ? load_grouped(2, w + g * 16, sub, s, mn) : load_grouped(3, w + g * 32, sub, s, mn);
+                _mm256_storeu_ps(out + g * GROUP + sub * 8, v);
+            }
+        }
+    }
+}
 
 static void run_attention(int64_t first, int64_t last);
 static void start_workers(int n);
@@ -159,10 +255,10 @@ static void run_share(int t) {
         int64_t units = (job.n + COL_ALIGN - 1) / COL_ALIGN;
         int64_t a = units * t / num_threads * COL_ALIGN, b = units * (t + 1) / num_threads * COL_ALIGN;
         a = a < job.n ? a : job.n, b = b < job.n ? b : job.n;
-        if (job_kind == 0)
-            run_columns(a, b);
+        if (job_kind == 3)
+            run_dequantize(job_q, a, b);
         else
-            run_columns_q8(a, b);
+            run_columns(job_kind == 0 ? 0 : job_q, a, b);
     } else {
         int64_t units = ajob.seqs * ajob.kv_heads;
         run_attention(units * t / num_threads, units * (t + 1) / num_threads);
@@ -248,19 +344,35 @@ int kvharbor_set_threads(int n) {
 void kvharbor_linear(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
                      int64_t m, int64_t k, int64_t n) {
     pthread_mutex_lock(&call_lock);
-    job = (linear_job_t){x, w, NULL, bias, y, m, k, n, ldx, ldy};
+    job = (linear_job_t){x, w, NULL, NULL, bias, y, m, k, n, ldx, ldy};
     run_job(0);
     pthread_mutex_unlock(&call_lock);
 }
 
-// The same with int8 weights: y = x @ (w * scale[:, None])^T + bias, w [n, k] int8 contiguous,
-// scale [n] float (one per output row: symmetric per-channel quantization).
-void kvharbor_linear_q8(const float *x, int64_t ldx, const int8_t *w, const float *scale, const float *bias,
-                        float *y, int64_t ldy, int64_t m, int64_t k, int64_t n) {
+// The same with a quantized weight of format q (1-3, above): scale [n] (format 1) or [n, k / 32],
+// mins [n, k / 32] (format 2) or NULL. Returns -1 for a format it does not know or a k that is
+// not a multiple of 32 in a grouped one.
+int kvharbor_linear_quant(int q, const float *x, int64_t ldx, const void *w, const float *scale, const float *mins,
+                          const float *bias, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n) {
+    if (q < 1 || q > 3 || (q >= 2 && k % GROUP)) return -1;
     pthread_mutex_lock(&call_lock);
-    job = (linear_job_t){x, w, scale, bias, y, m, k, n, ldx, ldy};
+    job = (linear_job_t){x, w, scale, mins, bias, y, m, k, n, ldx, ldy};
+    job_q = q;
     run_job(2);
     pthread_mutex_unlock(&call_lock);
+    return 0;
+}
+
+// Rows of a quantized weight of format q as float32: y [n, k] (row stride ldy) = dequantized w.
+int kvharbor_dequantize(int q, const void *w, const float *scale, const float *mins, float *y, int64_t ldy,
+                        int64_t k, int64_t n) {
+    if (q < 1 || q > 3 || (q >= 2 && k % GROUP)) return -1;
+    pthread_mutex_lock(&call_lock);
+    job = (linear_job_t){NULL, w, scale, mins, NULL, y, 0, k, n, 0, ldy};
+    job_q = q;
+    run_job(3);
+    pthread_mutex_unlock(&call_lock);
+    return 0;
 }
 
 // ---- decode attention ---------------------------------------------------------------------------
