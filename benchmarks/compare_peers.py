@@ -50,7 +50,7 @@ def server(cmd: list[str], url: str, ready_path: str, log: Path, env: dict[str, 
                 time.sleep(1)
             else:
                 raise TimeoutError(f"not ready after {timeout}s; see {log}")
-            yield
+            yield proc
         finally:
             stop_process(proc, grace=60)
 

@@ -17,10 +17,14 @@ Measures, per mode against `reference` (float32, quantization none, same weights
   (mean, and how many of the prompts matched all GREEDY_TOKENS).
 Beside them: offline decode output tok/s at batch 1 and 8 (as a ratio to the reference measured
 in the same run: every engine is measured in turn, three rounds, best round kept, because this
-machine's speed drifts by 20% within minutes), the linear layers' weight bytes, KV bytes per
-token, and the process's peak RSS.
+machine's speed drifts by 20% within minutes), the linear layers' and all weights' bytes as held,
+KV bytes per token, and the process's peak RSS (all modes together: benchmarks/quant_ledger.py
+measures each mode's server on its own).
 
-    python benchmarks/quality.py [--modes int8] [--model PATH] [--text-tokens 256] [--greedy-tokens 48]
+`gguf` runs on a GGUF file's own blocks, so its reference is the same file dequantized to float32
+(what `none` serves): the two hold the same values, and its KL measures only float rounding.
+
+    python benchmarks/quality.py [--modes none,int8,int4,gguf] [--model PATH] [--text-tokens 256] [--greedy-tokens 48]
 
 Prints a table, writes benchmarks/results/quality.{json,png} (speed against KL for every mode).
 """
@@ -50,7 +54,7 @@ from kvharbor.engine.scheduler import ScheduledChunk
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODULES = ("json", "argparse", "csv", "unittest", "itertools", "heapq", "subprocess", "sqlite3", "collections")
-MODES = {"reference": {}, "none": {}, "int8": {"quantization": "int8"}}
+MODES = {"reference": {}, "none": {}, **{q: {"quantization": q} for q in ("int8", "int4", "gguf")}}
 
 
 def stdlib_texts() -> list[str]:
@@ -124,6 +128,7 @@ def measure(name: str, llm: LLM, args, texts: list[list[int]], chats: list[list[
     return {
         "mode": name, "logits": logits, "greedy": outputs, "speed_tok_s": {},
         "linear_weight_bytes": linear_bytes(llm), "kv_bytes_per_token": llm.engine.capacity.bytes_per_token,
+        "weight_bytes": llm.engine.weight_bytes,
     }  # fmt: skip
 
 
@@ -158,20 +163,23 @@ def summarize(ref: dict, got: dict, texts: list[list[int]]) -> dict:
         "speed_ratio": {k: got["speed_tok_s"][k] / ref["speed_tok_s"][k] for k in ref["speed_tok_s"]},
         "speed_tok_s": got["speed_tok_s"],
         "linear_weight_bytes": got["linear_weight_bytes"],
+        "weight_bytes": got["weight_bytes"],
         "kv_bytes_per_token": got["kv_bytes_per_token"],
     }
 
 
 def table(rows: list[dict]) -> str:
     head = (f"{'mode':<8}{'mean KL':>10}{'p99 KL':>10}{'top-1':>8}{'PPL x':>8}{'greedy':>9}{'tok/s b1':>10}"
-            f"{'x ref':>7}{'tok/s b8':>10}{'x ref':>7}{'linears MiB':>13}{'KV B/tok':>10}")  # fmt: skip
+            f"{'x ref':>7}{'tok/s b8':>10}{'x ref':>7}{'linears MiB':>13}{'weights MiB':>13}"
+            f"{'KV B/tok':>10}")  # fmt: skip
     lines = [head]
     for r in rows:
         s, x = r["speed_tok_s"], r["speed_ratio"]
         lines.append(
             f"{r['mode']:<8}{r['mean_kl']:>10.5f}{r['p99_kl']:>10.5f}{r['top1_agreement']:>8.1%}{r['ppl_ratio']:>8.4f}"
             f"{r['greedy_match_mean']:>9.1f}{s['batch_1']:>10.1f}{x['batch_1']:>7.2f}{s['batch_8']:>10.1f}"
-            f"{x['batch_8']:>7.2f}{r['linear_weight_bytes'] / 2**20:>13.0f}{r['kv_bytes_per_token']:>10}"
+            f"{x['batch_8']:>7.2f}{r['linear_weight_bytes'] / 2**20:>13.0f}{r['weight_bytes'] / 2**20:>13.0f}"
+            f"{r['kv_bytes_per_token']:>10}"
         )
     return "\n".join(lines)
 
@@ -197,7 +205,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="none,int8", help="comma-separated, of: none, int8")
+    parser.add_argument("--modes", default="none,int8,int4,gguf", help="comma-separated, of: none, int8, int4, gguf")
     parser.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2)")
     parser.add_argument("--text-tokens", type=int, default=256, help="tokens of each docstring, teacher-forced")
     parser.add_argument("--greedy-tokens", type=int, default=48, help="tokens generated per chat prompt")
@@ -207,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES or m == "reference"]
     if unknown or not modes:
-        parser.error(f"unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from none, int8")
+        parser.error(f"unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from none, int8, int4, gguf")
     if min(args.text_tokens, args.greedy_tokens, args.speed_tokens) < 2:
         parser.error("--text-tokens, --greedy-tokens and --speed-tokens must be >= 2")
     loaded = load_model(args.model)
@@ -216,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     texts = [loaded.tokenizer.encode(t)[: args.text_tokens] for t in stdlib_texts()]
     texts = [ids for ids in texts if len(ids) >= 2]
     chats = [loaded.tokenizer.encode_chat(m) for m in chat_prompts()]
-    llms = {name: build(MODES[name], loaded) for name in ("reference", *modes)}
+    # gguf runs on the file's own blocks; the reference is the same file dequantized to float32.
+    blocks = load_model(args.model, keep_blocks=True) if "gguf" in modes else None
+    llms = {name: build(MODES[name], blocks if name == "gguf" else loaded) for name in ("reference", *modes)}
     records = {name: measure(name, llm, args, texts, chats) for name, llm in llms.items()}
     measure_speeds(llms, records, args.speed_tokens)
     ref = records["reference"]

@@ -33,6 +33,8 @@ class LoadReport:
     in_flight: int = 0  # requests the server holds open
     slo_requests: int = 0  # finished requests slo_attainment covers
     slo_attainment: float | None = None  # share of them that met TTFT and ITL; None without any
+    weight_bytes: int = 0  # the model's weights as held (quantized ones at their own size)
+    kv_bytes_per_token: int = 0  # KV bytes one token takes in the pool, every layer
 
     @property
     def queue(self) -> int:

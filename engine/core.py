@@ -137,6 +137,7 @@ class EngineCore:
             fingerprint += "+" + config.model.quantization  # other weights: other KV, never imported
         if config.runtime.cpu_kernels and (fast := self.model.prepare_cpu_linears(threads)):
             say(f"CPU linears: {fast}")
+        self.weight_bytes = self.model.weight_bytes()
         self.draft_model = self._load_draft(config, say)
         shadow = draft_kv_bytes_per_token(self.draft_model, self.dtype) if self.draft_model is not None else 0
         self.capacity: KVCapacity = plan_capacity(
@@ -468,6 +469,8 @@ class EngineCore:
             prefill_tokens_per_s=round(stats.prefill_tokens_per_s, 1),
             decode_step_ms=round(stats.decode_step_s * 1000, 2),
             spec_acceptance_rate=round(stats.spec_accepted / stats.spec_proposed, 4) if stats.spec_proposed else None,
+            weight_bytes=self.weight_bytes,
+            kv_bytes_per_token=self.capacity.bytes_per_token,
         )
 
     def check_integrity(self) -> None:

@@ -121,6 +121,8 @@ class CpuKernels:
             FORMATS[w.fmt], x.data_ptr(), x.stride(0), w.data.data_ptr(), w.scale.data_ptr(), _ptr(w.mins),
             _ptr(bias), y.data_ptr(), w.n, m, w.k, w.n,
         )  # fmt: skip
+        if code == -2:
+            raise MemoryError(f"no memory for the group sums of {m} rows")
         if code != 0:
             raise ValueError(f"the kernel does not take a {w.fmt} weight of {w.n}x{w.k}")
         return y

@@ -88,6 +88,8 @@ class _LoadCollector:
         yield gauge("kv_blocks_cached", "KV blocks reusable by prefix", load.kv_blocks_cached)
         yield gauge("prefill_tokens_per_second", "Measured prefill speed (EWMA)", load.prefill_tokens_per_s)
         yield gauge("decode_step_seconds", "Measured decode step time (EWMA)", load.decode_step_ms / 1000)
+        yield gauge("weight_bytes", "The model's weights as held (quantized at their own size)", load.weight_bytes)
+        yield gauge("kv_bytes_per_token", "KV bytes one token takes in the pool", load.kv_bytes_per_token)
         queries, hits = counters["prefix_queries"], counters["prefix_hits"]
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)

@@ -167,6 +167,19 @@ class LlamaModel(nn.Module):
             total += self.embed_blocks.nbytes
         return total
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights held: float parameters, quantized weights at their own size, and any
+        packed copy a fast path keeps for prefill."""
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        fasts = [f for layer in self.layers for f in layer.fast.values()] + [self.lm_head_fast]
+        for fast in fasts:
+            total += getattr(fast, "nbytes", 0)
+            if (packed := getattr(fast, "packed", None)) is not None:
+                total += packed.numel() * packed.element_size()
+        if self.embed_blocks is not None and self.embed_blocks is not self.head_blocks:
+            total += self.embed_blocks.nbytes  # the tied case counts once, as the LM head
+        return total
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_blocks is None:
             return F.embedding(input_ids, self.embed)

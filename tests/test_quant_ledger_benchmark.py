@@ -1,0 +1,61 @@
+"""benchmarks/quant_ledger.py's own parts: arguments, the peak-RSS reading of a process tree, and
+the rows it reports (ratios to `none`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import quant_ledger
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--modes", "int3"], "--modes takes some of none, int8, int4, gguf"),
+        (["--llama-server", "x", "--peer-url", "http://127.0.0.1:1"], "not both"),
+        (["--peer-url", "http://example.com:8080"], "on this machine"),
+    ],
+)
+def test_bad_arguments_are_refused(argv, match, capsys):
+    with pytest.raises(SystemExit):
+        quant_ledger.parse_args(argv)
+    assert match in capsys.readouterr().err
+
+
+def test_none_is_always_measured_first():
+    assert quant_ledger.parse_args(["--modes", "gguf,int8"]).modes == ["none", "gguf", "int8"]
+
+
+@pytest.mark.slow  # starts two processes
+def test_peak_rss_counts_the_children_of_a_process():
+    # 200 MiB written in the parent, 300 in its child; both wait on the test's pipe, and end at its EOF.
+    child = "import sys; x = b'c' * (300 * 2**20); print('up', flush=True); sys.stdin.read()"
+    code = (f"import subprocess, sys; x = b'p' * (200 * 2**20); "
+            f"subprocess.run([sys.executable, '-c', {child!r}])")  # fmt: skip
+    parent = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout.readline() == "up\n"
+        assert quant_ledger.peak_rss(parent.pid) >= 500 * 2**20
+    finally:
+        parent.stdin.close()
+        parent.wait(timeout=30)
+    assert quant_ledger.peak_rss(parent.pid) == 0  # gone: nothing to read
+
+
+def test_rows_carry_ratios_to_none():
+    def result(c1: float, c8: float) -> dict:
+        latency = {"ttft_p50_s": 0.1, "ttft_p95_s": 0.2, "itl_p50_s": 0.01, "itl_p95_s": 0.02}
+        runs = [{"concurrency": c, "summary": {"output_tok_s": v, **latency}} for c, v in ((1, c1), (8, c8))]
+        return {"runs": runs, "peak_rss_bytes": 2**28, "weight_bytes": 2**26, "kv_bytes_per_token": 100}
+
+    base = quant_ledger.summary_row("none", result(10, 40), None)
+    row = quant_ledger.summary_row("kvharbor gguf", result(15, 60), base)
+    assert row["c1"]["tok_s_ratio"] == 1.5 and row["c8"]["tok_s_ratio"] == 1.5
+    assert "tok_s_ratio" not in base["c1"]
+    text = quant_ledger.table([base, row], [1, 8])
+    assert "kvharbor gguf" in text and "1.50" in text and "256" in text  # peak RSS in MiB
