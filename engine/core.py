@@ -186,26 +186,25 @@ class EngineCore:
     # -- set-up -------------------------------------------------------------------------------
 
     def _quantize(self, threads: int, say: Progress) -> None:
+        """Quantize (or adopt GGUF blocks), through the AVX2 kernels where they run (CPU, float32),
+        else through torch's dequantize-and-matmul, which saves the memory but not the time."""
         mode = self.config.model.quantization
-        here = f"{str(self.dtype).removeprefix('torch.')} on {self.device}"
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            raise ValueError(
-                f"--quantization {mode} runs on CPU in float32, this engine is {here}: "
-                "add --device cpu --dtype float32, or use --quantization none"
-            )
-        if not self.config.runtime.cpu_kernels:
-            raise ValueError(f"--quantization {mode} needs the CPU kernels: drop --no-cpu-kernels")
-        from kvharbor.engine import cpu_kernels
+        gemm = None
+        if self.device.type == "cpu" and self.dtype == torch.float32 and self.config.runtime.cpu_kernels:
+            from kvharbor.engine import cpu_kernels
 
-        gemm = cpu_kernels.load(threads)
+            gemm = cpu_kernels.load(threads)
         if gemm is None:
-            raise ValueError(
-                f"--quantization {mode} needs the AVX2 kernels, which cannot run here (the log says why): "
-                "use --quantization none"
-            )
+            here = f"{str(self.dtype).removeprefix('torch.')} on {self.device}"
+            log.warning(
+                "--quantization %s on %s runs through torch's dequantize-and-matmul: the memory of %s weights, "
+                "but slower than unquantized (the fast kernels need CPU, float32, AVX2 and --cpu-kernels)",
+                mode, here, mode,
+            )  # fmt: skip
         say("repacking the GGUF blocks ..." if mode == "gguf" else f"quantizing the linear layers to {mode} ...")
         nbytes = self.model.quantize(gemm, mode)
-        say(f"{mode} weights: {nbytes / 2**20:.0f} MiB ({QUANT_NOTES[mode]})")
+        path = "AVX2 kernels" if gemm is not None else "torch dequantize + matmul"
+        say(f"{mode} weights: {nbytes / 2**20:.0f} MiB ({QUANT_NOTES[mode]}; {path})")
 
     def _cpu_attention(self, threads: int):
         """The CPU kernels for decode attention, where they run: float32 with the torch backend on a

@@ -144,17 +144,23 @@ class LlamaModel(nn.Module):
 
     def quantize(self, gemm, mode: str) -> int:
         """Run every projection from a quantized weight (engine/quantize.py) through `gemm`
-        (cpu_kernels.CpuKernels), releasing the float copies. Projections loaded as GGUF blocks
-        (mode gguf) keep those; float ones are quantized to `mode` (int8, int4). The embeddings,
-        norms and LM head stay float unless they were loaded as blocks. Call before
-        prepare_cpu_linears (which then leaves them). Returns the quantized weights' bytes."""
+        (cpu_kernels.CpuKernels; None: torch's dequantize-and-matmul), releasing the float
+        copies. Projections loaded as GGUF blocks (mode gguf) keep those; float ones are quantized
+        to `mode` (int8, int4). The embeddings, norms and LM head stay float unless they were
+        loaded as blocks. Call before prepare_cpu_linears (which then leaves them). Returns the
+        quantized weights' bytes."""
         from kvharbor.engine.quantize import QuantLinear, quantize
 
+        device, tied = self.embed.device, self.head_blocks is self.embed_blocks
+        if self.embed_blocks is not None:
+            self.embed_blocks = self.embed_blocks.to(device)
+        if self.head_blocks is not None:
+            self.head_blocks = self.embed_blocks if tied else self.head_blocks.to(device)
         total = 0
         for layer in self.layers:
             for name in layer.fast:
                 weight = getattr(layer, name)
-                qw = layer.blocks.pop(name, None) or quantize(weight.data, mode)
+                qw = (layer.blocks.pop(name, None) or quantize(weight.data.float(), mode)).to(device)
                 layer.fast[name] = fast = QuantLinear(gemm, qw, QUANT_MAX_ROWS)
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # only the quantized copy stays
                 total += fast.nbytes
@@ -183,7 +189,7 @@ class LlamaModel(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_blocks is None:
             return F.embedding(input_ids, self.embed)
-        return self.embed_blocks.dequantize(input_ids)  # only the rows asked for
+        return self.embed_blocks.dequantize(input_ids).to(self.embed.dtype)  # only the rows asked for
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for `positions`, [T, 1, head_dim/2], computed in float32 like the reference."""

@@ -21,8 +21,9 @@ from the quantized bytes; prefill-sized ones are dequantized, a slice at a time 
 scratch buffer, and multiplied by MKL, which blocks large products far better than a row-tiled
 kernel (the int8 kernel alone ran at 0.8x MKL at 128 rows; llama.cpp dequantizes for BLAS in
 the same case). torch's own `aten::_weight_int8pack_mm` was measured at 5.8 ms on an 8x576 by
-576x1536 product on this machine kind, 7x float32 MKL, so it is not used. CUDA has no quantized
-path yet: the engine refuses it there.
+576x1536 product on this machine kind, 7x float32 MKL, so it is not used. Where the kernels do not
+run (CUDA, bfloat16, `--no-cpu-kernels`, no AVX2), torch ops dequantize the same slices: the
+quantized memory without the speed (no Triton kernel for it yet).
 """
 
 from __future__ import annotations
@@ -68,13 +69,18 @@ class QuantWeight:
         extra = self.mins.numel() * 4 if self.mins is not None else 0
         return self.data.numel() + self.scale.numel() * 4 + extra
 
+    def to(self, device: torch.device) -> QuantWeight:
+        mins = self.mins.to(device) if self.mins is not None else None
+        return QuantWeight(self.fmt, self.data.to(device), self.scale.to(device), mins, self.k)
+
     def rows(self, index: torch.Tensor) -> QuantWeight:
         """The weight's rows in `index` order (row permutations, fused-projection slices)."""
         mins = self.mins[index] if self.mins is not None else None
         return QuantWeight(self.fmt, self.data[index].contiguous(), self.scale[index].contiguous(), mins, self.k)
 
-    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [n, k] (or the selected rows): the reference formula the kernels must match."""
+    def dequantize(self, rows: torch.Tensor | slice | None = None) -> torch.Tensor:
+        """float32 [n, k] (or the selected rows, an index tensor or a slice): the reference formula
+        the kernels must match, and the torch path where they do not run."""
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         data, scale = pick(self.data), pick(self.scale)
         if self.fmt == "int8":
@@ -137,17 +143,25 @@ def quantize(weight: torch.Tensor, mode: str) -> QuantWeight:
 
 
 class QuantLinear:
-    """One projection's quantized weight: decode-sized inputs through the kernel on the quantized
-    bytes, larger ones through MKL on dequantized slices (the module docstring says why)."""
+    """One projection's quantized weight. With the CPU kernels (`gemm`): decode-sized inputs
+    through the kernel on the quantized bytes, larger ones through MKL on dequantized slices (the
+    module docstring says why). Without them (CUDA, bfloat16, no AVX2): every input through
+    slices dequantized by torch ops into x's dtype: the memory of the quantized weights at the
+    cost of a dequantization per step (no fused kernel for that path yet)."""
 
     def __init__(self, gemm, weight: QuantWeight, max_rows: int) -> None:
         self.gemm = gemm
         self.weight = weight
-        self.max_rows = max_rows
+        self.max_rows = max_rows if gemm is not None else -1
 
     @property
     def nbytes(self) -> int:
         return self.weight.nbytes
+
+    def _dense(self, first: int, last: int, dtype: torch.dtype) -> torch.Tensor:
+        if self.gemm is not None:
+            return self.gemm.dequantize(self.weight, first, last)
+        return self.weight.dequantize(slice(first, last)).to(dtype)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.shape[0] <= self.max_rows:
@@ -155,9 +169,9 @@ class QuantLinear:
         w = self.weight
         step = max(1, SCRATCH_FLOATS // w.k)
         if step >= w.n:
-            return F.linear(x, self.gemm.dequantize(w, 0, w.n), bias)
-        y = torch.empty(x.shape[0], w.n, dtype=torch.float32)
+            return F.linear(x, self._dense(0, w.n, x.dtype), bias)
+        y = torch.empty(x.shape[0], w.n, dtype=x.dtype, device=x.device)
         for a in range(0, w.n, step):
             b = min(w.n, a + step)
-            y[:, a:b] = F.linear(x, self.gemm.dequantize(w, a, b), None if bias is None else bias[a:b])
+            y[:, a:b] = F.linear(x, self._dense(a, b, x.dtype), None if bias is None else bias[a:b])
         return y

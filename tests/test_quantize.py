@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvharbor.common.config import ConfigError, load_config
-from kvharbor.engine import LLM, SamplingParams
+from kvharbor.engine import SamplingParams
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.cpu_kernels import load
 from kvharbor.engine.model import QUANT_MAX_ROWS
@@ -138,11 +138,25 @@ def test_a_quantized_engine_generates_what_float32_generates_on_the_dequantized_
     assert layer.qkv.numel() == 0 and layer.fast["qkv"].weight.data.dtype == dtype  # no float copy kept
 
 
-def test_bad_quantization_values_and_combinations_are_refused(tiny_llama):
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_without_the_kernels_torch_dequantizes_the_same_weights(mode, tiny_llama, make_llm, caplog):
+    """The path of CUDA and bfloat16 (and of a CPU without AVX2), run here with the kernels off:
+    the same quantized weights, dequantized by torch ops a slice at a time."""
+    prompts = [[(i * 37 + s) % 500 + 3 for i in range(n)] for s, n in ((1, 20), (4, 70))]
+    quantized = make_llm(tiny_llama.loaded, quantization=mode, cpu_kernels=False)
+    assert "torch's dequantize-and-matmul" in caplog.text
+    reference = make_llm(dequantized_copy(tiny_llama.loaded, mode), cpu_kernels=False)
+    got = [o.outputs[0].token_ids for o in quantized.generate(prompts, GREEDY)]
+    assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
+    assert quantized.engine.model.layers[0].fast["gate_up"].gemm is None
+    bf16 = make_llm(tiny_llama.loaded, quantization=mode, dtype="bfloat16")
+    plain = make_llm(tiny_llama.loaded, dtype="bfloat16")
+    assert bf16.engine.model.layers[0].down.numel() == 0
+    assert bf16.engine.load().weight_bytes < plain.engine.load().weight_bytes
+    assert len(bf16.generate(prompts, GREEDY)[1].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_bad_quantization_values_are_refused_with_the_choices():
     with pytest.raises(ConfigError, match="must be one of none, int8, int4, gguf"):
         load_config(EngineConfig, env={"KVHARBOR_QUANTIZATION": "int3"})
-    assert load_config(EngineConfig, env={"KVHARBOR_QUANTIZATION": "int8"}).model.quantization == "int8"
-    with pytest.raises(ValueError, match="float32"):
-        LLM(loaded_model=tiny_llama.loaded, quantization="int8", dtype="bfloat16", num_kv_blocks=8)
-    with pytest.raises(ValueError, match="--no-cpu-kernels"):
-        LLM(loaded_model=tiny_llama.loaded, quantization="int8", dtype="float32", cpu_kernels=False, num_kv_blocks=8)
+    assert load_config(EngineConfig, env={"KVHARBOR_QUANTIZATION": "int4"}).model.quantization == "int4"
