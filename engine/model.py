@@ -146,24 +146,34 @@ class LlamaModel(nn.Module):
         """Run every projection from a quantized weight (engine/quantize.py) through `gemm`
         (cpu_kernels.CpuKernels; None: torch's dequantize-and-matmul), releasing the float
         copies. Projections loaded as GGUF blocks (mode gguf) keep those; float ones are quantized
-        to `mode` (int8, int4). The embeddings, norms and LM head stay float unless they were
-        loaded as blocks. Call before prepare_cpu_linears (which then leaves them). Returns the
-        quantized weights' bytes."""
+        to `mode` (int8, int4). The LM head (and a tied embedding) is kept as loaded in gguf, and
+        made int8 per channel in int8 and int4 (engine/quantize.py says why). Norms stay float.
+        Call before prepare_cpu_linears (which then leaves them). Returns the quantized bytes."""
         from kvharbor.engine.quantize import QuantLinear, quantize
 
-        device, tied = self.embed.device, self.head_blocks is self.embed_blocks
+        total = 0
+        for layer in self.layers:
+            for name in layer.fast:
+                weight = getattr(layer, name)
+                qw = (layer.blocks.pop(name, None) or quantize(weight.data.float(), mode)).to(self.embed.device)
+                layer.fast[name] = fast = QuantLinear(gemm, qw, QUANT_MAX_ROWS)
+                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # only the quantized copy stays
+                total += fast.nbytes
+        return total + self._quantize_head(gemm, mode)
+
+    def _quantize_head(self, gemm, mode: str) -> int:
+        from kvharbor.engine.quantize import QuantLinear, quantize
+
+        device, tied = self.embed.device, self.arch.tie_word_embeddings
+        if self.head_blocks is None and mode in ("int8", "int4"):
+            self.head_blocks = quantize(self.lm_head.data.float(), "int8")
+            if tied:
+                self.embed_blocks = self.head_blocks
         if self.embed_blocks is not None:
             self.embed_blocks = self.embed_blocks.to(device)
         if self.head_blocks is not None:
             self.head_blocks = self.embed_blocks if tied else self.head_blocks.to(device)
         total = 0
-        for layer in self.layers:
-            for name in layer.fast:
-                weight = getattr(layer, name)
-                qw = (layer.blocks.pop(name, None) or quantize(weight.data.float(), mode)).to(device)
-                layer.fast[name] = fast = QuantLinear(gemm, qw, QUANT_MAX_ROWS)
-                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # only the quantized copy stays
-                total += fast.nbytes
         if self.head_blocks is not None:
             self.lm_head_fast = QuantLinear(gemm, self.head_blocks, QUANT_MAX_ROWS_WIDE)
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype, device=self.lm_head.device)

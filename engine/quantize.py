@@ -10,6 +10,13 @@ Three formats, one kernel family (engine/csrc/cpu_kernels.c, AVX2), float32 acti
   blocks into it, bit for bit (engine/gguf_blocks.py).
 - `q8`: int8 in groups of 32 with a float scale per group: GGUF's Q8_0, repacked.
 
+The LM head: in `int8` and `int4` it is made int8 per channel (and a tied embedding reads its
+rows from that copy), because it is the largest single weight a decode step reads (SmolLM2:
+49,152 x 576, 113 MB in float32, a fifth of a batch-1 step); benchmarks/quality.py measured the
+difference (gguf, whose file keeps it Q8_0, decoded at 1.84x float32 at batch 1 where int4 with a
+float head made 1.22x). It stays int8 under int4: llama.cpp's own 4-bit types keep the output
+matrix at 6-8 bits too, since every logit goes through it. `gguf` keeps whatever the file has.
+
 Why weight-only and these layouts: a float32 decode step here is memory-bound (benchmarks/README.md:
 the layers' 425 MB stream at 11-15 GB/s), so the bytes a step reads are the lever. The nibbles
 keep GGUF's in-group order (element j low, j + 16 high) so a repack is a byte copy; scales and

@@ -112,30 +112,37 @@ def test_the_kernel_refuses_what_it_does_not_take():
 
 
 def dequantized_copy(loaded, mode: str):
-    """The same model with every projection replaced by its round trip through `mode`, in float32."""
+    """The same model with every projection replaced by its round trip through `mode`, and the LM
+    head (the embedding, when tied) by its int8 round trip, in float32."""
     state = dict(loaded.state_dict)
+    head = "model.embed_tokens.weight" if loaded.arch.tie_word_embeddings else "lm_head.weight"
     for name, tensor in state.items():
         if any(name.endswith(p + ".weight") for p in PROJECTIONS):
             state[name] = quantize(tensor, mode).dequantize()
+        elif name == head:
+            state[name] = quantize(tensor, "int8").dequantize()
     return dataclasses.replace(loaded, state_dict=state)
 
 
 @needs_kernels
 @pytest.mark.parametrize(("mode", "dtype"), [("int8", torch.int8), ("int4", torch.uint8)])
+@pytest.mark.parametrize("case_name", ["tiny_llama", "tiny_qwen2"])  # untied and tied LM heads
 def test_a_quantized_engine_generates_what_float32_generates_on_the_dequantized_weights(
-    mode, dtype, tiny_llama, make_llm
+    mode, dtype, case_name, request, make_llm
 ):
+    case = request.getfixturevalue(case_name)
     # 45 and 70 tokens: prefill chunks above QUANT_MAX_ROWS (dequantized + MKL) as well as below.
     prompts = [[(i * 37 + s) % 500 + 3 for i in range(n)] for s, n in ((1, 20), (2, 45), (3, 7), (4, 70))]
-    quantized = make_llm(tiny_llama.loaded, quantization=mode)
-    reference = make_llm(dequantized_copy(tiny_llama.loaded, mode), cpu_kernels=False)
+    quantized = make_llm(case.loaded, quantization=mode)
+    reference = make_llm(dequantized_copy(case.loaded, mode), cpu_kernels=False)
     got = [o.outputs[0].token_ids for o in quantized.generate(prompts, GREEDY)]
     want = [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
     assert got == want
-    plain = make_llm(tiny_llama.loaded)
+    plain = make_llm(case.loaded)
     assert quantized.engine.kv_io.format.fingerprint == plain.engine.kv_io.format.fingerprint + "+" + mode
-    layer = quantized.engine.model.layers[0]
-    assert layer.qkv.numel() == 0 and layer.fast["qkv"].weight.data.dtype == dtype  # no float copy kept
+    model = quantized.engine.model
+    assert model.layers[0].qkv.numel() == 0 and model.layers[0].fast["qkv"].weight.data.dtype == dtype  # no float copy
+    assert model.lm_head.numel() == 0 and model.head_blocks.fmt == "int8"
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
