@@ -45,7 +45,10 @@ class UpConfig:
         "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX/AVX512-BF16, else float32"
     )
     quantization: Literal["none", "int8", "int4", "gguf"] = opt(
-        "none", "engines' weight quantization: none, int8, int4 or gguf (CPU, float32: pass dtype float32 with it)"
+        "none", "engines' weight quantization: none, int8, int4 or gguf (fast on CPU in float32: pass dtype float32)"
+    )
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = opt(
+        "auto", "engines' KV cache storage: auto (their dtype), or int8 / fp8 with a scale per token and head"
     )
     kv_cache_memory: str = opt("512MiB", "KV pool of each engine, in bytes (float32 takes twice bfloat16's)")
     num_kv_blocks: int | None = opt(None, "KV pool of each engine in blocks of 16 tokens; overrides kv_cache_memory")
@@ -196,7 +199,7 @@ class Platform:
             port = free_port()
             cmd = [*cli, "serve", "--port", str(port), "--instance-id", f"engine-{i}", "--redis-url", self.redis_url,
                    "--kv-cache-memory", c.kv_cache_memory, "--dtype", c.dtype,
-                   "--quantization", c.quantization]  # fmt: skip
+                   "--quantization", c.quantization, "--kv-cache-dtype", c.kv_cache_dtype]  # fmt: skip
             if c.num_kv_blocks is not None:
                 cmd += ["--num-kv-blocks", str(c.num_kv_blocks)]
             if c.max_model_len is not None:

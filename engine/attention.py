@@ -5,7 +5,8 @@ The flat batch is ordered decodes first, then prefill chunks:
     tokens | d0 d1 ... d(B-1) | p0 p0 p0 ... | p1 p1 ... |
              one query each     one chunk per prefilling sequence
 
-Each layer's KV lives in one tensor `[2 (K/V), kv_heads, num_blocks * block_size, head_dim]`:
+Each layer's KV lives in one tensor `[2 (K/V), kv_heads, num_blocks * block_size, head_dim]`
+(with `--kv-cache-dtype int8|fp8`, byte rows of head_dim + 2: engine/kv_quant.py):
 head-major, so gathering a sequence's blocks yields `[kv_heads, ctx, head_dim]` rows that SDPA
 reads without another copy; slot = block_id * block_size + offset. Every layer writes its new K/V
 first, then attends, so a sequence may read blocks that another sequence of the same step is
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvharbor.engine.kv_quant import dequantize_rows, quantize_rows
 
 
 @dataclass
@@ -65,6 +68,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     triton: Any = None  # attention_triton.TritonMetadata when the triton backend runs this step
     cpu_decode: CpuDecode | None = None  # decodes through the CPU kernel instead of decode_groups
+    kv_dtype: str = "auto"  # int8 / fp8: the cache holds engine/kv_quant.py's byte rows
 
 
 # One more decode call costs about as much as attending to this many more padded key positions
@@ -110,6 +114,7 @@ def build_metadata(
     backend: str = "torch",
     kv_shape: tuple[int, int] = (0, 0),  # (kv_heads, head_dim), for the triton backend
     cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decodes through its attention kernel
+    kv_dtype: str = "auto",  # the cache's --kv-cache-dtype
 ) -> AttentionMetadata:
     """Metadata for sequences (decodes first) with these block tables, computed prefixes
     (`starts`) and new-token counts (`lengths`)."""
@@ -148,7 +153,9 @@ def build_metadata(
             prefills.append(PrefillChunk(q_start, n, start + n, blocks, mask))
         q_start += n
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-    return AttentionMetadata(block_size, slot_mapping, num_decodes, groups, prefills, cpu_decode=cpu_decode)
+    return AttentionMetadata(
+        block_size, slot_mapping, num_decodes, groups, prefills, cpu_decode=cpu_decode, kv_dtype=kv_dtype
+    )
 
 
 def _decode_group(
@@ -162,10 +169,27 @@ def _decode_group(
     return DecodeGroup(start, len(tables), blocks, mask.view(len(tables), 1, 1, -1))
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[kv_heads, len(blocks) * block_size, dim] rows of these blocks, in order."""
-    kv_heads, _, dim = cache.shape
-    return cache.view(kv_heads, -1, block_size * dim).index_select(1, blocks).view(kv_heads, -1, dim)
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, kv_dtype: str, dtype: torch.dtype):
+    """[kv_heads, len(blocks) * block_size, dim] rows of these blocks, in order (8-bit rows
+    dequantized to `dtype`)."""
+    kv_heads, _, row = cache.shape
+    rows = cache.view(kv_heads, -1, block_size * row).index_select(1, blocks).view(kv_heads, -1, row)
+    return rows if kv_dtype == "auto" else dequantize_rows(rows, kv_dtype, dtype)
+
+
+def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+    """Write this step's K/V at their slots; returns the K/V attention must use for them: as
+    given, or (8-bit cache) as the cache holds them, so a prefix read back later from the cache
+    gives what its first computation gave."""
+    slots = meta.slot_mapping
+    if meta.kv_dtype == "auto":
+        kv_cache[0].index_copy_(1, slots, k.transpose(0, 1))
+        kv_cache[1].index_copy_(1, slots, v.transpose(0, 1))
+        return k, v
+    k_rows, v_rows = quantize_rows(k, meta.kv_dtype), quantize_rows(v, meta.kv_dtype)
+    kv_cache[0].index_copy_(1, slots, k_rows.transpose(0, 1))
+    kv_cache[1].index_copy_(1, slots, v_rows.transpose(0, 1))
+    return dequantize_rows(k_rows, meta.kv_dtype, k.dtype), dequantize_rows(v_rows, meta.kv_dtype, v.dtype)
 
 
 def paged_attention(
@@ -183,8 +207,8 @@ def paged_attention(
             q, k, v, kv_cache, meta.slot_mapping, meta.num_decodes, meta.block_size, meta.triton
         )
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    k, v = _write(kv_cache, k, v, meta)
+    kvd = meta.kv_dtype
     out = torch.empty_like(q)
     heads, dim = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
@@ -194,8 +218,8 @@ def paged_attention(
         cpu.kernels.decode_attention(q[:n], k_cache, v_cache, cpu.tables, cpu.ctx_lens, bs, out[:n])
     for g in meta.decode_groups:
         rows = slice(g.start, g.start + g.size)
-        keys = _gather(k_cache, g.blocks, bs).view(kv_heads, g.size, -1, dim).transpose(0, 1)
-        values = _gather(v_cache, g.blocks, bs).view(kv_heads, g.size, -1, dim).transpose(0, 1)
+        keys = _gather(k_cache, g.blocks, bs, kvd, q.dtype).view(kv_heads, g.size, -1, dim).transpose(0, 1)
+        values = _gather(v_cache, g.blocks, bs, kvd, q.dtype).view(kv_heads, g.size, -1, dim).transpose(0, 1)
         query = q[rows].view(g.size, kv_heads, heads // kv_heads, dim)
         o = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask)
         out[rows] = o.reshape(g.size, heads, dim)
@@ -204,8 +228,8 @@ def paged_attention(
         if p.blocks is None:
             keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
-            keys = _gather(k_cache, p.blocks, bs)[:, : p.ctx_len]
-            values = _gather(v_cache, p.blocks, bs)[:, : p.ctx_len]
+            keys = _gather(k_cache, p.blocks, bs, kvd, q.dtype)[:, : p.ctx_len]
+            values = _gather(v_cache, p.blocks, bs, kvd, q.dtype)[:, : p.ctx_len]
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1).unsqueeze(0),
             keys.unsqueeze(0),

@@ -9,6 +9,7 @@ import torch
 
 from kvharbor.common.config import parse_bytes
 from kvharbor.engine.config import CacheConfig
+from kvharbor.engine.kv_quant import row_bytes
 from kvharbor.engine.model_arch import ModelArch
 
 GiB = 1024**3
@@ -21,7 +22,7 @@ CPU_DEFAULT_CAP = 2 * GiB
 class KVCapacity:
     num_blocks: int
     block_size: int
-    bytes_per_token: int  # 2 x layers x kv_heads x head_dim x dtype bytes
+    bytes_per_token: int  # 2 x layers x kv_heads x (head_dim x dtype bytes, or head_dim + 2 in 8 bits)
     max_model_len: int  # the context the engine serves: asked for, or the model's, capped to the pool
     model_limit: int  # the model's own context (max_position_embeddings)
     capped: bool = False  # max_model_len was not asked for, and the pool holds less than model_limit
@@ -74,7 +75,9 @@ def plan_capacity(
     capped to what the pool holds; an explicit one that does not fit raises ValueError with the
     numbers. `shadow_bytes_per_token`: a draft model's KV per token; its pool holds as many tokens
     as this one and comes out of the same memory budget."""
-    per_token = arch.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    element = torch.empty((), dtype=dtype).element_size()
+    row = row_bytes(arch.head_dim, cache.kv_cache_dtype, element)  # one token's K or V row of one head
+    per_token = 2 * arch.num_layers * arch.num_kv_heads * row
     per_block = (per_token + shadow_bytes_per_token) * cache.block_size
     if cache.num_kv_blocks is not None:
         num_blocks = cache.num_kv_blocks

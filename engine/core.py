@@ -164,16 +164,20 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.eos_token_ids)
         self.sampler = Sampler(self.arch.vocab_size, self.eos_token_ids, config.model.engine_seed)
         self.attention_backend = resolve_backend(
-            config.runtime.attention_backend, self.device, self.capacity.block_size
+            self._backend_for_kv(config), self.device, self.capacity.block_size
         )
         say(f"attention backend: {self.attention_backend}")
         self.cpu_kernels = self._cpu_attention(threads)
         if self.cpu_kernels is not None:
             say("decode attention: AVX2 kernel over the paged cache")
+        kv_dtype = config.cache.kv_cache_dtype
         self.runner = ModelRunner(
-            self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend, self.cpu_kernels
+            self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend, self.cpu_kernels,
+            kv_dtype,
+        )  # fmt: skip
+        self.kv_io = KVBlockIO(
+            self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint, kv_dtype, self.arch.head_dim
         )
-        self.kv_io = KVBlockIO(self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint)
         self.runner.kv_io = self.kv_io
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
@@ -206,12 +210,28 @@ class EngineCore:
         path = "AVX2 kernels" if gemm is not None else "torch dequantize + matmul"
         say(f"{mode} weights: {nbytes / 2**20:.0f} MiB ({QUANT_NOTES[mode]}; {path})")
 
+    @staticmethod
+    def _backend_for_kv(config: EngineConfig) -> str:
+        """The attention backend asked for, given the KV dtype: the Triton kernels read float KV
+        only, so an 8-bit cache takes the torch backend (auto), or is refused with triton."""
+        asked, kv = config.runtime.attention_backend, config.cache.kv_cache_dtype
+        if kv == "auto":
+            return asked
+        if asked == "triton":
+            raise ValueError(
+                f"--kv-cache-dtype {kv} runs on the torch attention backend (the Triton kernels read float KV): "
+                "drop --attention-backend triton, or use --kv-cache-dtype auto"
+            )
+        return "torch"
+
     def _cpu_attention(self, threads: int):
         """The CPU kernels for decode attention, where they run: float32 with the torch backend on a
-        CPU they were built for, with this model's head shape. None elsewhere."""
+        CPU they were built for, with this model's head shape and a float32 or int8 cache. None elsewhere."""
         a = self.arch
         if not (self.config.runtime.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32):
             return None
+        if self.config.cache.kv_cache_dtype == "fp8":
+            return None  # the kernel reads float32 and int8 rows; fp8 rows go through torch
         from kvharbor.engine import cpu_kernels
 
         if self.attention_backend != "torch" or not cpu_kernels.CpuKernels.takes_attention(

@@ -80,7 +80,7 @@ class CpuKernels:
         lib.kvharbor_dequantize.argtypes = [c_int, ptr, ptr, ptr, ptr, i64, i64, i64]
         lib.kvharbor_dequantize.restype = c_int
         lib.kvharbor_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64,
-                                                  i64, i64, ctypes.c_float]  # fmt: skip
+                                                  i64, i64, ctypes.c_float, ctypes.c_int]  # fmt: skip
         lib.kvharbor_decode_attention.restype = ctypes.c_int
         lib.kvharbor_set_spin.argtypes = [ctypes.c_int]
         lib.kvharbor_set_spin.restype = None
@@ -147,7 +147,7 @@ class CpuKernels:
     def decode_attention(
         self,
         q: torch.Tensor,  # [B, heads, dim] (rows may be strided)
-        k_cache: torch.Tensor,  # [kv_heads, slots, dim], contiguous
+        k_cache: torch.Tensor,  # [kv_heads, slots, dim] float32, or uint8 [.., dim + 2] (int8 KV), contiguous
         v_cache: torch.Tensor,
         tables: torch.Tensor,  # [B, max_blocks] int32
         ctx_lens: torch.Tensor,  # [B] int32
@@ -155,16 +155,18 @@ class CpuKernels:
         out: torch.Tensor,  # [B, heads, dim] (rows may be strided), written
     ) -> None:
         """Attention of one query per sequence over its first ctx_lens positions, in place from
-        the paged cache. Raises ValueError for a shape the kernel does not take."""
+        the paged cache (float32 rows, or engine/kv_quant.py's int8 rows). Raises ValueError for a
+        shape the kernel does not take."""
         b, heads, dim = q.shape
-        kv_heads, slots, _ = k_cache.shape
+        kv_heads, slots, row = k_cache.shape
+        kv_int8 = k_cache.dtype == torch.uint8
         for name, t in (("q", q), ("out", out)):
             if t.stride(2) != 1 or t.stride(1) != dim:
                 raise ValueError(f"decode attention needs {name}'s heads packed in each row")
         code = self._lib.kvharbor_decode_attention(
-            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots * dim, tables.data_ptr(),
-            tables.stride(0), ctx_lens.data_ptr(), out.data_ptr(), out.stride(0), b, heads, kv_heads, dim,
-            block_size, dim**-0.5,
+            q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots * row * k_cache.element_size(),
+            tables.data_ptr(), tables.stride(0), ctx_lens.data_ptr(), out.data_ptr(), out.stride(0), b, heads,
+            kv_heads, dim, block_size, dim**-0.5, int(kv_int8),
         )  # fmt: skip
         if code != 0:
             raise ValueError(f"decode attention does not take heads={heads}, kv_heads={kv_heads}, dim={dim}")

@@ -38,18 +38,30 @@ def weights_fingerprint(state_dict: Mapping[str, torch.Tensor | QuantWeight]) ->
 class KVBlockIO:
     """Copies whole blocks out of, and into, the runner's KV tensor `[L, 2, H, slots, D]`."""
 
-    def __init__(self, kv_caches: torch.Tensor, block_size: int, model: str, fingerprint: str) -> None:
-        layers, two, heads, slots, dim = kv_caches.shape
+    def __init__(
+        self,
+        kv_caches: torch.Tensor,
+        block_size: int,
+        model: str,
+        fingerprint: str,
+        kv_dtype: str = "auto",
+        head_dim: int | None = None,
+    ) -> None:
+        layers, two, heads, slots, row = kv_caches.shape
         self.block_size = block_size
-        self.shape = (layers, two, heads, block_size, dim)
-        self._blocks = kv_caches.view(layers, two, heads, slots // block_size, block_size, dim)
+        self.shape = (layers, two, heads, block_size, row)
+        self._blocks = kv_caches.view(layers, two, heads, slots // block_size, block_size, row)
         self.dtype = kv_caches.dtype
+        # 8-bit caches (engine/kv_quant.py): byte rows of head_dim codes + a bf16 scale, tagged with
+        # their code type, so a store or a peer never hands them to a float engine or back.
+        quantized = kv_dtype != "auto"
+        dim = head_dim if quantized and head_dim else row
         self.format = BlockFormat(
             model=model,
             fingerprint=fingerprint,
-            layout=f"{LAYOUT_VERSION}:L{layers}:H{heads}:D{dim}:B{block_size}",
-            dtype=str(kv_caches.dtype).removeprefix("torch."),
-            block_bytes=kv_caches.element_size() * layers * two * heads * block_size * dim,
+            layout=f"{LAYOUT_VERSION}:L{layers}:H{heads}:D{dim}:B{block_size}" + (":R+bf16scale" if quantized else ""),
+            dtype=kv_dtype if quantized else str(kv_caches.dtype).removeprefix("torch."),
+            block_bytes=kv_caches.element_size() * layers * two * heads * block_size * row,
         )
 
     def export(self, block_ids: Sequence[int]) -> list[bytes]:

@@ -11,6 +11,7 @@ import torch
 from kvharbor.engine.attention import build_metadata
 from kvharbor.engine.block_pool import Save
 from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv_quant import SCALE_BYTES
 from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.sampler import Sampler, SampleRow
 from kvharbor.engine.scheduler import ScheduledChunk, SchedulerPlan, StepOutput
@@ -34,6 +35,7 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "torch",
         cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decode attention through its kernel
+        kv_dtype: str = "auto",  # int8 / fp8: the cache holds 8-bit rows (engine/kv_quant.py)
     ) -> None:
         arch = model.arch
         self.attention_backend = attention_backend
@@ -46,9 +48,12 @@ class ModelRunner:
         self.block_size = kv.block_size
         slots = kv.pool.num_blocks * self.block_size
         self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        quantized = kv_dtype != "auto"
+        row = arch.head_dim + SCALE_BYTES if quantized else arch.head_dim
         # NOTE: zeros, not empty: padded decode slots are masked, but 0 x NaN garbage would be NaN.
         self.kv_caches = torch.zeros(
-            arch.num_layers, 2, arch.num_kv_heads, slots, arch.head_dim, dtype=dtype, device=device
+            arch.num_layers, 2, arch.num_kv_heads, slots, row, dtype=torch.uint8 if quantized else dtype, device=device
         )
         self.kv_io: Any = None  # kv_transfer.KVBlockIO over kv_caches (its owner sets it)
         self.save: SaveSink | None = None
@@ -114,6 +119,7 @@ class ModelRunner:
             self.attention_backend,
             self.kv_shape,
             self.cpu_kernels,
+            self.kv_dtype,
         )
         return chunks, self.model(input_ids, positions, self.kv_caches, meta)
 

@@ -48,8 +48,8 @@ def test_engines_size_their_pool_in_blocks_and_cap_their_context_by_default(plat
 
 
 def test_engines_get_the_platforms_quantization(platform_for):
-    (cmd,) = engine_cmds(platform_for(engines=1, dtype="float32", quantization="int8"))
-    assert cmd[cmd.index("--quantization") + 1] == "int8"
+    (cmd,) = engine_cmds(platform_for(engines=1, dtype="float32", quantization="int8", kv_cache_dtype="int8"))
+    assert cmd[cmd.index("--quantization") + 1] == "int8" and cmd[cmd.index("--kv-cache-dtype") + 1] == "int8"
 
 
 def test_without_a_tenants_file_a_demo_tenant_gets_a_fresh_key(platform_for):

@@ -53,11 +53,13 @@ typedef struct {
 } linear_job_t;
 
 typedef struct {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;  // float rows of dim, or (kv_int8) rows of dim int8 + a bf16 scale
     const int32_t *tables, *ctx_lens;
     float *out;
     int64_t q_row, head_stride, table_stride, out_row, seqs, heads, kv_heads, dim, block_size;
     float scale;
+    int kv_int8;
 } attention_job_t;
 
 static int job_kind;  // 0 linear, 1 decode attention, 2 linear of weight format job_q, 3 dequantize
@@ -473,16 +475,37 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     return hsum(_mm256_add_ps(s0, s1));
 }
 
+// A bfloat16 (the int8 KV rows' scale, engine/kv_quant.py) as a float: its 16 bits are the top
+// half of the float's.
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+static inline float dot_q8(const float *a, const int8_t *b, int64_t d) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_q8(b + i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_q8(b + i + 8), s1);
+    }
+    if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_q8(b + i), s0);
+    return hsum(_mm256_add_ps(s0, s1));
+}
+
 // Units [first, last) of (sequence, KV head), each: the G query heads of that KV head against
 // every position of the sequence's context, in blocks of ATT_BLOCK positions:
 //   | block 0 | block 1 | ... |   scores -> running max m, sum l, and acc = sum p v, rescaled.
+// int8 rows: a score is (q . codes) x the K row's scale; a value row adds p x its scale x codes.
 static void run_attention(int64_t first, int64_t last) {
     const attention_job_t j = ajob;
     const int64_t G = j.heads / j.kv_heads, D = j.dim;
+    const int Q8 = j.kv_int8;
+    const int64_t row = Q8 ? D + 2 : D * 4;  // bytes per (slot, head) row
     for (int64_t u = first; u < last; u++) {
         const int64_t b = u / j.kv_heads, g = u % j.kv_heads, ctx = j.ctx_lens[b];
         const int32_t *table = j.tables + b * j.table_stride;
-        const float *kc = j.k_cache + g * j.head_stride, *vc = j.v_cache + g * j.head_stride;
+        const char *kc = (const char *)j.k_cache + g * j.head_stride, *vc = (const char *)j.v_cache + g * j.head_stride;
         const float *q = j.q + b * j.q_row + g * G * D;
         float acc[MAX_GROUP][MAX_DIM] __attribute__((aligned(32)));
         float m[MAX_GROUP], l[MAX_GROUP];
@@ -493,17 +516,25 @@ static void run_attention(int64_t first, int64_t last) {
         }
         for (int64_t t0 = 0; t0 < ctx; t0 += ATT_BLOCK) {
             const int64_t nb = ctx - t0 < ATT_BLOCK ? ctx - t0 : ATT_BLOCK;
-            const float *krow[ATT_BLOCK], *vrow[ATT_BLOCK];
+            const char *krow[ATT_BLOCK], *vrow[ATT_BLOCK];
+            float kscale[ATT_BLOCK], vscale[ATT_BLOCK];
             for (int64_t i = 0; i < nb; i++) {
                 int64_t t = t0 + i, slot = (int64_t)table[t / j.block_size] * j.block_size + t % j.block_size;
-                krow[i] = kc + slot * D;
-                vrow[i] = vc + slot * D;
+                krow[i] = kc + slot * row;
+                vrow[i] = vc + slot * row;
+                if (Q8) {
+                    uint16_t hk, hv;
+                    __builtin_memcpy(&hk, krow[i] + D, 2);
+                    __builtin_memcpy(&hv, vrow[i] + D, 2);
+                    kscale[i] = bf16_to_float(hk) * j.scale, vscale[i] = bf16_to_float(hv);
+                }
             }
             for (int64_t h = 0; h < G; h++) {
                 float s[ATT_BLOCK] __attribute__((aligned(32)));
                 float top = m[h];
                 for (int64_t i = 0; i < nb; i++) {
-                    s[i] = dot(q + h * D, krow[i], D) * j.scale;
+                    s[i] = Q8 ? dot_q8(q + h * D, (const int8_t *)krow[i], D) * kscale[i]
+                              : dot(q + h * D, (const float *)krow[i], D) * j.scale;
                     top = s[i] > top ? s[i] : top;
                 }
                 for (int64_t i = nb; i < ATT_BLOCK; i++) s[i] = -INFINITY;
@@ -518,7 +549,12 @@ static void run_attention(int64_t first, int64_t last) {
                 const __m256 cv = _mm256_set1_ps(corr);
                 for (int64_t d = 0; d < D; d += 8) {
                     __m256 a = _mm256_mul_ps(_mm256_load_ps(acc[h] + d), cv);
-                    for (int64_t i = 0; i < nb; i++) a = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), _mm256_loadu_ps(vrow[i] + d), a);
+                    if (Q8)
+                        for (int64_t i = 0; i < nb; i++)
+                            a = _mm256_fmadd_ps(_mm256_set1_ps(s[i] * vscale[i]), load_q8((const int8_t *)vrow[i] + d), a);
+                    else
+                        for (int64_t i = 0; i < nb; i++)
+                            a = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), _mm256_loadu_ps((const float *)vrow[i] + d), a);
                     _mm256_store_ps(acc[h] + d, a);
                 }
             }
@@ -533,16 +569,17 @@ static void run_attention(int64_t first, int64_t last) {
 
 // out[b, h, :] = softmax(q[b, h] . K_b^T * scale) V_b for each decode sequence b, with K_b/V_b the
 // first ctx_lens[b] positions of its blocks in the paged cache. q rows: [heads * dim] floats every
-// q_row; caches: [kv_heads][slots][dim] (head_stride = slots * dim); tables: int32 block ids,
-// table_stride per sequence. Needs heads / kv_heads <= 16, dim a multiple of 8, at most 256.
-int kvharbor_decode_attention(const float *q, int64_t q_row, const float *k_cache, const float *v_cache,
+// q_row; caches: [kv_heads][slots][row] with row dim floats, or (kv_int8) dim int8 codes and a
+// bf16 scale; head_stride in bytes; tables: int32 block ids, table_stride per sequence. Needs
+// heads / kv_heads <= 16, dim a multiple of 8, at most 256.
+int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache, const void *v_cache,
                               int64_t head_stride, const int32_t *tables, int64_t table_stride,
                               const int32_t *ctx_lens, float *out, int64_t out_row, int64_t seqs, int64_t heads,
-                              int64_t kv_heads, int64_t dim, int64_t block_size, float scale) {
+                              int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int kv_int8) {
     if (heads % kv_heads || heads / kv_heads > MAX_GROUP || dim % 8 || dim > MAX_DIM) return -1;
     pthread_mutex_lock(&call_lock);
     ajob = (attention_job_t){q, k_cache, v_cache, tables, ctx_lens, out, q_row, head_stride, table_stride,
-                             out_row, seqs, heads, kv_heads, dim, block_size, scale};
+                             out_row, seqs, heads, kv_heads, dim, block_size, scale, kv_int8};
     run_job(1);
     pthread_mutex_unlock(&call_lock);
     return 0;
