@@ -9,6 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "int8": 1}
+# Bytes per linear-layer parameter as the engine holds each --quantization mode
+# (engine/quantize.py): int8 is a byte plus a float32 scale per output row (rows at least 512
+# long here); int4 and gguf's 4-bit blocks are 16 bytes of nibbles plus a float32 scale and min
+# per group of 32. A GGUF file's Q8_0 tensors take 36 / 32: gguf is placed as if 4-bit, the
+# usual case, with the embedding and LM head at the float dtype (their blocks, if any, are
+# smaller still).
+QUANT_BYTES = {"int8": 1 + 4 / 512, "int4": 24 / 32, "gguf": 24 / 32}
+QUANTIZATIONS = ("none", *QUANT_BYTES)
+KV_8BIT = ("int8", "fp8")
 
 
 @dataclass(frozen=True)
@@ -18,12 +27,30 @@ class ModelProfile:
     layers: int
     kv_heads: int
     head_dim: int
+    linear_parameters: int = 0  # of the projections, which quantization shrinks; 0: not known
 
-    def weight_bytes(self, dtype: str) -> int:
-        return self.parameters * dtype_bytes(dtype)
+    def weight_bytes(self, dtype: str, quantization: str = "none") -> int:
+        """The weights as the engine holds them: all at `dtype`, or the projections quantized."""
+        if quantization == "none":
+            return self.parameters * dtype_bytes(dtype)
+        if quantization not in QUANT_BYTES:
+            raise ValueError(f"unknown quantization {quantization!r}; one of {', '.join(QUANTIZATIONS)}")
+        if not 0 < self.linear_parameters <= self.parameters:
+            raise ValueError(
+                f"model {self.name!r} needs model.profile.linearParameters (the projections' parameters) "
+                f"to be placed with quantization {quantization}"
+            )
+        rest = (self.parameters - self.linear_parameters) * dtype_bytes(dtype)
+        return int(self.linear_parameters * QUANT_BYTES[quantization]) + rest
 
-    def kv_bytes_per_token(self, dtype: str) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes (DESIGN §3)."""
+    def kv_bytes_per_token(self, dtype: str, kv_cache_dtype: str = "auto") -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes (DESIGN §3); an 8-bit cache
+        (kvCacheDtype int8 / fp8) takes head_dim + 2 bytes a row: the codes and a float16 scale
+        (engine/kv_quant.py)."""
+        if kv_cache_dtype in KV_8BIT:
+            return 2 * self.layers * self.kv_heads * (self.head_dim + 2)
+        if kv_cache_dtype != "auto":
+            raise ValueError(f"unknown kvCacheDtype {kv_cache_dtype!r}; one of auto, {', '.join(KV_8BIT)}")
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes(dtype)
 
 
@@ -37,17 +64,20 @@ def dtype_bytes(dtype: str) -> int:
 KNOWN = {
     p.name: p
     for p in (
-        ModelProfile("SmolLM2-135M-Instruct", 134_515_008, 30, 3, 64),
-        ModelProfile("Llama-3.1-8B-Instruct", 8_030_261_248, 32, 8, 128),
-        ModelProfile("Llama-3.1-70B-Instruct", 70_553_706_496, 80, 8, 128),
-        ModelProfile("Qwen2.5-7B-Instruct", 7_615_616_512, 28, 4, 128),
-        ModelProfile("Mistral-7B-Instruct-v0.3", 7_248_023_552, 32, 8, 128),
+        # linear_parameters: layers x (q, k, v, o, gate, up, down), from each model's config.json
+        # (the rest is the embedding, an untied LM head, norms and biases).
+        ModelProfile("SmolLM2-135M-Instruct", 134_515_008, 30, 3, 64, 106_168_320),
+        ModelProfile("Llama-3.1-8B-Instruct", 8_030_261_248, 32, 8, 128, 6_979_321_856),
+        ModelProfile("Llama-3.1-70B-Instruct", 70_553_706_496, 80, 8, 128, 68_451_041_280),
+        ModelProfile("Qwen2.5-7B-Instruct", 7_615_616_512, 28, 4, 128, 6_525_288_448),
+        ModelProfile("Mistral-7B-Instruct-v0.3", 7_248_023_552, 32, 8, 128, 6_979_321_856),
     )
 }
 
 
 def profile_for(name: str, override: dict | None = None) -> ModelProfile:
-    """The profile of a known model, or one built from `override` (parameters, layers, kvHeads, headDim)."""
+    """The profile of a known model, or one built from `override` (parameters, layers, kvHeads,
+    headDim, and linearParameters for quantized placement)."""
     if override:
         try:
             return ModelProfile(
@@ -56,9 +86,12 @@ def profile_for(name: str, override: dict | None = None) -> ModelProfile:
                 int(override["layers"]),
                 int(override["kvHeads"]),
                 int(override["headDim"]),
+                int(override.get("linearParameters", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"model.profile needs integer parameters, layers, kvHeads and headDim: {exc}") from None
+            raise ValueError(
+                f"model.profile needs integer parameters, layers, kvHeads and headDim (and linearParameters): {exc}"
+            ) from None
     if name not in KNOWN:
         raise ValueError(
             f"model {name!r} has no known profile; give model.profile (parameters, layers, kvHeads, headDim) "

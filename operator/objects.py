@@ -59,6 +59,8 @@ def engine_config(spec: dict, redis_url: str | None) -> dict:
         "model": model["source"],
         "served_model_name": model["name"],
         "dtype": model.get("dtype", "bfloat16"),
+        "quantization": spec.get("quantization", "none"),
+        "kv_cache_dtype": spec.get("kvCacheDtype", "auto"),
         "max_model_len": model.get("maxModelLen", 4096),
         "block_size": engine.get("blockSize", 16),
         "max_num_seqs": engine.get("maxNumSeqs", 64),

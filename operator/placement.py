@@ -40,6 +40,8 @@ class EngineShape:
     max_model_len: int
     max_num_seqs: int
     kv_memory_fraction: float = 1.0  # of what is left after weights and headroom
+    quantization: str = "none"  # the engine's --quantization: weights at their quantized size
+    kv_cache_dtype: str = "auto"  # the engine's --kv-cache-dtype: int8 / fp8 rows are head_dim + 2 bytes
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,8 @@ def place(
     gpus_per_replica: int | None = None,
 ) -> PlacementPlan | list[str]:
     """The smallest fit, or the reasons (one per pool) why nothing fits."""
-    weights = model.weight_bytes(engine.dtype)
-    per_token = model.kv_bytes_per_token(engine.dtype)
+    weights = model.weight_bytes(engine.dtype, engine.quantization)
+    per_token = model.kv_bytes_per_token(engine.dtype, engine.kv_cache_dtype)
     kv_needed = engine.max_num_seqs * engine.max_model_len * per_token
     need = weights + kv_needed
     fits: list[tuple[int, int, str, PlacementPlan]] = []

@@ -128,6 +128,8 @@ def engine_shape(res: Resource) -> EngineShape:
         max_model_len=int(model.get("maxModelLen", 4096)),
         max_num_seqs=int(engine.get("maxNumSeqs", 64)),
         kv_memory_fraction=float(engine.get("kvMemoryFraction", 0.9)),
+        quantization=res.spec.get("quantization", "none"),
+        kv_cache_dtype=res.spec.get("kvCacheDtype", "auto"),
     )
 
 
@@ -138,12 +140,15 @@ async def plan_placement(ctx: OperatorContext, res: Resource) -> PlacementPlan |
         replica_bounds(res)
         autoscaling_target(res)
         profile = profile_for(model["name"], model.get("profile"))
+        shape = engine_shape(res)
+        profile.weight_bytes(shape.dtype, shape.quantization)  # what it cannot size is a bad spec
+        profile.kv_bytes_per_token(shape.dtype, shape.kv_cache_dtype)
     except (KeyError, ValueError) as exc:
         return f"invalid spec: {exc}"
     nodes = await ctx.kube.list(path("v1", "Node"))
     plan = place(
         profile,
-        engine_shape(res),
+        shape,
         pools_from_nodes(nodes, ctx.config.watch.pool_label),
         node_pool=placement.get("nodePool"),
         gpu_type=resources.get("gpuType"),
@@ -158,6 +163,7 @@ def placement_status(plan: PlacementPlan) -> dict:
         "gpusPerReplica": plan.gpus_per_replica,
         "kvCapacityTokens": plan.kv_capacity_tokens,
         "bytesPerToken": plan.bytes_per_token,
+        "weightBytes": plan.weight_bytes,
     }
 
 
@@ -208,6 +214,7 @@ async def reconcile_service(ctx: OperatorContext, body: dict) -> Outcome:
 def placement_message(plan: PlacementPlan) -> str:
     return (
         f"pool {plan.pool} ({plan.gpu_product or 'GPU'}), {plan.gpus_per_replica} GPU(s) per replica, "
+        f"weights {plan.weight_bytes / 2**30:.1f} GiB, "
         f"KV capacity {plan.kv_capacity_tokens} tokens at {plan.bytes_per_token} bytes/token"
     )
 

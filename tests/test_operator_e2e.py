@@ -126,6 +126,7 @@ def test_an_inference_service_is_placed_and_deployed_with_owned_objects(cluster)
     # Llama-3.1-8B in bf16: 15 GiB weights + 16 GiB KV (16 x 8192 tokens at 128 KiB) fit two L4s.
     assert status["placement"]["pool"] == "l4" and status["placement"]["gpusPerReplica"] == 2
     assert status["placement"]["bytesPerToken"] == 2 * 32 * 8 * 128 * 2
+    assert status["placement"]["weightBytes"] == 8_030_261_248 * 2
     assert status["observedGeneration"] == 1
     uid = svc["metadata"]["uid"]
     owned = {

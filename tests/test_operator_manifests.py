@@ -149,6 +149,11 @@ def test_the_engine_accepts_the_config_and_args_the_operator_gives_it(tmp_path):
     config = config_from_argv(ServeConfig, argv, "test", "test")
     assert config.server.port == 8000 and config.server.host == "0.0.0.0"
     assert config.server.redis_url == "redis://redis:6379/0"
+    assert config.engine.model.quantization == "none"
+    spec = example("inferenceservice")["spec"] | {"quantization": "int4", "kvCacheDtype": "int8"}
+    (tmp_path / "engine.yaml").write_text(objects_for(spec)[0]["data"]["engine.yaml"])
+    config = config_from_argv(ServeConfig, argv, "test", "test")
+    assert config.engine.model.quantization == "int4" and config.engine.cache.kv_cache_dtype == "int8"
 
 
 @pytest.mark.parametrize("version", VERSIONS)

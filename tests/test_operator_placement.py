@@ -67,6 +67,44 @@ def test_kv_capacity_by_hand():
     assert plan.kv_capacity_tokens == (usable - weights) // per_token == 931_795
 
 
+def test_quantized_weights_are_placed_at_their_quantized_size():
+    smol = KNOWN["SmolLM2-135M-Instruct"]
+    rest = 134_515_008 - 106_168_320  # the embedding (tied) and the norms stay at the dtype
+    assert smol.weight_bytes("float32", "int8") == int(106_168_320 * (1 + 4 / 512)) + rest * 4
+    assert smol.weight_bytes("bfloat16", "int4") == int(106_168_320 * 24 / 32) + rest * 2
+    assert smol.weight_bytes("bfloat16", "gguf") == smol.weight_bytes("bfloat16", "int4")
+    llama = KNOWN["Llama-3.1-70B-Instruct"]
+    full = place(llama, shape(16, 8192), POOLS)
+    int4 = place(llama, EngineShape("bfloat16", 8192, 16, quantization="int4"), POOLS)
+    assert (full.pool, full.gpus_per_replica) == ("h100", 4)  # 131 GiB of bf16 weights + 40 GiB KV
+    assert (int4.pool, int4.gpus_per_replica) == ("h100", 2)  # 52 GiB: the same fits on half the GPUs
+    assert int4.weight_bytes < full.weight_bytes / 2.4
+    same = place(llama, EngineShape("bfloat16", 8192, 16, quantization="int8"), POOLS, gpus_per_replica=4)
+    assert same.kv_capacity_tokens > full.kv_capacity_tokens  # the bytes saved go to the KV pool
+
+
+def test_an_8_bit_kv_cache_is_placed_at_its_row_size():
+    smol = KNOWN["SmolLM2-135M-Instruct"]
+    assert smol.kv_bytes_per_token("float32", "int8") == smol.kv_bytes_per_token("bfloat16", "fp8") == 2 * 30 * 3 * 66
+    plain = place(smol, shape(8, 2048), POOLS)
+    int8 = place(smol, EngineShape("bfloat16", 2048, 8, kv_cache_dtype="int8"), POOLS)
+    assert int8.bytes_per_token == 11_880 and int8.kv_capacity_tokens >= 1.9 * plain.kv_capacity_tokens
+    with pytest.raises(ValueError, match="one of auto, int8, fp8"):
+        smol.kv_bytes_per_token("bfloat16", "int4")
+
+
+def test_quantized_placement_needs_the_projections_size():
+    custom = profile_for("x", {"parameters": 10**9, "layers": 2, "kvHeads": 1, "headDim": 8})
+    assert custom.weight_bytes("bfloat16") == 2 * 10**9
+    with pytest.raises(ValueError, match="linearParameters"):
+        custom.weight_bytes("bfloat16", "int4")
+    shape_of = {"parameters": 10**9, "layers": 2, "kvHeads": 1, "headDim": 8, "linearParameters": 8 * 10**8}
+    sized = profile_for("x", shape_of)
+    assert sized.weight_bytes("bfloat16", "int4") == 6 * 10**8 + 4 * 10**8
+    with pytest.raises(ValueError, match="one of none, int8, int4, gguf"):
+        sized.weight_bytes("bfloat16", "int3")
+
+
 def test_no_fit_says_why_with_numbers():
     reasons = place(KNOWN["Llama-3.1-70B-Instruct"], shape(256, 32768), POOLS)
     assert isinstance(reasons, list) and len(reasons) == 3
