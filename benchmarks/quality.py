@@ -24,7 +24,7 @@ measures each mode's server on its own).
 `gguf` runs on a GGUF file's own blocks, so its reference is the same file dequantized to float32
 (what `none` serves): the two hold the same values, and its KL measures only float rounding.
 
-    python benchmarks/quality.py [--modes none,int8,int4,gguf] [--model PATH] [--text-tokens 256] [--greedy-tokens 48]
+    python benchmarks/quality.py [--modes none,int8,int4,gguf,kv-int8] [--model PATH] [--text-tokens 256]
 
 Prints a table, writes benchmarks/results/quality.{json,png} (speed against KL for every mode).
 """
@@ -54,7 +54,22 @@ from kvharbor.engine.scheduler import ScheduledChunk
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODULES = ("json", "argparse", "csv", "unittest", "itertools", "heapq", "subprocess", "sqlite3", "collections")
-MODES = {"reference": {}, "none": {}, **{q: {"quantization": q} for q in ("int8", "int4", "gguf")}}
+WEIGHTS = ("none", "int8", "int4", "gguf")
+KV = ("kv-int8", "kv-fp8")
+MODE_HELP = "weights none|int8|int4|gguf and/or KV kv-int8|kv-fp8, joined by '+' (e.g. gguf+kv-int8)"
+
+
+def mode_options(mode: str) -> dict:
+    """The engine options of a mode name: `int4`, `kv-int8`, `gguf+kv-int8`, ... ValueError if unknown."""
+    options: dict = {}
+    for part in mode.split("+"):
+        if part in WEIGHTS and "quantization" not in options:
+            options["quantization"] = part
+        elif part in KV and "kv_cache_dtype" not in options:
+            options["kv_cache_dtype"] = part.removeprefix("kv-")
+        else:
+            raise ValueError(f"unknown mode {mode!r}: {MODE_HELP}")
+    return options
 
 
 def stdlib_texts() -> list[str]:
@@ -169,14 +184,14 @@ def summarize(ref: dict, got: dict, texts: list[list[int]]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'mode':<8}{'mean KL':>10}{'p99 KL':>10}{'top-1':>8}{'PPL x':>8}{'greedy':>9}{'tok/s b1':>10}"
+    head = (f"{'mode':<14}{'mean KL':>10}{'p99 KL':>10}{'top-1':>8}{'PPL x':>8}{'greedy':>9}{'tok/s b1':>10}"
             f"{'x ref':>7}{'tok/s b8':>10}{'x ref':>7}{'linears MiB':>13}{'weights MiB':>13}"
             f"{'KV B/tok':>10}")  # fmt: skip
     lines = [head]
     for r in rows:
         s, x = r["speed_tok_s"], r["speed_ratio"]
         lines.append(
-            f"{r['mode']:<8}{r['mean_kl']:>10.5f}{r['p99_kl']:>10.5f}{r['top1_agreement']:>8.1%}{r['ppl_ratio']:>8.4f}"
+            f"{r['mode']:<14}{r['mean_kl']:>10.5f}{r['p99_kl']:>10.5f}{r['top1_agreement']:>8.1%}{r['ppl_ratio']:>8.4f}"
             f"{r['greedy_match_mean']:>9.1f}{s['batch_1']:>10.1f}{x['batch_1']:>7.2f}{s['batch_8']:>10.1f}"
             f"{x['batch_8']:>7.2f}{r['linear_weight_bytes'] / 2**20:>13.0f}{r['weight_bytes'] / 2**20:>13.0f}"
             f"{r['kv_bytes_per_token']:>10}"
@@ -205,7 +220,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="none,int8,int4,gguf", help="comma-separated, of: none, int8, int4, gguf")
+    parser.add_argument("--modes", default="none,int8,int4,gguf,kv-int8", help=f"comma-separated; each {MODE_HELP}")
     parser.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2)")
     parser.add_argument("--text-tokens", type=int, default=256, help="tokens of each docstring, teacher-forced")
     parser.add_argument("--greedy-tokens", type=int, default=48, help="tokens generated per chat prompt")
@@ -213,9 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "quality.json")
     args = parser.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in MODES or m == "reference"]
-    if unknown or not modes:
-        parser.error(f"unknown mode(s) {', '.join(unknown) or '(none given)'}; choose from none, int8, int4, gguf")
+    if not modes:
+        parser.error(f"no mode given: {MODE_HELP}")
+    try:
+        options = {m: mode_options(m) for m in modes}
+    except ValueError as exc:
+        parser.error(str(exc))
     if min(args.text_tokens, args.greedy_tokens, args.speed_tokens) < 2:
         parser.error("--text-tokens, --greedy-tokens and --speed-tokens must be >= 2")
     loaded = load_model(args.model)
@@ -225,8 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     texts = [ids for ids in texts if len(ids) >= 2]
     chats = [loaded.tokenizer.encode_chat(m) for m in chat_prompts()]
     # gguf runs on the file's own blocks; the reference is the same file dequantized to float32.
-    blocks = load_model(args.model, keep_blocks=True) if "gguf" in modes else None
-    llms = {name: build(MODES[name], blocks if name == "gguf" else loaded) for name in ("reference", *modes)}
+    gguf = [m for m in modes if options[m].get("quantization") == "gguf"]
+    blocks = load_model(args.model, keep_blocks=True) if gguf else None
+    llms = {"reference": build({}, loaded)}
+    llms |= {m: build(options[m], blocks if m in gguf else loaded) for m in modes}
     records = {name: measure(name, llm, args, texts, chats) for name, llm in llms.items()}
     measure_speeds(llms, records, args.speed_tokens)
     ref = records["reference"]

@@ -12,12 +12,13 @@ running (its memory is then not known).
 - workload: the prompt and output lengths and concurrencies, as sent;
 - latency: TTFT and ITL at p50 and p95;
 - throughput: output tok/s at each concurrency, and as a ratio to `none`;
-- memory: weight bytes and KV bytes per token (the engine's /load), the server's peak RSS (the
+- memory: weight bytes and KV bytes per token (the engine's /load; modes may set the KV dtype,
+  e.g. kv-int8 or gguf+kv-int8), the server's peak RSS (the
   VmHWM of the API server plus its engine core process, read from /proc before it stops);
 - quality: benchmarks/quality.py's columns for the same modes (run as a subprocess first, or read
   from --quality-json).
 
-    python benchmarks/quant_ledger.py [--modes none,int8,int4,gguf] [--llama-server /path/to/llama-server]
+    python benchmarks/quant_ledger.py [--modes none,int8,int4,gguf,kv-int8] [--llama-server /path/to/llama-server]
 
 Prints a table, writes benchmarks/results/quant_ledger.{json,png}. Build llama-server as
 benchmarks/README.md says (from the llama.cpp sources vendored in llama-cpp-python's sdist, in a
@@ -37,11 +38,11 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_peers
+import quality
 
 from kvharbor.common.embedded_redis import free_port
 from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.common.model_files import default_model_path
-from kvharbor.engine.quantize import QUANTIZATIONS
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUALITY_KEYS = ("mean_kl", "p99_kl", "top1_agreement", "ppl_ratio", "greedy_match_mean")
@@ -65,10 +66,12 @@ def peak_rss(pid: int) -> int:
 def serve_kvharbor(mode: str, args: argparse.Namespace, logs: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    options = quality.mode_options(mode)
+    flags = ["--quantization", options.get("quantization", "none"),
+             "--kv-cache-dtype", options.get("kv_cache_dtype", "auto")]  # fmt: skip
     cmd = [sys.executable, "-m", "kvharbor.common.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--dtype", "float32", "--quantization", mode, "--num-kv-blocks", str(args.kv_blocks),
-           "--max-model-len", "2048"]  # fmt: skip
-    print(f"kvharbor serve --quantization {mode} ...", file=sys.stderr)
+           "--dtype", "float32", *flags, "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "2048"]  # fmt: skip
+    print(f"kvharbor serve {' '.join(flags)} ...", file=sys.stderr)
     with compare_peers.server(cmd, url, "/ready", logs / f"quant-{mode}.log", {}, 600) as proc:
         load = httpx.get(url + "/load", timeout=10).json()
         result = compare_peers.measure(f"kvharbor-{mode}", url, args)
@@ -117,13 +120,13 @@ def summary_row(label: str, result: dict, base: dict | None) -> dict:
 
 
 def table(rows: list[dict], levels: list[int]) -> str:
-    head = f"{'server':<16}"
+    head = f"{'server':<22}"
     for c in levels:
         head += f"{f'c={c} tok/s':>12}{'x none':>8}{'TTFT p50/p95 ms':>17}{'ITL p50/p95 ms':>16}"
     head += f"{'weights MiB':>13}{'KV B/tok':>10}{'peak RSS MiB':>14}{'mean KL':>10}{'top-1':>8}"
     lines = [head]
     for r in rows:
-        line = f"{r['label']:<16}"
+        line = f"{r['label']:<22}"
         for c in levels:
             s = r[f"c{c}"]
             ratio = f"{s['tok_s_ratio']:.2f}" if "tok_s_ratio" in s else "-"
@@ -167,7 +170,7 @@ def plot(rows: list[dict], levels: list[int], path: Path, title: str) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--modes", default="none,int8,int4,gguf", help=f"comma-separated, of: {', '.join(QUANTIZATIONS)}")
+    ap.add_argument("--modes", default="none,int8,int4,gguf,kv-int8", help=f"comma-separated; each {quality.MODE_HELP}")
     ap.add_argument("--llama-server", help="a llama-server binary to start on the bundled GGUF (the gguf peer)")
     ap.add_argument("--peer-url", help="a llama-server already serving the same GGUF, instead of starting one")
     ap.add_argument("--gguf", type=Path, default=None, help="the GGUF for llama-server (default: the bundled one)")
@@ -180,8 +183,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=RESULTS / "quant_ledger.json")
     args = ap.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in QUANTIZATIONS for m in modes):
-        ap.error(f"--modes takes some of {', '.join(QUANTIZATIONS)}, got {args.modes!r}")
+    try:
+        for m in modes or ["(none given)"]:
+            quality.mode_options(m)
+    except ValueError as exc:
+        ap.error(f"--modes: {exc}")
     if args.llama_server and args.peer_url:
         ap.error("give --llama-server or --peer-url, not both")
     if args.peer_url and not args.peer_url.startswith(("http://127.0.0.1", "http://localhost")):
@@ -205,11 +211,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summary_row(f"kvharbor {m}" if m != "llama-server" else m, r, base) for m, r in results.items()]
     for row, mode in zip(rows, results, strict=True):
         row["quality"] = quality.get(mode)
-    if "llama-server" in results and "gguf" in results:
+    if "llama-server" in results:
         peer = rows[-1]
-        gguf_row = rows[list(results).index("gguf")]
-        gguf_row["vs_llama_server"] = {f"c{c}": gguf_row[f"c{c}"]["output_tok_s"] / peer[f"c{c}"]["output_tok_s"]
-                                       for c in levels}  # fmt: skip
+        for mode, row in zip(results, rows, strict=True):
+            if mode != "llama-server" and quality.mode_options(mode).get("quantization") == "gguf":
+                row["vs_llama_server"] = {f"c{c}": row[f"c{c}"]["output_tok_s"] / peer[f"c{c}"]["output_tok_s"]
+                                          for c in levels}  # fmt: skip
     title = (f"SmolLM2-135M, {args.num_requests} requests x {args.prompt_len} prompt / {args.output_len} output "
              f"tokens — {machine_title('float32')}")  # fmt: skip
     print(title)

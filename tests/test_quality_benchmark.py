@@ -15,15 +15,15 @@ import quality
 from kvharbor.engine.cpu_kernels import load
 
 
-@pytest.mark.slow  # four engines load and run, ~12 s here
+@pytest.mark.slow  # five engines load and run, ~14 s here
 @pytest.mark.skipif(load(2) is None, reason="int8 and int4 need the AVX2 kernels")
-def test_none_is_exact_and_int8_and_int4_are_measured_as_lossy(tiny_chat_model, tmp_path, capsys):
+def test_none_is_exact_and_the_lossy_modes_are_measured_as_lossy(tiny_chat_model, tmp_path, capsys):
     out = tmp_path / "quality.json"
-    args = ["--model", str(tiny_chat_model), "--modes", "none,int8,int4", "--text-tokens", "24",
+    args = ["--model", str(tiny_chat_model), "--modes", "none,int8,int4,kv-int8", "--text-tokens", "24",
             "--greedy-tokens", "6", "--speed-tokens", "3", "--out", str(out)]  # fmt: skip
     assert quality.main(args) == 0
     record = json.loads(out.read_text())
-    none, int8, int4 = record["rows"]
+    none, int8, int4, kv = record["rows"]
     assert none["mean_kl"] == 0 and none["p99_kl"] == 0 and none["top1_agreement"] == 1 and none["ppl_ratio"] == 1
     assert none["greedy_full_matches"] == none["greedy_prompts"] == 12  # 3 system prompts x 4 questions
     assert int8["mean_kl"] > 0 and int8["p99_kl"] >= int8["mean_kl"]
@@ -32,11 +32,20 @@ def test_none_is_exact_and_int8_and_int4_are_measured_as_lossy(tiny_chat_model, 
     assert int4["linear_weight_bytes"] < none["linear_weight_bytes"] / 5  # 16 B of nibbles + 8 of scale, min per 32
     assert int4["weight_bytes"] < none["weight_bytes"]
     assert none["positions"] == int8["positions"] == int4["positions"] > 0
+    assert kv["mean_kl"] > 0 and kv["linear_weight_bytes"] == none["linear_weight_bytes"]  # only the KV is 8-bit
+    assert kv["kv_bytes_per_token"] < none["kv_bytes_per_token"] / 3
     assert record["machine"]["dtype"] == "float32" and out.with_suffix(".png").stat().st_size > 0
     assert "mean KL" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("argv", "match"), [(["--modes", "int3"], "unknown mode"), (["--text-tokens", "1"], ">= 2")])
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--modes", "int3"], "unknown mode"),
+        (["--modes", "kv-int8+kv-fp8"], "unknown mode"),
+        (["--text-tokens", "1"], ">= 2"),
+    ],
+)
 def test_bad_arguments_are_refused(argv, match, capsys):
     with pytest.raises(SystemExit):
         quality.main(argv)

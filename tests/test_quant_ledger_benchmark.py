@@ -16,7 +16,8 @@ import quant_ledger
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
-        (["--modes", "int3"], "--modes takes some of none, int8, int4, gguf"),
+        (["--modes", "int3"], "--modes: unknown mode 'int3'"),
+        (["--modes", "int8+int4"], "--modes: unknown mode 'int8+int4'"),
         (["--llama-server", "x", "--peer-url", "http://127.0.0.1:1"], "not both"),
         (["--peer-url", "http://example.com:8080"], "on this machine"),
     ],
@@ -29,6 +30,7 @@ def test_bad_arguments_are_refused(argv, match, capsys):
 
 def test_none_is_always_measured_first():
     assert quant_ledger.parse_args(["--modes", "gguf,int8"]).modes == ["none", "gguf", "int8"]
+    assert quant_ledger.quality.mode_options("gguf+kv-int8") == {"quantization": "gguf", "kv_cache_dtype": "int8"}
 
 
 @pytest.mark.slow  # starts two processes
