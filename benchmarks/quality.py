@@ -5,7 +5,9 @@ memory beside them (speed and accuracy come in pairs).
 Text (nothing downloaded, nothing written by us for the purpose):
 - the docstrings of these standard-library modules, as `inspect.getdoc` gives them on this
   Python: json, argparse, csv, unittest, itertools, heapq, subprocess, sqlite3, collections (the
-  ones of at least 800 characters here; the first --text-tokens tokens of each, teacher-forced);
+  ones of at least 800 characters here; the first --text-tokens tokens of each, teacher-forced:
+  one prefill chunk, then the last --decode-positions tokens one decode step each, so the
+  one-row kernels decoding runs are measured too, and reported apart as `decode_mean_kl`);
 - the chat prompts of loadtest/personas.py (each shared system prompt with each question),
   through the model's chat template, for greedy generation.
 
@@ -82,14 +84,19 @@ def chat_prompts() -> list[list[dict]]:
     ]
 
 
-def teacher_forced_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
-    """Logits after every token of `ids` ([len(ids), vocab] float32), on a KV slot of its own."""
+def teacher_forced_logits(llm: LLM, ids: list[int], decode_tail: int = 0) -> torch.Tensor:
+    """Logits after every token of `ids` ([len(ids), vocab] float32), on a KV slot of its own:
+    one prefill chunk, then the last `decode_tail` tokens one step each, as decoding runs them
+    (one-row products, the decode attention kernel)."""
     engine = llm.engine
     request = Request("quality", ids, SamplingParams(max_tokens=1), 1, namespace_hash("quality-ledger"))
     if engine.kv.allocate_slots(request, len(ids)) is None:
         raise RuntimeError(f"the KV pool cannot hold a {len(ids)}-token text: lower --text-tokens")
+    head = max(1, len(ids) - decode_tail)
     try:
-        return engine.runner.all_logits(ScheduledChunk(request, 0, len(ids), 0))
+        parts = [engine.runner.all_logits(ScheduledChunk(request, 0, head, 0))]
+        parts += [engine.runner.all_logits(ScheduledChunk(request, i, 1, 0)) for i in range(head, len(ids))]
+        return torch.cat(parts)
     finally:
         engine.kv.uncache_blocks([request])
         engine.kv.free(request)
@@ -137,7 +144,7 @@ def build(options: dict, loaded) -> LLM:
 
 
 def measure(name: str, llm: LLM, args, texts: list[list[int]], chats: list[list[int]]) -> dict:
-    logits = [teacher_forced_logits(llm, ids) for ids in texts]
+    logits = [teacher_forced_logits(llm, ids, args.decode_positions) for ids in texts]
     greedy = SamplingParams(max_tokens=args.greedy_tokens, temperature=0.0, ignore_eos=True)
     outputs = [o.outputs[0].token_ids for o in llm.generate(chats, greedy)]
     return {
@@ -157,10 +164,12 @@ def measure_speeds(llms: dict[str, LLM], records: dict[str, dict], tokens: int, 
                 speed[key] = max(speed.get(key, 0.0), decode_speed(llm, batch, tokens))
 
 
-def summarize(ref: dict, got: dict, texts: list[list[int]]) -> dict:
+def summarize(ref: dict, got: dict, texts: list[list[int]], decode_tail: int = 0) -> dict:
     pairs = zip(ref["logits"], got["logits"], texts, strict=True)
     rows = [compare_logits(r[:-1], g[:-1], torch.tensor(ids[1:])) for r, g, ids in pairs]
     kl = torch.tensor([x for row in rows for x in row["kl"]])
+    # The positions computed one step each (the last decode_tail - 1 that have a next token).
+    decode_kl = torch.tensor([x for row in rows for x in row["kl"][len(row["kl"]) - max(0, decode_tail - 1) :]])
     nll_ref = torch.tensor([x for row in rows for x in row["nll_ref"]])
     nll = torch.tensor([x for row in rows for x in row["nll"]])
     matches = [matched_prefix(a, b) for a, b in zip(ref["greedy"], got["greedy"], strict=True)]
@@ -170,6 +179,8 @@ def summarize(ref: dict, got: dict, texts: list[list[int]]) -> dict:
         "positions": int(kl.numel()),
         "mean_kl": float(kl.mean()),
         "p99_kl": float(kl.quantile(0.99)),
+        "decode_positions": int(decode_kl.numel()),
+        "decode_mean_kl": float(decode_kl.mean()) if decode_kl.numel() else None,
         "top1_agreement": float(torch.tensor([x for row in rows for x in row["top1"]], dtype=torch.float64).mean()),
         "ppl_ratio": float(torch.exp(nll.mean() - nll_ref.mean())),
         "greedy_match_mean": sum(matches) / len(matches),
@@ -184,14 +195,15 @@ def summarize(ref: dict, got: dict, texts: list[list[int]]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'mode':<14}{'mean KL':>10}{'p99 KL':>10}{'top-1':>8}{'PPL x':>8}{'greedy':>9}{'tok/s b1':>10}"
-            f"{'x ref':>7}{'tok/s b8':>10}{'x ref':>7}{'linears MiB':>13}{'weights MiB':>13}"
+    head = (f"{'mode':<14}{'mean KL':>10}{'p99 KL':>10}{'decode KL':>11}{'top-1':>8}{'PPL x':>8}{'greedy':>9}"
+            f"{'tok/s b1':>10}{'x ref':>7}{'tok/s b8':>10}{'x ref':>7}{'linears MiB':>13}{'weights MiB':>13}"
             f"{'KV B/tok':>10}")  # fmt: skip
     lines = [head]
     for r in rows:
         s, x = r["speed_tok_s"], r["speed_ratio"]
         lines.append(
-            f"{r['mode']:<14}{r['mean_kl']:>10.5f}{r['p99_kl']:>10.5f}{r['top1_agreement']:>8.1%}{r['ppl_ratio']:>8.4f}"
+            f"{r['mode']:<14}{r['mean_kl']:>10.5f}{r['p99_kl']:>10.5f}{r['decode_mean_kl'] or 0:>11.5f}"
+            f"{r['top1_agreement']:>8.1%}{r['ppl_ratio']:>8.4f}"
             f"{r['greedy_match_mean']:>9.1f}{s['batch_1']:>10.1f}{x['batch_1']:>7.2f}{s['batch_8']:>10.1f}"
             f"{x['batch_8']:>7.2f}{r['linear_weight_bytes'] / 2**20:>13.0f}{r['weight_bytes'] / 2**20:>13.0f}"
             f"{r['kv_bytes_per_token']:>10}"
@@ -223,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default="none,int8,int4,gguf,kv-int8", help=f"comma-separated; each {MODE_HELP}")
     parser.add_argument("--model", default=None, help="model path (default: the bundled SmolLM2)")
     parser.add_argument("--text-tokens", type=int, default=256, help="tokens of each docstring, teacher-forced")
+    parser.add_argument("--decode-positions", type=int, default=32,
+                        help="of those, the last ones run one step each, as decoding runs them")  # fmt: skip
     parser.add_argument("--greedy-tokens", type=int, default=48, help="tokens generated per chat prompt")
     parser.add_argument("--speed-tokens", type=int, default=64, help="tokens per sequence for the speed columns")
     parser.add_argument("--out", type=Path, default=RESULTS / "quality.json")
@@ -236,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if min(args.text_tokens, args.greedy_tokens, args.speed_tokens) < 2:
         parser.error("--text-tokens, --greedy-tokens and --speed-tokens must be >= 2")
+    if not 0 <= args.decode_positions < args.text_tokens:
+        parser.error("--decode-positions must be >= 0 and below --text-tokens")
     loaded = load_model(args.model)
     if loaded.tokenizer is None:
         parser.error(f"{args.model} has no tokenizer: the quality ledger needs text")
@@ -250,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     records = {name: measure(name, llm, args, texts, chats) for name, llm in llms.items()}
     measure_speeds(llms, records, args.speed_tokens)
     ref = records["reference"]
-    rows = [summarize(ref, records[m], texts) for m in modes]
+    rows = [summarize(ref, records[m], texts, args.decode_positions) for m in modes]
     machine = machine_record("float32")
     print(f"quality ledger of {loaded.name} against float32, {machine_title('float32')}")
     print(f"{sum(len(t) - 1 for t in texts)} teacher-forced positions from {len(texts)} stdlib docstrings; "

@@ -37,6 +37,9 @@ MAX_ROWS = 16
 # The LM head (vocab x hidden) stays ahead to larger M: MKL read it at 4-14 GFLOP/s at 1-8 rows.
 MAX_ROWS_WIDE = 64
 WIDE = 16384  # output columns from which a weight counts as wide
+# Rows up to which a quantized product makes x int8 per group of 32 and sums integer dot products
+# (cpu_kernels.c's INT_ROWS): there the float path is bound by widening the weights, not memory.
+INT_ROWS = 2
 
 
 def cache_dir() -> Path:

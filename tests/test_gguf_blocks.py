@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from test_gguf import write_gguf
+from test_quantize import kernel_bound
 
 from kvharbor.engine import SamplingParams
 from kvharbor.engine.cpu_kernels import load
@@ -43,11 +44,10 @@ def test_repacked_blocks_multiply_like_their_dequantized_values(kind):
     raw = gguf.quants.quantize(g.standard_normal((40, 64)).astype(np.float32), qtype)
     dense = torch.from_numpy(gguf.quants.dequantize(raw, qtype)).double()
     qw = repack(raw, int(qtype), 64)
-    for rows in (1, 3, 8, 50):
+    for rows in (1, 2, 3, 8, 50):
         x = torch.from_numpy(g.standard_normal((rows, 64)).astype(np.float32))
         got = QuantLinear(GEMM, qw, max_rows=32)(x, None).double()
-        bound = 66 * 2.0**-24 * (x.double().abs() @ dense.abs().T) + 1e-6  # as in test_quantize.py
-        assert torch.all((got - x.double() @ dense.T).abs() <= bound)
+        assert torch.all((got - x.double() @ dense.T).abs() <= kernel_bound(x, dense))
 
 
 def test_a_block_type_the_kernels_do_not_take_is_refused():

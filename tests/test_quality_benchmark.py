@@ -20,7 +20,7 @@ from kvharbor.engine.cpu_kernels import load
 def test_none_is_exact_and_the_lossy_modes_are_measured_as_lossy(tiny_chat_model, tmp_path, capsys):
     out = tmp_path / "quality.json"
     args = ["--model", str(tiny_chat_model), "--modes", "none,int8,int4,kv-int8", "--text-tokens", "24",
-            "--greedy-tokens", "6", "--speed-tokens", "3", "--out", str(out)]  # fmt: skip
+            "--decode-positions", "5", "--greedy-tokens", "6", "--speed-tokens", "3", "--out", str(out)]  # fmt: skip
     assert quality.main(args) == 0
     record = json.loads(out.read_text())
     none, int8, int4, kv = record["rows"]
@@ -32,6 +32,7 @@ def test_none_is_exact_and_the_lossy_modes_are_measured_as_lossy(tiny_chat_model
     assert int4["linear_weight_bytes"] < none["linear_weight_bytes"] / 5  # 16 B of nibbles + 8 of scale, min per 32
     assert int4["weight_bytes"] < none["weight_bytes"]
     assert none["positions"] == int8["positions"] == int4["positions"] > 0
+    assert none["decode_positions"] == 9 * 4 and none["decode_mean_kl"] == 0 and int8["decode_mean_kl"] > 0
     assert kv["mean_kl"] > 0 and kv["linear_weight_bytes"] == none["linear_weight_bytes"]  # only the KV is 8-bit
     assert kv["kv_bytes_per_token"] < none["kv_bytes_per_token"] / 3
     assert record["machine"]["dtype"] == "float32" and out.with_suffix(".png").stat().st_size > 0
@@ -44,6 +45,7 @@ def test_none_is_exact_and_the_lossy_modes_are_measured_as_lossy(tiny_chat_model
         (["--modes", "int3"], "unknown mode"),
         (["--modes", "kv-int8+kv-fp8"], "unknown mode"),
         (["--text-tokens", "1"], ">= 2"),
+        (["--decode-positions", "300"], "below --text-tokens"),
     ],
 )
 def test_bad_arguments_are_refused(argv, match, capsys):

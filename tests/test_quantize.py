@@ -13,7 +13,7 @@ import torch
 from kvharbor.common.config import ConfigError, load_config
 from kvharbor.engine import SamplingParams
 from kvharbor.engine.config import EngineConfig
-from kvharbor.engine.cpu_kernels import load
+from kvharbor.engine.cpu_kernels import INT_ROWS, load
 from kvharbor.engine.model import QUANT_MAX_ROWS
 from kvharbor.engine.quantize import QuantLinear, QuantWeight, dequantize_int8, quantize, quantize_int4, quantize_int8
 
@@ -59,6 +59,20 @@ def q8_groups(w: torch.Tensor) -> QuantWeight:
 FORMATS = {"int8": lambda w: quantize(w, "int8"), "q4": quantize_int4, "q8": q8_groups}
 
 
+def kernel_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """How far a kernel product x @ dense^T may be from float64's, and why:
+    - float32 sums of k products (8 lanes then a tree, or MKL's blocking): ~k * 2^-24 * sum|x*w|,
+      plus one rounding of each dequantized weight (the kernel's fma vs the reference's two steps);
+    - at up to INT_ROWS rows x is made int8 per group of 32: each element within half a step,
+      max|x_g| / 254, of its group, so each group's sum within that times sum|w| over the group."""
+    rows, k = x.shape
+    b = (k + 2) * 2.0**-24 * (x.double().abs() @ dense.abs().T) + 1e-6
+    if rows <= INT_ROWS:
+        step = x.double().reshape(rows, -1, 32).abs().amax(-1) / 254
+        b = b + step @ dense.abs().reshape(dense.shape[0], -1, 32).sum(-1).T
+    return b
+
+
 @needs_kernels
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, QUANT_MAX_ROWS + 7])
@@ -70,15 +84,22 @@ def test_each_kernel_format_equals_a_float64_product_of_its_dequantized_weight(f
     bias = torch.randn(n, generator=g)
     qw = FORMATS[fmt](w)
     dense = qw.dequantize().double()
-    want = x.double() @ dense.T + bias.double()
     got = QuantLinear(GEMM, qw, QUANT_MAX_ROWS)(x, bias)  # rows above QUANT_MAX_ROWS: dequantized + MKL
-    # float32 sums of k products (8 lanes then a tree, or MKL's blocking): error <= ~k * 2^-24 * sum|x*w|,
-    # plus one rounding of each dequantized weight (the kernel's fma vs the reference's two steps).
-    bound = (k + 2) * 2.0**-24 * (x.double().abs() @ dense.abs().T) + 1e-6
-    assert torch.all((got.double() - want).abs() <= bound)
+    assert torch.all((got.double() - (x.double() @ dense.T + bias.double())).abs() <= kernel_bound(x, dense))
     strided = torch.randn(rows, 2 * k, generator=g)[:, :k]  # rows of a wider tensor, as attention hands them
-    assert torch.allclose(GEMM.linear_quant(strided, qw), strided @ qw.dequantize().T, atol=1e-3)
+    error = (GEMM.linear_quant(strided, qw).double() - strided.double() @ dense.T).abs()
+    assert torch.all(error <= kernel_bound(strided, dense))
     assert torch.allclose(GEMM.dequantize(qw, 3, n), qw.dequantize()[3:], rtol=1e-6, atol=0)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_int8_rows_that_are_not_whole_groups_keep_float_activations(rows):
+    w, x = torch.randn(10, 100), torch.randn(rows, 100)  # 100: no groups of 32, so no int8 x
+    qw = quantize(w, "int8")
+    dense = qw.dequantize().double()
+    bound = 102 * 2.0**-24 * (x.double().abs() @ dense.abs().T) + 1e-6
+    assert torch.all((GEMM.linear_quant(x, qw).double() - x.double() @ dense.T).abs() <= bound)
 
 
 @needs_kernels

@@ -62,7 +62,8 @@ typedef struct {
     int kv_int8;
 } attention_job_t;
 
-static int job_kind;  // 0 linear, 1 decode attention, 2 linear of weight format job_q, 3 dequantize
+static int job_kind;  // 0 linear, 1 decode attention, 2 linear of weight format job_q, 3 dequantize,
+                      // 4 the same linear through integer dot products
 static int job_q;
 static linear_job_t job;
 static attention_job_t ajob;
@@ -256,6 +257,133 @@ static void run_columns(int q, int64_t n0, int64_t n1) {
     }
 }
 
+// ---- integer dot products for 1-2 rows ----------------------------------------------------------
+//
+// At one or two rows a grouped product is bound by widening the weights to floats (13 ops per 32
+// weights per column), not by memory. Here x is made int8 too, per group of 32 (a scale each, as
+// llama.cpp's Q8 activations), and each group is one maddubs (u8 x s8 pairs to s16) and one madd
+// (to s32) per row: 4 ops to unpack 32 nibbles, 5 per row. Signed weights (formats 1 and 3) use
+// maddubs(|w|, sign(x, w)). The sums are exact integers; the error is x's rounding, at most half
+// of its group's step (max|x_g| / 254) per element.
+#define INT_ROWS 2
+
+static int8_t *xcodes;      // [m, k] int8 codes of x
+static float *xscales;      // [m, k / 32] their scales
+static int64_t xcodes_len, xscales_len;
+
+// x's codes and scales for this call (under call_lock). Returns -1 when out of memory.
+static int fill_xcodes(const float *x, int64_t ldx, int64_t m, int64_t k) {
+    const int64_t groups = k / GROUP;
+    if (m * k > xcodes_len) {
+        int8_t *grown = realloc(xcodes, (size_t)(m * k));
+        if (!grown) return -1;
+        xcodes = grown, xcodes_len = m * k;
+    }
+    if (m * groups > xscales_len) {
+        float *grown = realloc(xscales, (size_t)(m * groups) * sizeof(float));
+        if (!grown) return -1;
+        xscales = grown, xscales_len = m * groups;
+    }
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *p = x + r * ldx + g * GROUP;
+            __m256 v[4], top = _mm256_setzero_ps();
+            for (int s = 0; s < 4; s++) {
+                v[s] = _mm256_loadu_ps(p + 8 * s);
+                top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[s]));
+            }
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+            const float amax = _mm_cvtss_f32(t), d = amax > 0 ? amax / 127.0f : 1.0f;
+            const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            __m256i q[4];
+            for (int s = 0; s < 4; s++) q[s] = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], inv));  // round to nearest
+            // int32 x 32 -> int8 x 32: the packs interleave 128-bit lanes; the permute undoes it.
+            __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            _mm256_storeu_si256((__m256i *)(xcodes + r * k + g * GROUP), _mm256_permutevar8x32_epi32(b, order));
+            xscales[r * groups + g] = d;
+        }
+    return 0;
+}
+
+// 32 weight codes of one group as bytes in element order: unsigned 0..15 (format 2) or int8.
+static inline __attribute__((always_inline)) __m256i group_codes_i8(const int Q, const uint8_t *p) {
+    if (Q != 2) return _mm256_loadu_si256((const __m256i *)p);
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), low = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(v, low), hi = _mm_and_si128(_mm_srli_epi16(v, 4), low);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+}
+
+// R (1-2) rows against C columns from n in format Q (1-3), through the codes of x.
+static inline __attribute__((always_inline)) void int_tile(const int Q, const int R, const int C, int64_t r0,
+                                                           int64_t n) {
+    const linear_job_t *j = &job;
+    const int64_t k = j->k, groups = k / GROUP, row_bytes = Q == 2 ? k / 2 : k, group_bytes = Q == 2 ? 16 : 32;
+    const uint8_t *wb = (const uint8_t *)j->w + n * row_bytes;
+    const char *next = (const char *)(wb + C * row_bytes);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[INT_ROWS][8];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        if ((g * group_bytes & 63) == 0)
+            for (int q = 0; q < C; q++) _mm_prefetch(next + ((g * group_bytes / 64) * C + q) * 64, _MM_HINT_T0);
+        __m256i xv[INT_ROWS];
+        __m256 dx[INT_ROWS];
+        for (int r = 0; r < R; r++) {
+            xv[r] = _mm256_loadu_si256((const __m256i *)(xcodes + (r0 + r) * k + g * GROUP));
+            dx[r] = _mm256_broadcast_ss(xscales + (r0 + r) * groups + g);
+        }
+        for (int c = 0; c < C; c++) {
+            const __m256i w = group_codes_i8(Q, wb + c * row_bytes + g * group_bytes);
+            const __m256i uw = Q == 2 ? w : _mm256_sign_epi8(w, w);  // |w|
+            const __m256 dw = Q == 1 ? _mm256_set1_ps(1.0f) : _mm256_broadcast_ss(j->scale + (n + c) * groups + g);
+            for (int r = 0; r < R; r++) {
+                const __m256i xs = Q == 2 ? xv[r] : _mm256_sign_epi8(xv[r], w);
+                const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xs), ones);
+                acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, dx[r]), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = hsum(acc[r][c]);
+            if (Q == 1) s *= j->scale[n + c];
+            if (Q == 2) {
+                const float *mn = j->mins + (n + c) * groups, *xr = xsums + (r0 + r) * groups;
+                __m256 v = _mm256_setzero_ps();
+                int64_t g = 0;
+                for (; g + 8 <= groups; g += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(mn + g), _mm256_loadu_ps(xr + g), v);
+                s += hsum(v);
+                for (; g < groups; g++) s += mn[g] * xr[g];
+            }
+            float *y = j->y + (r0 + r) * j->ldy;
+            y[n + c] = j->bias ? s + j->bias[n + c] : s;
+        }
+}
+
+static inline __attribute__((always_inline)) void int_columns(const int Q, int64_t n0, int64_t n1) {
+    int64_t n = n0;
+    if (job.m == 1) {
+        for (; n + 8 <= n1; n += 8) int_tile(Q, 1, 8, 0, n);
+        for (; n < n1; n++) int_tile(Q, 1, 1, 0, n);
+    } else {
+        for (; n + 4 <= n1; n += 4) int_tile(Q, 2, 4, 0, n);
+        for (; n < n1; n++) int_tile(Q, 2, 1, 0, n);
+    }
+}
+
+static void run_int_columns(int q, int64_t n0, int64_t n1) {
+    switch (q) {
+        case 1: int_columns(1, n0, n1); break;
+        case 2: int_columns(2, n0, n1); break;
+        case 3: int_columns(3, n0, n1); break;
+    }
+}
+
 // Rows [n0, n1) of the weight in job (format job_q) as float32 rows of y (row stride ldy): what
 // a prefill-sized product reads, so MKL's blocked GEMM does it (engine/quantize.py says why).
 static void run_dequantize(int q, int64_t n0, int64_t n1) {
@@ -296,6 +424,8 @@ static void run_share(int t) {
         a = a < job.n ? a : job.n, b = b < job.n ? b : job.n;
         if (job_kind == 3)
             run_dequantize(job_q, a, b);
+        else if (job_kind == 4)
+            run_int_columns(job_q, a, b);
         else
             run_columns(job_kind == 0 ? 0 : job_q, a, b);
     } else {
@@ -413,13 +543,14 @@ int kvharbor_linear_quant(int q, const float *x, int64_t ldx, const void *w, con
                           const float *bias, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n) {
     if (q < 1 || q > 3 || (q >= 2 && k % GROUP)) return -1;
     pthread_mutex_lock(&call_lock);
-    if (q == 2 && fill_xsums(x, ldx, m, k) != 0) {
+    const int integer = m <= INT_ROWS && k % GROUP == 0;
+    if ((q == 2 && fill_xsums(x, ldx, m, k) != 0) || (integer && fill_xcodes(x, ldx, m, k) != 0)) {
         pthread_mutex_unlock(&call_lock);
         return -2;
     }
     job = (linear_job_t){x, w, scale, mins, bias, y, m, k, n, ldx, ldy};
     job_q = q;
-    run_job(2);
+    run_job(integer ? 4 : 2);
     pthread_mutex_unlock(&call_lock);
     return 0;
 }
