@@ -147,7 +147,7 @@ class LlamaModel(nn.Module):
         (cpu_kernels.CpuKernels; None: torch's dequantize-and-matmul), releasing the float
         copies. Projections loaded as GGUF blocks (mode gguf) keep those; float ones are quantized
         to `mode` (int8, int4). The LM head (and a tied embedding) is kept as loaded in gguf, and
-        made int8 per channel in int8 and int4 (engine/quantize.py says why). Norms stay float.
+        made q8 (int8 groups of 32) in int8 and int4 (engine/quantize.py says why). Norms stay float.
         Call before prepare_cpu_linears (which then leaves them). Returns the quantized bytes."""
         from kvharbor.engine.quantize import QuantLinear, quantize
 
@@ -162,11 +162,11 @@ class LlamaModel(nn.Module):
         return total + self._quantize_head(gemm, mode)
 
     def _quantize_head(self, gemm, mode: str) -> int:
-        from kvharbor.engine.quantize import QuantLinear, quantize
+        from kvharbor.engine.quantize import GROUP, QuantLinear, quantize_q8
 
         device, tied = self.embed.device, self.arch.tie_word_embeddings
-        if self.head_blocks is None and mode in ("int8", "int4"):
-            self.head_blocks = quantize(self.lm_head.data.float(), "int8")
+        if self.head_blocks is None and mode in ("int8", "int4") and self.arch.hidden_size % GROUP == 0:
+            self.head_blocks = quantize_q8(self.lm_head.data.float())
             if tied:
                 self.embed_blocks = self.head_blocks
         if self.embed_blocks is not None:

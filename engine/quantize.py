@@ -10,12 +10,14 @@ Three formats, one kernel family (engine/csrc/cpu_kernels.c, AVX2), float32 acti
   blocks into it, bit for bit (engine/gguf_blocks.py).
 - `q8`: int8 in groups of 32 with a float scale per group: GGUF's Q8_0, repacked.
 
-The LM head: in `int8` and `int4` it is made int8 per channel (and a tied embedding reads its
-rows from that copy), because it is the largest single weight a decode step reads (SmolLM2:
-49,152 x 576, 113 MB in float32, a fifth of a batch-1 step); benchmarks/quality.py measured the
-difference (gguf, whose file keeps it Q8_0, decoded at 1.84x float32 at batch 1 where int4 with a
-float head made 1.22x). It stays int8 under int4: llama.cpp's own 4-bit types keep the output
-matrix at 6-8 bits too, since every logit goes through it. `gguf` keeps whatever the file has.
+The LM head: in `int8` and `int4` it is made q8 (int8 in groups of 32, GGUF's Q8_0; a tied
+embedding reads its rows from that copy), because it is the largest single weight a decode step
+reads (SmolLM2: 49,152 x 576, 113 MB in float32, a fifth of a batch-1 step); benchmarks/quality.py
+measured the difference (gguf, whose file keeps it Q8_0, decoded at 1.84x float32 at batch 1
+where int4 with a float head made 1.22x). Groups, not one scale per row: with a per-row int8 head,
+int8's top-1 agreement fell from 97.6% to 96.8% (mean KL 0.0033 -> 0.0052). It stays 8-bit under
+int4: llama.cpp's 4-bit types keep the output matrix at 6-8 bits too, since every logit goes
+through it. `gguf` keeps whatever the file has.
 
 Why weight-only and these layouts: a float32 decode step here is memory-bound (benchmarks/README.md:
 the layers' 425 MB stream at 11-15 GB/s), so the bytes a step reads are the lever. The nibbles
@@ -143,6 +145,19 @@ def quantize_int4(weight: torch.Tensor) -> QuantWeight:
     q = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15).to(torch.uint8)
     packed = q[..., : GROUP // 2] | (q[..., GROUP // 2 :] << 4)  # element j low, j + 16 high
     return QuantWeight("q4", packed.reshape(n, k // 2).contiguous(), scale.contiguous(), lo.contiguous(), k)
+
+
+def quantize_q8(weight: torch.Tensor) -> QuantWeight:
+    """q8: int8 in groups of 32 with a float scale each (GGUF's Q8_0 rule, max|w_g| / 127):
+    finer than one scale per row, for the LM head, whose every logit a top-1 choice compares."""
+    n, k = weight.shape
+    if k % GROUP:
+        raise ValueError(f"q8 quantizes rows in groups of {GROUP}; this weight's rows are {k} long")
+    w = weight.detach().to(torch.float32).reshape(n, k // GROUP, GROUP)
+    amax = w.abs().amax(dim=-1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+    return QuantWeight("q8", q.reshape(n, k).contiguous(), scale.contiguous(), None, k)
 
 
 def quantize(weight: torch.Tensor, mode: str) -> QuantWeight:

@@ -15,7 +15,15 @@ from kvharbor.engine import SamplingParams
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.cpu_kernels import INT_ROWS, load
 from kvharbor.engine.model import QUANT_MAX_ROWS
-from kvharbor.engine.quantize import QuantLinear, QuantWeight, dequantize_int8, quantize, quantize_int4, quantize_int8
+from kvharbor.engine.quantize import (
+    QuantLinear,
+    QuantWeight,
+    dequantize_int8,
+    quantize,
+    quantize_int4,
+    quantize_int8,
+    quantize_q8,
+)
 
 GEMM = load(2)
 needs_kernels = pytest.mark.skipif(GEMM is None, reason="no AVX2+FMA kernels on this machine")
@@ -47,16 +55,15 @@ def test_int4_weights_are_within_half_a_step_of_their_group_and_flat_groups_are_
         quantize_int4(torch.randn(4, 40))
 
 
-def q8_groups(w: torch.Tensor) -> QuantWeight:
-    """GGUF's Q8_0 format (one scale per 32 values) built here, for the kernel's format 3."""
-    n, k = w.shape
-    groups = w.reshape(n, k // 32, 32)
-    scale = groups.abs().amax(dim=-1).clamp_min(1e-8) / 127
-    q = torch.round(groups / scale[..., None]).to(torch.int8).reshape(n, k)
-    return QuantWeight("q8", q, scale.contiguous(), None, k)
+def test_q8_weights_are_within_half_a_step_of_their_group():
+    w = torch.randn(5, 64) * torch.logspace(-3, 1, 5)[:, None]
+    w[1, :32] = 0
+    qw = quantize_q8(w)
+    step = qw.scale.repeat_interleave(32, dim=1)
+    assert torch.all((qw.dequantize() - w).abs() <= step / 2 + 1e-7) and torch.all(qw.dequantize()[1, :32] == 0)
 
 
-FORMATS = {"int8": lambda w: quantize(w, "int8"), "q4": quantize_int4, "q8": q8_groups}
+FORMATS = {"int8": lambda w: quantize(w, "int8"), "q4": quantize_int4, "q8": quantize_q8}
 
 
 def kernel_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
@@ -134,14 +141,14 @@ def test_the_kernel_refuses_what_it_does_not_take():
 
 def dequantized_copy(loaded, mode: str):
     """The same model with every projection replaced by its round trip through `mode`, and the LM
-    head (the embedding, when tied) by its int8 round trip, in float32."""
+    head (the embedding, when tied) by its q8 round trip, in float32."""
     state = dict(loaded.state_dict)
     head = "model.embed_tokens.weight" if loaded.arch.tie_word_embeddings else "lm_head.weight"
     for name, tensor in state.items():
         if any(name.endswith(p + ".weight") for p in PROJECTIONS):
             state[name] = quantize(tensor, mode).dequantize()
         elif name == head:
-            state[name] = quantize(tensor, "int8").dequantize()
+            state[name] = quantize_q8(tensor).dequantize()
     return dataclasses.replace(loaded, state_dict=state)
 
 
@@ -163,7 +170,7 @@ def test_a_quantized_engine_generates_what_float32_generates_on_the_dequantized_
     assert quantized.engine.kv_io.format.fingerprint == plain.engine.kv_io.format.fingerprint + "+" + mode
     model = quantized.engine.model
     assert model.layers[0].qkv.numel() == 0 and model.layers[0].fast["qkv"].weight.data.dtype == dtype  # no float copy
-    assert model.lm_head.numel() == 0 and model.head_blocks.fmt == "int8"
+    assert model.lm_head.numel() == 0 and model.head_blocks.fmt == "q8"
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
