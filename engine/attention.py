@@ -69,6 +69,7 @@ class AttentionMetadata:
     triton: Any = None  # attention_triton.TritonMetadata when the triton backend runs this step
     cpu_decode: CpuDecode | None = None  # decodes through the CPU kernel instead of decode_groups
     kv_dtype: str = "auto"  # int8 / fp8: the cache holds engine/kv_quant.py's byte rows
+    kv_writer: Any = None  # cpu_kernels.CpuKernels: writes int8 rows (kv_write_int8) instead of torch ops
 
 
 # One more decode call costs about as much as attending to this many more padded key positions
@@ -153,9 +154,11 @@ def build_metadata(
             prefills.append(PrefillChunk(q_start, n, start + n, blocks, mask))
         q_start += n
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    writer = cpu_kernels if kv_dtype == "int8" else None
     return AttentionMetadata(
-        block_size, slot_mapping, num_decodes, groups, prefills, cpu_decode=cpu_decode, kv_dtype=kv_dtype
-    )
+        block_size, slot_mapping, num_decodes, groups, prefills, cpu_decode=cpu_decode, kv_dtype=kv_dtype,
+        kv_writer=writer,
+    )  # fmt: skip
 
 
 def _decode_group(
@@ -180,15 +183,26 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, block_size: int, kv_dtype
 def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
     """Write this step's K/V at their slots; returns the K/V attention must use for them: as
     given, or (8-bit cache) as the cache holds them, so a prefix read back later from the cache
-    gives what its first computation gave."""
+    gives what its first computation gave. Only fresh prefill chunks read them back (decodes and
+    chunks with a cached prefix read the cache), so an 8-bit step without one returns None."""
     slots = meta.slot_mapping
     if meta.kv_dtype == "auto":
         kv_cache[0].index_copy_(1, slots, k.transpose(0, 1))
         kv_cache[1].index_copy_(1, slots, v.transpose(0, 1))
         return k, v
-    k_rows, v_rows = quantize_rows(k, meta.kv_dtype), quantize_rows(v, meta.kv_dtype)
-    kv_cache[0].index_copy_(1, slots, k_rows.transpose(0, 1))
-    kv_cache[1].index_copy_(1, slots, v_rows.transpose(0, 1))
+    if meta.kv_writer is not None and k.dtype == torch.float32:  # the AVX2 kernel: the same bytes
+        meta.kv_writer.kv_write_int8(k, slots, kv_cache[0])
+        meta.kv_writer.kv_write_int8(v, slots, kv_cache[1])
+        k_rows = v_rows = None
+    else:
+        k_rows, v_rows = quantize_rows(k, meta.kv_dtype), quantize_rows(v, meta.kv_dtype)
+        kv_cache[0].index_copy_(1, slots, k_rows.transpose(0, 1))
+        kv_cache[1].index_copy_(1, slots, v_rows.transpose(0, 1))
+    if not any(p.blocks is None for p in meta.prefills):
+        return None, None
+    if k_rows is None:  # written by the kernel: read this step's rows back
+        k_rows = kv_cache[0].index_select(1, slots).transpose(0, 1)
+        v_rows = kv_cache[1].index_select(1, slots).transpose(0, 1)
     return dequantize_rows(k_rows, meta.kv_dtype, k.dtype), dequantize_rows(v_rows, meta.kv_dtype, v.dtype)
 
 
@@ -207,11 +221,11 @@ def paged_attention(
             q, k, v, kv_cache, meta.slot_mapping, meta.num_decodes, meta.block_size, meta.triton
         )
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    kv_heads = k.shape[1]
     k, v = _write(kv_cache, k, v, meta)
     kvd = meta.kv_dtype
     out = torch.empty_like(q)
     heads, dim = q.shape[1], q.shape[2]
-    kv_heads = k.shape[1]
     bs = meta.block_size
     if (cpu := meta.cpu_decode) is not None:
         n = meta.num_decodes

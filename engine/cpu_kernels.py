@@ -85,6 +85,8 @@ class CpuKernels:
         lib.kvharbor_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64,
                                                   i64, i64, ctypes.c_float, ctypes.c_int]  # fmt: skip
         lib.kvharbor_decode_attention.restype = ctypes.c_int
+        lib.kvharbor_kv_write_int8.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64]
+        lib.kvharbor_kv_write_int8.restype = None
         lib.kvharbor_set_spin.argtypes = [ctypes.c_int]
         lib.kvharbor_set_spin.restype = None
         if (spin := os.environ.get("KVHARBOR_KERNEL_SPIN")) is not None:
@@ -146,6 +148,20 @@ class CpuKernels:
         if code != 0:
             raise ValueError(f"the kernel does not take a {w.fmt} weight of {w.n}x{w.k}")
         return out
+
+    def kv_write_int8(self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
+        """Quantize rows [T, heads, dim] float32 (engine/kv_quant.py's int8 rows, the same bytes
+        as quantize_rows) and write each token's at its slot of cache [heads, slots, dim + 2] uint8."""
+        t, heads, dim = rows.shape
+        strided = rows.stride(2) != 1 or not slots.is_contiguous()
+        if rows.dtype != torch.float32 or slots.dtype != torch.int64 or strided:
+            raise ValueError("kv_write_int8 takes float32 rows with unit-stride heads and contiguous int64 slots")
+        if cache.dtype != torch.uint8 or not cache.is_contiguous() or cache.shape[::2] != (heads, dim + 2):
+            raise ValueError(f"kv_write_int8 needs a contiguous uint8 cache [{heads}, slots, {dim + 2}]")
+        self._lib.kvharbor_kv_write_int8(
+            rows.data_ptr(), rows.stride(0), rows.stride(1), slots.data_ptr(), t, heads, dim, cache.data_ptr(),
+            cache.shape[1],
+        )  # fmt: skip
 
     def decode_attention(
         self,

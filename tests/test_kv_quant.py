@@ -166,3 +166,19 @@ def test_bad_kv_cache_dtypes_are_refused_with_the_choices(tiny_llama):
     assert load_config(EngineConfig, env={"KVHARBOR_KV_CACHE_DTYPE": "fp8"}).cache.kv_cache_dtype == "fp8"
     with pytest.raises(ValueError, match="torch attention backend"):
         LLM(loaded_model=tiny_llama.loaded, kv_cache_dtype="int8", attention_backend="triton", num_kv_blocks=8)
+
+
+@pytest.mark.skipif(GEMM is None, reason="no AVX2+FMA kernels on this machine")
+def test_the_kernels_write_the_same_int8_bytes_as_torch():
+    g = torch.Generator().manual_seed(9)
+    qkv = torch.randn(5, 7, 64, generator=g) * torch.logspace(-6, 3, 5)[:, None, None]
+    rows = qkv[:, 2:5]  # a strided view, as the fused projection hands K over
+    rows[1, 1] = 0
+    cache = torch.zeros(3, 40, 66, dtype=torch.uint8)
+    slots = torch.tensor([7, 0, 39, 12, 13])
+    GEMM.kv_write_int8(rows, slots, cache)
+    want = quantize_rows(rows, "int8")
+    assert torch.equal(cache[:, slots].transpose(0, 1), want)
+    assert int(cache.sum()) == int(want.sum())  # nothing written elsewhere
+    with pytest.raises(ValueError, match="uint8 cache"):
+        GEMM.kv_write_int8(rows, slots, torch.zeros(3, 40, 64, dtype=torch.uint8))

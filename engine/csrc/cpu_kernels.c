@@ -567,6 +567,47 @@ int kvharbor_dequantize(int q, const void *w, const float *scale, const float *m
     return 0;
 }
 
+// ---- int8 KV rows (engine/kv_quant.py) -----------------------------------------------------------
+
+// A bfloat16 (the int8 KV rows' scale, engine/kv_quant.py) as a float: its 16 bits are the top
+// half of the float's.
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+
+// float -> bfloat16 bits, round to nearest even (as torch's .to(torch.bfloat16)).
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
+// Each of the n rows (token t, head h) of src, at src + t * tok_stride + h * head_stride floats,
+// quantized to dim int8 codes + a bf16 scale and written at its slot: cache [heads][slots][dim + 2]
+// bytes. The same arithmetic as kv_quant.quantize_rows, so both give the same bytes: the scale is
+// max|row| * ((1 + 2^-8) / 127) rounded to bf16, each code round-half-even(x / scale).
+void kvharbor_kv_write_int8(const float *src, int64_t tok_stride, int64_t head_stride, const int64_t *slots,
+                            int64_t tokens, int64_t heads, int64_t dim, uint8_t *cache, int64_t slots_total) {
+    const int64_t row = dim + 2;
+    const float up = (float)((1.0 + 1.0 / 256.0) / 127.0);
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            const float *x = src + t * tok_stride + h * head_stride;
+            uint8_t *out = cache + (h * slots_total + slots[t]) * row;
+            float amax = 0.0f;
+            for (int64_t i = 0; i < dim; i++) amax = fmaxf(amax, fabsf(x[i]));
+            const uint16_t bits = amax > 0 ? float_to_bf16(amax * up) : float_to_bf16(1.0f);
+            const float scale = bf16_to_float(bits);
+            for (int64_t i = 0; i < dim; i++) {
+                float q = nearbyintf(x[i] / scale);  // the default rounding mode: half to even
+                q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
+                out[i] = (uint8_t)(int8_t)q;
+            }
+            __builtin_memcpy(out + dim, &bits, 2);
+        }
+}
+
 // ---- decode attention ---------------------------------------------------------------------------
 
 #define MAX_GROUP 16    // query heads per KV head
@@ -604,13 +645,6 @@ static inline float dot(const float *a, const float *b, int64_t d) {
     }
     if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
     return hsum(_mm256_add_ps(s0, s1));
-}
-
-// A bfloat16 (the int8 KV rows' scale, engine/kv_quant.py) as a float: its 16 bits are the top
-// half of the float's.
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-    return v.f;
 }
 
 static inline float dot_q8(const float *a, const int8_t *b, int64_t d) {
