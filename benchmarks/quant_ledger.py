@@ -119,6 +119,22 @@ def summary_row(label: str, result: dict, base: dict | None) -> dict:
     return row
 
 
+def report_rows(results: dict[str, dict], ledgers: dict[str, dict], levels: list[int]) -> list[dict]:
+    """One row per server (`none` first: every ratio's base), with its quality columns, and for
+    gguf modes the ratio to llama-server's output tok/s at each concurrency."""
+    base = summary_row("none", results["none"], None)
+    rows = [summary_row(f"kvharbor {m}" if m != "llama-server" else m, r, base) for m, r in results.items()]
+    for row, mode in zip(rows, results, strict=True):
+        row["quality"] = ledgers.get(mode)
+    if "llama-server" in results:
+        peer = rows[-1]
+        for mode, row in zip(results, rows, strict=True):
+            if mode != "llama-server" and quality.mode_options(mode).get("quantization") == "gguf":
+                row["vs_llama_server"] = {f"c{c}": row[f"c{c}"]["output_tok_s"] / peer[f"c{c}"]["output_tok_s"]
+                                          for c in levels}  # fmt: skip
+    return rows
+
+
 def table(rows: list[dict], levels: list[int]) -> str:
     head = f"{'server':<22}"
     for c in levels:
@@ -203,20 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
-    quality = quality_rows(args, args.modes)
+    ledgers = quality_rows(args, args.modes)
     results = {m: serve_kvharbor(m, args, logs) for m in args.modes}
     if args.llama_server or args.peer_url:
         results["llama-server"] = serve_llama(args, logs)
-    base = summary_row("none", results["none"], None)
-    rows = [summary_row(f"kvharbor {m}" if m != "llama-server" else m, r, base) for m, r in results.items()]
-    for row, mode in zip(rows, results, strict=True):
-        row["quality"] = quality.get(mode)
-    if "llama-server" in results:
-        peer = rows[-1]
-        for mode, row in zip(results, rows, strict=True):
-            if mode != "llama-server" and quality.mode_options(mode).get("quantization") == "gguf":
-                row["vs_llama_server"] = {f"c{c}": row[f"c{c}"]["output_tok_s"] / peer[f"c{c}"]["output_tok_s"]
-                                          for c in levels}  # fmt: skip
+    rows = report_rows(results, ledgers, levels)
     title = (f"SmolLM2-135M, {args.num_requests} requests x {args.prompt_len} prompt / {args.output_len} output "
              f"tokens — {machine_title('float32')}")  # fmt: skip
     print(title)

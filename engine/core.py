@@ -49,8 +49,8 @@ Progress = Callable[[str], None]
 
 # What each --quantization mode keeps, for the start-up line.
 QUANT_NOTES = {
-    "int8": "linears, one scale per output channel",
-    "int4": "linears, 4 bits in groups of 32 with a scale and min each",
+    "int8": "linears, one scale per output channel; the LM head in int8 groups of 32",
+    "int4": "linears, 4 bits in groups of 32 with a scale and min each; the LM head in int8 groups of 32",
     "gguf": "the file's own Q4_0/Q4_1/Q8_0 blocks, repacked",
 }
 

@@ -55,9 +55,15 @@ def test_rows_carry_ratios_to_none():
         runs = [{"concurrency": c, "summary": {"output_tok_s": v, **latency}} for c, v in ((1, c1), (8, c8))]
         return {"runs": runs, "peak_rss_bytes": 2**28, "weight_bytes": 2**26, "kv_bytes_per_token": 100}
 
-    base = quant_ledger.summary_row("none", result(10, 40), None)
-    row = quant_ledger.summary_row("kvharbor gguf", result(15, 60), base)
+    results = {"none": result(10, 40), "gguf+kv-int8": result(15, 60), "llama-server": result(20, 30)}
+    ledgers = {
+        "none": {"mean_kl": 0.0, "top1_agreement": 1.0},
+        "gguf+kv-int8": {"mean_kl": 0.002, "top1_agreement": 0.98},
+    }
+    base, row, peer = quant_ledger.report_rows(results, ledgers, [1, 8])
+    assert row["label"] == "kvharbor gguf+kv-int8" and row["quality"]["mean_kl"] == 0.002
     assert row["c1"]["tok_s_ratio"] == 1.5 and row["c8"]["tok_s_ratio"] == 1.5
-    assert "tok_s_ratio" not in base["c1"]
-    text = quant_ledger.table([base, row], [1, 8])
-    assert "kvharbor gguf" in text and "1.50" in text and "256" in text  # peak RSS in MiB
+    assert row["vs_llama_server"] == {"c1": 0.75, "c8": 2.0}
+    assert base["c1"]["tok_s_ratio"] == 1.0 and "vs_llama_server" not in base and peer["quality"] is None
+    text = quant_ledger.table([base, row, peer], [1, 8])
+    assert "kvharbor gguf+kv-int8" in text and "1.50" in text and "256" in text  # peak RSS in MiB
