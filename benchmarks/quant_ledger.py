@@ -173,12 +173,12 @@ def plot(rows: list[dict], levels: list[int], path: Path, title: str) -> None:
     speed.set_xscale("log")
     speed.set_xlabel("mean KL per token vs float32 (nats, log; peers and none at the left edge)")
     speed.set_ylabel("served output tok/s")
-    labels = [r["label"] for r in rows]
-    memory.bar(labels, [(r["peak_rss_bytes"] or 0) / 2**20 for r in rows], label="peak RSS")
+    labels = [r["label"].removeprefix("kvharbor ") for r in rows]
+    memory.bar(labels, [(r["peak_rss_bytes"] or 0) / 2**20 for r in rows], label="peak RSS (server + core)")
     memory.bar(labels, [(r["weight_bytes"] or 0) / 2**20 for r in rows], label="weights", width=0.4)
     memory.set_ylabel("MiB")
     memory.legend()
-    memory.tick_params(axis="x", labelsize=8)
+    memory.tick_params(axis="x", labelsize=8, labelrotation=30)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -636,25 +636,20 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-static inline float dot(const float *a, const float *b, int64_t d) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    return hsum(_mm256_add_ps(s0, s1));
+// 8 elements of a key or value row as floats: float32 rows, or (Q8) int8 codes, unscaled.
+static inline __attribute__((always_inline)) __m256 load_row(const int Q8, const char *row, int64_t i) {
+    return Q8 ? load_q8((const int8_t *)row + i) : _mm256_loadu_ps((const float *)row + i);
 }
 
-static inline float dot_q8(const float *a, const int8_t *b, int64_t d) {
+// a . row over d elements (row as load_row reads it).
+static inline __attribute__((always_inline)) float dot(const int Q8, const float *a, const char *row, int64_t d) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= d; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_q8(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_q8(b + i + 8), s1);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_row(Q8, row, i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_row(Q8, row, i + 8), s1);
     }
-    if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_q8(b + i), s0);
+    if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_row(Q8, row, i), s0);
     return hsum(_mm256_add_ps(s0, s1));
 }
 
@@ -662,10 +657,9 @@ static inline float dot_q8(const float *a, const int8_t *b, int64_t d) {
 // every position of the sequence's context, in blocks of ATT_BLOCK positions:
 //   | block 0 | block 1 | ... |   scores -> running max m, sum l, and acc = sum p v, rescaled.
 // int8 rows: a score is (q . codes) x the K row's scale; a value row adds p x its scale x codes.
-static void run_attention(int64_t first, int64_t last) {
+static inline __attribute__((always_inline)) void attention_units(const int Q8, int64_t first, int64_t last) {
     const attention_job_t j = ajob;
     const int64_t G = j.heads / j.kv_heads, D = j.dim;
-    const int Q8 = j.kv_int8;
     const int64_t row = Q8 ? D + 2 : D * 4;  // bytes per (slot, head) row
     for (int64_t u = first; u < last; u++) {
         const int64_t b = u / j.kv_heads, g = u % j.kv_heads, ctx = j.ctx_lens[b];
@@ -698,8 +692,7 @@ static void run_attention(int64_t first, int64_t last) {
                 float s[ATT_BLOCK] __attribute__((aligned(32)));
                 float top = m[h];
                 for (int64_t i = 0; i < nb; i++) {
-                    s[i] = Q8 ? dot_q8(q + h * D, (const int8_t *)krow[i], D) * kscale[i]
-                              : dot(q + h * D, (const float *)krow[i], D) * j.scale;
+                    s[i] = dot(Q8, q + h * D, krow[i], D) * (Q8 ? kscale[i] : j.scale);
                     top = s[i] > top ? s[i] : top;
                 }
                 for (int64_t i = nb; i < ATT_BLOCK; i++) s[i] = -INFINITY;
@@ -714,12 +707,8 @@ static void run_attention(int64_t first, int64_t last) {
                 const __m256 cv = _mm256_set1_ps(corr);
                 for (int64_t d = 0; d < D; d += 8) {
                     __m256 a = _mm256_mul_ps(_mm256_load_ps(acc[h] + d), cv);
-                    if (Q8)
-                        for (int64_t i = 0; i < nb; i++)
-                            a = _mm256_fmadd_ps(_mm256_set1_ps(s[i] * vscale[i]), load_q8((const int8_t *)vrow[i] + d), a);
-                    else
-                        for (int64_t i = 0; i < nb; i++)
-                            a = _mm256_fmadd_ps(_mm256_set1_ps(s[i]), _mm256_loadu_ps((const float *)vrow[i] + d), a);
+                    for (int64_t i = 0; i < nb; i++)
+                        a = _mm256_fmadd_ps(_mm256_set1_ps(Q8 ? s[i] * vscale[i] : s[i]), load_row(Q8, vrow[i], d), a);
                     _mm256_store_ps(acc[h] + d, a);
                 }
             }
@@ -730,6 +719,13 @@ static void run_attention(int64_t first, int64_t last) {
             for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + h * D + d, _mm256_mul_ps(_mm256_load_ps(acc[h] + d), inv));
         }
     }
+}
+
+static void run_attention(int64_t first, int64_t last) {
+    if (ajob.kv_int8)
+        attention_units(1, first, last);
+    else
+        attention_units(0, first, last);
 }
 
 // out[b, h, :] = softmax(q[b, h] . K_b^T * scale) V_b for each decode sequence b, with K_b/V_b the
