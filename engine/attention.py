@@ -130,7 +130,7 @@ def build_metadata(
         return AttentionMetadata(block_size, slot_mapping, num_decodes, [], [], tmeta)
     ctx_lens = [s + 1 for s in starts[:num_decodes]]
     cpu_decode = None
-    if cpu_kernels is not None and num_decodes:
+    if cpu_kernels is not None and num_decodes and kv_dtype in ("auto", "int8"):  # the kernel reads no fp8
         width = max(len(t) for t in block_tables[:num_decodes])
         padded = [t + [0] * (width - len(t)) for t in block_tables[:num_decodes]]
         tables, lens = torch.tensor(padded, dtype=torch.int32), torch.tensor(ctx_lens, dtype=torch.int32)

@@ -49,8 +49,9 @@ Progress = Callable[[str], None]
 
 # What each --quantization mode keeps, for the start-up line.
 QUANT_NOTES = {
-    "int8": "linears, one scale per output channel; the LM head in int8 groups of 32",
-    "int4": "linears, 4 bits in groups of 32 with a scale and min each; the LM head in int8 groups of 32",
+    "int8": "linears, one scale per output channel; the LM head in int8 groups of 32 when its rows allow",
+    "int4": "linears, 4 bits in groups of 32 with a scale and min each; the LM head in int8 groups of 32 when its "
+    "rows allow",
     "gguf": "the file's own Q4_0/Q4_1/Q8_0 blocks, repacked",
 }
 
@@ -112,10 +113,16 @@ class EngineCore:
             say(f"loading model {config.model.model or '(bundled SmolLM2-135M-Instruct)'} ...")
         blocks = config.model.quantization == "gguf"
         loaded = loaded_model or load_model(config.model.model, config.model.served_model_name, keep_blocks=blocks)
-        if blocks and not any(isinstance(v, QuantWeight) for v in loaded.state_dict.values()):
+        kept = any(isinstance(v, QuantWeight) for v in loaded.state_dict.values())
+        if blocks and not kept:
             raise ValueError(
                 "--quantization gguf needs the model's GGUF blocks, and these weights are float "
                 "(a Hugging Face folder, or a model loaded without keep_blocks): use int8 or int4"
+            )
+        if kept and not blocks:
+            raise ValueError(
+                f"these weights were loaded with their GGUF blocks kept, which only --quantization gguf runs "
+                f"(asked: {config.model.quantization}): load them without keep_blocks"
             )
         self.model_name = loaded.name
         self.arch = loaded.arch

@@ -122,12 +122,14 @@ class CpuKernels:
             raise ValueError(f"linear_quant takes float32 x [m, {w.k}], got {x.dtype} {tuple(x.shape)}")
         m = x.shape[0]
         y = torch.empty(m, w.n, dtype=torch.float32)
+        if m == 0:
+            return y
         code = self._lib.kvharbor_linear_quant(
             FORMATS[w.fmt], x.data_ptr(), x.stride(0), w.data.data_ptr(), w.scale.data_ptr(), _ptr(w.mins),
             _ptr(bias), y.data_ptr(), w.n, m, w.k, w.n,
         )  # fmt: skip
         if code == -2:
-            raise MemoryError(f"no memory for the group sums of {m} rows")
+            raise MemoryError(f"no memory for the activation buffers (group sums, int8 codes) of {m} rows")
         if code != 0:
             raise ValueError(f"the kernel does not take a {w.fmt} weight of {w.n}x{w.k}")
         return y
@@ -158,6 +160,8 @@ class CpuKernels:
             raise ValueError("kv_write_int8 takes float32 rows with unit-stride heads and contiguous int64 slots")
         if cache.dtype != torch.uint8 or not cache.is_contiguous() or cache.shape[::2] != (heads, dim + 2):
             raise ValueError(f"kv_write_int8 needs a contiguous uint8 cache [{heads}, slots, {dim + 2}]")
+        if slots.numel() != t or (t and not 0 <= int(slots.min()) <= int(slots.max()) < cache.shape[1]):
+            raise ValueError(f"kv_write_int8 needs one slot per row, each in [0, {cache.shape[1]})")
         self._lib.kvharbor_kv_write_int8(
             rows.data_ptr(), rows.stride(0), rows.stride(1), slots.data_ptr(), t, heads, dim, cache.data_ptr(),
             cache.shape[1],
@@ -179,6 +183,8 @@ class CpuKernels:
         b, heads, dim = q.shape
         kv_heads, slots, row = k_cache.shape
         kv_int8 = k_cache.dtype == torch.uint8
+        if row != (dim + 2 if kv_int8 else dim) or k_cache.dtype not in (torch.uint8, torch.float32):
+            raise ValueError(f"decode attention reads float32 rows of {dim} or int8 rows of {dim + 2}, got {row}")
         for name, t in (("q", q), ("out", out)):
             if t.stride(2) != 1 or t.stride(1) != dim:
                 raise ValueError(f"decode attention needs {name}'s heads packed in each row")

@@ -11,11 +11,12 @@ Three formats, one kernel family (engine/csrc/cpu_kernels.c, AVX2), float32 acti
 - `q8`: int8 in groups of 32 with a float scale per group: GGUF's Q8_0, repacked.
 
 The LM head: in `int8` and `int4` it is made q8 (int8 in groups of 32, GGUF's Q8_0; a tied
-embedding reads its rows from that copy), because it is the largest single weight a decode step
-reads (SmolLM2: 49,152 x 576, 113 MB in float32, a fifth of a batch-1 step); benchmarks/quality.py
-measured the difference (gguf, whose file keeps it Q8_0, decoded at 1.84x float32 at batch 1
-where int4 with a float head made 1.22x). Groups, not one scale per row: with a per-row int8 head,
-int8's top-1 agreement fell from 97.6% to 96.8% (mean KL 0.0033 -> 0.0052). It stays 8-bit under
+embedding reads its rows from that copy; a hidden size that is not a multiple of 32 keeps it
+float), because it is the largest single weight a decode step reads (SmolLM2: 49,152 x 576,
+113 MB in float32, a fifth of a batch-1 step); benchmarks/quality.py measured the difference
+(gguf, whose file keeps it Q8_0, decoded at 1.84x float32 at batch 1 where int4 with a float head
+made 1.22x). Groups, not one scale per row: with a per-row int8 head, int8's top-1 agreement fell
+from 97.6% to 96.8% (mean KL 0.0033 -> 0.0052); with groups it is 97.2% (0.0036). It stays 8-bit under
 int4: llama.cpp's 4-bit types keep the output matrix at 6-8 bits too, since every logit goes
 through it. `gguf` keeps whatever the file has.
 

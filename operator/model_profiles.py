@@ -11,11 +11,13 @@ from dataclasses import dataclass
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "int8": 1}
 # Bytes per linear-layer parameter as the engine holds each --quantization mode
 # (engine/quantize.py): int8 is a byte plus a float32 scale per output row (rows at least 512
-# long here); int4 and gguf's 4-bit blocks are 16 bytes of nibbles plus a float32 scale and min
-# per group of 32. A GGUF file's Q8_0 tensors take 36 / 32: gguf is placed as if 4-bit, the
-# usual case, with the embedding and LM head at the float dtype (their blocks, if any, are
+# long here); int4 and a GGUF file's 4-bit blocks are 16 bytes of nibbles plus a float32 scale and
+# min per group of 32; its Q8_0 blocks are 32 bytes and a scale. The operator cannot see which a
+# file holds, so gguf is placed at Q8_0's size unless spec.ggufBits says 4 (under-counting would
+# over-pack a GPU); the embedding and LM head stay at the float dtype (their blocks, if any, are
 # smaller still).
-QUANT_BYTES = {"int8": 1 + 4 / 512, "int4": 24 / 32, "gguf": 24 / 32}
+QUANT_BYTES = {"int8": 1 + 4 / 512, "int4": 24 / 32, "gguf": 36 / 32}
+GGUF_BYTES = {4: 24 / 32, 8: 36 / 32}
 QUANTIZATIONS = ("none", *QUANT_BYTES)
 KV_8BIT = ("int8", "fp8")
 
@@ -29,8 +31,9 @@ class ModelProfile:
     head_dim: int
     linear_parameters: int = 0  # of the projections, which quantization shrinks; 0: not known
 
-    def weight_bytes(self, dtype: str, quantization: str = "none") -> int:
-        """The weights as the engine holds them: all at `dtype`, or the projections quantized."""
+    def weight_bytes(self, dtype: str, quantization: str = "none", gguf_bits: int = 8) -> int:
+        """The weights as the engine holds them: all at `dtype`, or the projections quantized
+        (`gguf_bits`: 4 or 8, the kind of blocks a gguf file holds)."""
         if quantization == "none":
             return self.parameters * dtype_bytes(dtype)
         if quantization not in QUANT_BYTES:
@@ -40,12 +43,15 @@ class ModelProfile:
                 f"model {self.name!r} needs model.profile.linearParameters (the projections' parameters) "
                 f"to be placed with quantization {quantization}"
             )
+        if gguf_bits not in GGUF_BYTES:
+            raise ValueError(f"ggufBits must be 4 or 8, got {gguf_bits!r}")
+        per = GGUF_BYTES[gguf_bits] if quantization == "gguf" else QUANT_BYTES[quantization]
         rest = (self.parameters - self.linear_parameters) * dtype_bytes(dtype)
-        return int(self.linear_parameters * QUANT_BYTES[quantization]) + rest
+        return int(self.linear_parameters * per) + rest
 
     def kv_bytes_per_token(self, dtype: str, kv_cache_dtype: str = "auto") -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype bytes (DESIGN §3); an 8-bit cache
-        (kvCacheDtype int8 / fp8) takes head_dim + 2 bytes a row: the codes and a float16 scale
+        (kvCacheDtype int8 / fp8) takes head_dim + 2 bytes a row: the codes and a bfloat16 scale
         (engine/kv_quant.py)."""
         if kv_cache_dtype in KV_8BIT:
             return 2 * self.layers * self.kv_heads * (self.head_dim + 2)

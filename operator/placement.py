@@ -42,6 +42,7 @@ class EngineShape:
     kv_memory_fraction: float = 1.0  # of what is left after weights and headroom
     quantization: str = "none"  # the engine's --quantization: weights at their quantized size
     kv_cache_dtype: str = "auto"  # the engine's --kv-cache-dtype: int8 / fp8 rows are head_dim + 2 bytes
+    gguf_bits: int = 8  # gguf: the file's blocks are 4-bit (Q4_0/Q4_1) or 8-bit (Q8_0)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ def place(
     gpus_per_replica: int | None = None,
 ) -> PlacementPlan | list[str]:
     """The smallest fit, or the reasons (one per pool) why nothing fits."""
-    weights = model.weight_bytes(engine.dtype, engine.quantization)
+    weights = model.weight_bytes(engine.dtype, engine.quantization, engine.gguf_bits)
     per_token = model.kv_bytes_per_token(engine.dtype, engine.kv_cache_dtype)
     kv_needed = engine.max_num_seqs * engine.max_model_len * per_token
     need = weights + kv_needed

@@ -130,6 +130,7 @@ def engine_shape(res: Resource) -> EngineShape:
         kv_memory_fraction=float(engine.get("kvMemoryFraction", 0.9)),
         quantization=res.spec.get("quantization", "none"),
         kv_cache_dtype=res.spec.get("kvCacheDtype", "auto"),
+        gguf_bits=int(res.spec.get("ggufBits", 8)),
     )
 
 
@@ -141,7 +142,7 @@ async def plan_placement(ctx: OperatorContext, res: Resource) -> PlacementPlan |
         autoscaling_target(res)
         profile = profile_for(model["name"], model.get("profile"))
         shape = engine_shape(res)
-        profile.weight_bytes(shape.dtype, shape.quantization)  # what it cannot size is a bad spec
+        profile.weight_bytes(shape.dtype, shape.quantization, shape.gguf_bits)  # what it cannot size is a bad spec
         profile.kv_bytes_per_token(shape.dtype, shape.kv_cache_dtype)
     except (KeyError, ValueError) as exc:
         return f"invalid spec: {exc}"

@@ -94,3 +94,21 @@ def test_gguf_mode_needs_a_gguf_file_of_kept_block_types(tiny_llama, tmp_path):
 
     with pytest.raises(ValueError, match="needs the model's GGUF blocks"):
         LLM(loaded_model=tiny_llama.loaded, quantization="gguf", dtype="float32", num_kv_blocks=8)
+
+
+@needs_kernels
+def test_kept_blocks_run_only_under_gguf(tiny_llama, tmp_path):
+    from kvharbor.engine import LLM
+
+    path = tmp_path / "q4.gguf"
+    write_gguf(tiny_llama, path, quant="Q4_1")
+    kept = load_model(str(path), keep_blocks=True)
+    for mode in ("none", "int8"):
+        with pytest.raises(ValueError, match="only --quantization gguf runs"):
+            LLM(loaded_model=kept, quantization=mode, dtype="float32", num_kv_blocks=8)
+
+
+@needs_kernels
+def test_an_empty_batch_is_an_empty_product():
+    qw = repack(np.zeros((4, 20), np.uint8), 3, 32)
+    assert GEMM.linear_quant(torch.empty(0, 32), qw).shape == (0, 4)

@@ -182,3 +182,24 @@ def test_the_kernels_write_the_same_int8_bytes_as_torch():
     assert int(cache.sum()) == int(want.sum())  # nothing written elsewhere
     with pytest.raises(ValueError, match="uint8 cache"):
         GEMM.kv_write_int8(rows, slots, torch.zeros(3, 40, 64, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(GEMM is None, reason="no AVX2+FMA kernels on this machine")
+def test_the_kernels_refuse_slots_and_rows_they_cannot_take():
+    rows, cache = torch.randn(2, 3, 64), torch.zeros(3, 8, 66, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="one slot per row"):
+        GEMM.kv_write_int8(rows, torch.tensor([0]), cache)
+    with pytest.raises(ValueError, match=r"each in \[0, 8\)"):
+        GEMM.kv_write_int8(rows, torch.tensor([3, 8]), cache)
+    q, out = torch.randn(1, 6, 64), torch.empty(1, 6, 64)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="int8 rows of 66"):
+        GEMM.decode_attention(q, torch.zeros(3, 16, 64, dtype=torch.uint8), cache, tables, lens, 16, out)
+
+
+def test_fp8_decodes_never_reach_the_int8_kernel(tiny_llama):
+    from kvharbor.engine.attention import build_metadata
+
+    meta = build_metadata([[0]], [3], [1], 1, 16, torch.float32, torch.device("cpu"), cpu_kernels=GEMM or object(),
+                          kv_dtype="fp8")  # fmt: skip
+    assert meta.cpu_decode is None and meta.kv_writer is None and len(meta.decode_groups) == 1

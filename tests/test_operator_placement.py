@@ -72,7 +72,11 @@ def test_quantized_weights_are_placed_at_their_quantized_size():
     rest = 134_515_008 - 106_168_320  # the embedding (tied) and the norms stay at the dtype
     assert smol.weight_bytes("float32", "int8") == int(106_168_320 * (1 + 4 / 512)) + rest * 4
     assert smol.weight_bytes("bfloat16", "int4") == int(106_168_320 * 24 / 32) + rest * 2
-    assert smol.weight_bytes("bfloat16", "gguf") == smol.weight_bytes("bfloat16", "int4")
+    assert smol.weight_bytes("bfloat16", "gguf", gguf_bits=4) == smol.weight_bytes("bfloat16", "int4")
+    # unless told the file is 4-bit, gguf is placed at Q8_0's 36 bytes per 32 (never under-counted)
+    assert smol.weight_bytes("bfloat16", "gguf") == int(106_168_320 * 36 / 32) + rest * 2
+    with pytest.raises(ValueError, match="ggufBits must be 4 or 8"):
+        smol.weight_bytes("bfloat16", "gguf", gguf_bits=5)
     llama = KNOWN["Llama-3.1-70B-Instruct"]
     full = place(llama, shape(16, 8192), POOLS)
     int4 = place(llama, EngineShape("bfloat16", 8192, 16, quantization="int4"), POOLS)

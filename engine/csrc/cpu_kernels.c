@@ -167,8 +167,8 @@ static inline __attribute__((always_inline)) void grouped_tile(const int Q, cons
 // R rows of x (row stride ldx) against C rows of w starting at column n; R, C and Q are constants
 // in every inlined copy, so acc[][] lives in registers and the weight type's branches fold away.
 // Q = 0: w is float; Q = 1: w is int8 with one float scale per row (the sums are scaled at the end);
-// Q = 2, 3: grouped formats, each 8 weights made floats (scale and min applied) before the FMAs, so
-// the sums need no per-group rescaling; k is then a multiple of GROUP.
+// Q = 2, 3: grouped formats (grouped_tile): unscaled codes times x, each group's sum scaled once,
+// format 2's mins added at the end; k is then a multiple of GROUP.
 static inline __attribute__((always_inline)) void tile(const int Q, const int R, const int C, const float *x,
                                                        int64_t ldx, const void *w, const float *scale,
                                                        const float *mins, int64_t k, int64_t n, float *y,
@@ -543,7 +543,7 @@ int kvharbor_linear_quant(int q, const float *x, int64_t ldx, const void *w, con
                           const float *bias, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n) {
     if (q < 1 || q > 3 || (q >= 2 && k % GROUP)) return -1;
     pthread_mutex_lock(&call_lock);
-    const int integer = m <= INT_ROWS && k % GROUP == 0;
+    const int integer = m >= 1 && m <= INT_ROWS && k % GROUP == 0;
     if ((q == 2 && fill_xsums(x, ldx, m, k) != 0) || (integer && fill_xcodes(x, ldx, m, k) != 0)) {
         pthread_mutex_unlock(&call_lock);
         return -2;
