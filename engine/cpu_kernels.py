@@ -117,7 +117,6 @@ class CpuKernels:
         """x [m, k] float32 @ w^T (+ bias) for a weight in a kernel format (engine/quantize.py)."""
         if x.stride(-1) != 1:
             x = x.contiguous()
-        _check_quant(w)
         if x.dtype != torch.float32 or x.shape[1] != w.k:
             raise ValueError(f"linear_quant takes float32 x [m, {w.k}], got {x.dtype} {tuple(x.shape)}")
         m = x.shape[0]
@@ -137,7 +136,6 @@ class CpuKernels:
     def dequantize(self, w: QuantWeight, first: int, last: int) -> torch.Tensor:
         """Rows [first, last) of w as float32 [last - first, k], in a scratch buffer this object
         reuses: valid until the next call."""
-        _check_quant(w)
         rows = last - first
         if self._scratch.numel() < rows * w.k:
             self._scratch = torch.empty(rows * w.k, dtype=torch.float32)
@@ -204,15 +202,6 @@ class CpuKernels:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
-
-
-def _check_quant(w: QuantWeight) -> None:
-    want = torch.uint8 if w.fmt == "q4" else torch.int8
-    tensors = [w.data, w.scale] + ([w.mins] if w.mins is not None else [])
-    if w.data.dtype != want or any(not t.is_contiguous() for t in tensors) or w.scale.dtype != torch.float32:
-        raise ValueError(f"a {w.fmt} weight needs contiguous {want} data and float32 scales")
-    if (w.fmt == "q4") != (w.mins is not None) or (w.mins is not None and w.mins.dtype != torch.float32):
-        raise ValueError("q4 weights, and only they, carry float32 mins")
 
 
 @cache

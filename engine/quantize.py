@@ -71,10 +71,18 @@ class QuantWeight:
     k: int
 
     def __post_init__(self) -> None:
+        """Valid by construction, so the kernels need not check each call (120 a decode step)."""
         if self.fmt not in FORMATS:
             raise ValueError(f"unknown weight format {self.fmt!r} (known: {', '.join(FORMATS)})")
         if self.fmt != "int8" and self.k % GROUP:
             raise ValueError(f"a {self.fmt} weight needs rows a multiple of {GROUP} long, not {self.k}")
+        want = torch.uint8 if self.fmt == "q4" else torch.int8
+        tensors = [self.data, self.scale] + ([self.mins] if self.mins is not None else [])
+        if self.data.dtype != want or any(not t.is_contiguous() for t in tensors) or self.scale.dtype != torch.float32:
+            raise ValueError(f"a {self.fmt} weight needs contiguous {want} data and float32 scales")
+        mins_ok = self.mins is None or self.mins.dtype == torch.float32
+        if (self.fmt == "q4") != (self.mins is not None) or not mins_ok:
+            raise ValueError("q4 weights, and only they, carry float32 mins")
 
     @property
     def n(self) -> int:
@@ -128,10 +136,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q.contiguous(), scale.contiguous()
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return q.to(torch.float32) * scale[:, None]
 
 
 def quantize_int4(weight: torch.Tensor) -> QuantWeight:

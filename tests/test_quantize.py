@@ -18,7 +18,6 @@ from kvharbor.engine.model import QUANT_MAX_ROWS
 from kvharbor.engine.quantize import (
     QuantLinear,
     QuantWeight,
-    dequantize_int8,
     quantize,
     quantize_int4,
     quantize_int8,
@@ -37,7 +36,7 @@ def test_each_weight_is_within_half_a_step_and_zero_rows_survive():
     w[7] = 0
     q, scale = quantize_int8(w)
     assert q.dtype == torch.int8 and scale.shape == (40,) and int(q.abs().max()) <= 127
-    assert torch.all((dequantize_int8(q, scale) - w).abs() <= scale[:, None] / 2 + 1e-7)
+    assert torch.all((QuantWeight("int8", q, scale, None, 70).dequantize() - w).abs() <= scale[:, None] / 2 + 1e-7)
     assert torch.all(q[7] == 0) and scale[7] == 1.0
     assert torch.equal(q.abs().amax(dim=1)[w.abs().amax(dim=1) > 0], torch.full((39,), 127, dtype=torch.int8))
 
