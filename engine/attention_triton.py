@@ -30,12 +30,18 @@ class TritonMetadata:
     max_q_len: int
 
 
-def resolve_backend(name: str, device: torch.device, block_size: int) -> str:
-    """`auto` is triton on CUDA and torch elsewhere; an impossible choice fails with what to do."""
+def resolve_backend(name: str, device: torch.device, block_size: int, kv_dtype: str = "auto") -> str:
+    """`auto` is triton on CUDA and torch elsewhere, and torch with an 8-bit KV cache (the Triton
+    kernels read float KV only); an impossible choice fails with what to do."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if kv_dtype != "auto" and name == "triton":
+        raise ValueError(
+            f"--kv-cache-dtype {kv_dtype} runs on the torch attention backend (the Triton kernels read float KV): "
+            "drop --attention-backend triton, or use --kv-cache-dtype auto"
+        )
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" and kv_dtype == "auto" else "torch"
     if name == "torch":
         return name
     try:

@@ -171,7 +171,7 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.eos_token_ids)
         self.sampler = Sampler(self.arch.vocab_size, self.eos_token_ids, config.model.engine_seed)
         self.attention_backend = resolve_backend(
-            self._backend_for_kv(config), self.device, self.capacity.block_size
+            config.runtime.attention_backend, self.device, self.capacity.block_size, config.cache.kv_cache_dtype
         )
         say(f"attention backend: {self.attention_backend}")
         self.cpu_kernels = self._cpu_attention(threads)
@@ -216,20 +216,6 @@ class EngineCore:
         nbytes = self.model.quantize(gemm, mode)
         path = "AVX2 kernels" if gemm is not None else "torch dequantize + matmul"
         say(f"{mode} weights: {nbytes / 2**20:.0f} MiB ({QUANT_NOTES[mode]}; {path})")
-
-    @staticmethod
-    def _backend_for_kv(config: EngineConfig) -> str:
-        """The attention backend asked for, given the KV dtype: the Triton kernels read float KV
-        only, so an 8-bit cache takes the torch backend (auto), or is refused with triton."""
-        asked, kv = config.runtime.attention_backend, config.cache.kv_cache_dtype
-        if kv == "auto":
-            return asked
-        if asked == "triton":
-            raise ValueError(
-                f"--kv-cache-dtype {kv} runs on the torch attention backend (the Triton kernels read float KV): "
-                "drop --attention-backend triton, or use --kv-cache-dtype auto"
-            )
-        return "torch"
 
     def _cpu_attention(self, threads: int):
         """The CPU kernels for decode attention, where they run: float32 with the torch backend on a

@@ -183,6 +183,9 @@ def test_backend_choice_and_its_errors():
         resolve_backend("triton", cpu, 8)
     with pytest.raises(ValueError, match="one of auto, torch, triton"):
         resolve_backend("cuda", cpu, 16)
+    assert resolve_backend("auto", torch.device("cuda"), 16, kv_dtype="int8") == "torch"  # 8-bit KV: no Triton
+    with pytest.raises(ValueError, match="torch attention backend"):
+        resolve_backend("triton", cpu, 16, kv_dtype="fp8")
 
 
 def test_backend_is_a_flag_an_env_variable_and_a_yaml_key():
