@@ -69,7 +69,8 @@ class AttentionMetadata:
     triton: Any = None  # attention_triton.TritonMetadata when the triton backend runs this step
     cpu_decode: CpuDecode | None = None  # decodes through the CPU kernel instead of decode_groups
     kv_dtype: str = "auto"  # int8 / fp8: the cache holds engine/kv_quant.py's byte rows
-    kv_writer: Any = None  # cpu_kernels.CpuKernels: writes int8 rows (kv_write_int8) instead of torch ops
+    kv_writer: Any = None  # cpu_kernels.CpuKernels: writes float32 or int8 rows instead of torch ops
+    slot_bounds: tuple[int, int] | None = None  # min and max of slot_mapping, for the writer's check
 
 
 # One more decode call costs about as much as attending to this many more padded key positions
@@ -154,10 +155,10 @@ def build_metadata(
             prefills.append(PrefillChunk(q_start, n, start + n, blocks, mask))
         q_start += n
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-    writer = cpu_kernels if kv_dtype == "int8" else None
+    writer = cpu_kernels if kv_dtype in ("auto", "int8") else None
     return AttentionMetadata(
         block_size, slot_mapping, num_decodes, groups, prefills, cpu_decode=cpu_decode, kv_dtype=kv_dtype,
-        kv_writer=writer,
+        kv_writer=writer, slot_bounds=(min(slots), max(slots)) if slots else None,
     )  # fmt: skip
 
 
@@ -185,14 +186,18 @@ def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Atten
     given, or (8-bit cache) as the cache holds them, so a prefix read back later from the cache
     gives what its first computation gave. Only fresh prefill chunks read them back (decodes and
     chunks with a cached prefix read the cache), so an 8-bit step without one returns None."""
-    slots = meta.slot_mapping
+    slots, writer = meta.slot_mapping, meta.kv_writer if k.dtype == torch.float32 else None
     if meta.kv_dtype == "auto":
-        kv_cache[0].index_copy_(1, slots, k.transpose(0, 1))
-        kv_cache[1].index_copy_(1, slots, v.transpose(0, 1))
+        if writer is not None and kv_cache.dtype == torch.float32:
+            writer.kv_write(k, slots, kv_cache[0], meta.slot_bounds)
+            writer.kv_write(v, slots, kv_cache[1], meta.slot_bounds)
+        else:
+            kv_cache[0].index_copy_(1, slots, k.transpose(0, 1))
+            kv_cache[1].index_copy_(1, slots, v.transpose(0, 1))
         return k, v
-    if meta.kv_writer is not None and k.dtype == torch.float32:  # the AVX2 kernel: the same bytes
-        meta.kv_writer.kv_write_int8(k, slots, kv_cache[0])
-        meta.kv_writer.kv_write_int8(v, slots, kv_cache[1])
+    if writer is not None:  # the AVX2 kernel: the same bytes
+        writer.kv_write_int8(k, slots, kv_cache[0], meta.slot_bounds)
+        writer.kv_write_int8(v, slots, kv_cache[1], meta.slot_bounds)
         k_rows = v_rows = None
     else:
         k_rows, v_rows = quantize_rows(k, meta.kv_dtype), quantize_rows(v, meta.kv_dtype)

@@ -87,6 +87,14 @@ class CpuKernels:
         lib.kvharbor_decode_attention.restype = ctypes.c_int
         lib.kvharbor_kv_write_int8.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64]
         lib.kvharbor_kv_write_int8.restype = None
+        lib.kvharbor_kv_write.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64]
+        lib.kvharbor_kv_write.restype = None
+        lib.kvharbor_add_rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        lib.kvharbor_add_rms_norm.restype = None
+        lib.kvharbor_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
+        lib.kvharbor_rope.restype = None
+        lib.kvharbor_silu_mul.argtypes = [ptr, i64, ptr, i64, i64]
+        lib.kvharbor_silu_mul.restype = None
         lib.kvharbor_set_spin.argtypes = [ctypes.c_int]
         lib.kvharbor_set_spin.restype = None
         if (spin := os.environ.get("KVHARBOR_KERNEL_SPIN")) is not None:
@@ -149,21 +157,75 @@ class CpuKernels:
             raise ValueError(f"the kernel does not take a {w.fmt} weight of {w.n}x{w.k}")
         return out
 
-    def kv_write_int8(self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
+    def kv_write_int8(
+        self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, bounds: tuple[int, int] | None = None
+    ) -> None:
         """Quantize rows [T, heads, dim] float32 (engine/kv_quant.py's int8 rows, the same bytes
-        as quantize_rows) and write each token's at its slot of cache [heads, slots, dim + 2] uint8."""
+        as quantize_rows) and write each token's at its slot of cache [heads, slots, dim + 2] uint8.
+        `bounds`: the slots' (min, max) where the caller knows them (else they are computed)."""
+        self._kv_write(self._lib.kvharbor_kv_write_int8, rows, slots, cache, bounds, torch.uint8, 2)
+
+    def kv_write(
+        self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, bounds: tuple[int, int] | None = None
+    ) -> None:
+        """Copy rows [T, heads, dim] float32 to their slots of cache [heads, slots, dim] float32
+        (`bounds` as for kv_write_int8)."""
+        self._kv_write(self._lib.kvharbor_kv_write, rows, slots, cache, bounds, torch.float32, 0)
+
+    @staticmethod
+    def _kv_write(fn, rows, slots, cache, bounds, cache_dtype: torch.dtype, extra: int) -> None:
         t, heads, dim = rows.shape
-        strided = rows.stride(2) != 1 or not slots.is_contiguous()
-        if rows.dtype != torch.float32 or slots.dtype != torch.int64 or strided:
-            raise ValueError("kv_write_int8 takes float32 rows with unit-stride heads and contiguous int64 slots")
-        if cache.dtype != torch.uint8 or not cache.is_contiguous() or cache.shape[::2] != (heads, dim + 2):
-            raise ValueError(f"kv_write_int8 needs a contiguous uint8 cache [{heads}, slots, {dim + 2}]")
-        if slots.numel() != t or (t and not 0 <= int(slots.min()) <= int(slots.max()) < cache.shape[1]):
-            raise ValueError(f"kv_write_int8 needs one slot per row, each in [0, {cache.shape[1]})")
-        self._lib.kvharbor_kv_write_int8(
-            rows.data_ptr(), rows.stride(0), rows.stride(1), slots.data_ptr(), t, heads, dim, cache.data_ptr(),
-            cache.shape[1],
+        unit = rows.stride(2) == 1 and slots.is_contiguous()
+        if rows.dtype != torch.float32 or slots.dtype != torch.int64 or not unit:
+            raise ValueError("a KV write takes float32 rows with unit-stride heads and contiguous int64 slots")
+        if cache.dtype != cache_dtype or not cache.is_contiguous() or cache.shape[::2] != (heads, dim + extra):
+            kind = str(cache_dtype).removeprefix("torch.")
+            raise ValueError(f"a KV write needs a contiguous {kind} cache [{heads}, slots, {dim + extra}]")
+        if t and bounds is None:
+            bounds = int(slots.min()), int(slots.max())
+        if slots.numel() != t or (t and not 0 <= bounds[0] <= bounds[1] < cache.shape[1]):
+            raise ValueError(f"a KV write needs one slot per row, each in [0, {cache.shape[1]})")
+        fn(rows.data_ptr(), rows.stride(0), rows.stride(1), slots.data_ptr(), t, heads, dim, cache.data_ptr(),
+           cache.shape[1])  # fmt: skip
+
+    def add_rms_norm(
+        self, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += x (in place; x None: no add), then the RMS norm of residual times weight,
+        as a new tensor. float32; residual and weight contiguous, x rows may be strided."""
+        rows, hidden = residual.shape
+        if not residual.is_contiguous() or weight.shape != (hidden,) or not weight.is_contiguous():
+            raise ValueError(f"add_rms_norm needs a contiguous residual [rows, {hidden}] and weight [{hidden}]")
+        if x is not None and (x.shape != residual.shape or x.stride(1) != 1):
+            raise ValueError(f"add_rms_norm adds x {tuple(x.shape)} to a residual {tuple(residual.shape)}")
+        if any(t is not None and t.dtype != torch.float32 for t in (x, residual, weight)):
+            raise ValueError("add_rms_norm takes float32 tensors")
+        out = torch.empty_like(residual)
+        self._lib.kvharbor_add_rms_norm(
+            _ptr(x), 0 if x is None else x.stride(0), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), rows,
+            hidden, eps,
         )  # fmt: skip
+        return out
+
+    def rope(self, x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """RoPE (rotate-half) in place on the first `heads` heads of each row of x [rows, >= heads *
+        dim] float32; cos, sin [rows, dim / 2] float32 contiguous."""
+        rows = x.shape[0]
+        if x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[1] < heads * dim or dim % 2:
+            raise ValueError(f"rope takes float32 rows of at least {heads} heads of an even dim {dim}")
+        for t in (cos, sin):
+            if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != rows * (dim // 2):
+                raise ValueError(f"rope needs contiguous float32 cos and sin of [{rows}, {dim // 2}]")
+        self._lib.kvharbor_rope(x.data_ptr(), x.stride(0), rows, heads, dim, cos.data_ptr(), sin.data_ptr())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for rows of gate_up [rows, 2 * inter] float32 (gate first), as [rows, inter]."""
+        rows, width = gate_up.shape
+        if gate_up.dtype != torch.float32 or gate_up.stride(1) != 1 or width % 2:
+            raise ValueError(f"silu_mul takes float32 rows of gate and up, got {gate_up.dtype} {tuple(gate_up.shape)}")
+        out = torch.empty(rows, width // 2, dtype=torch.float32)
+        self._lib.kvharbor_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
+        return out
 
     def decode_attention(
         self,

@@ -15,6 +15,7 @@ from torch import nn
 
 from kvharbor.engine import cpu_linear
 from kvharbor.engine.attention import AttentionMetadata, paged_attention
+from kvharbor.engine.layer_ops import CpuOps, TorchOps
 from kvharbor.engine.model_arch import ModelArch
 from kvharbor.engine.quantize import QuantWeight, concat
 
@@ -87,28 +88,19 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,  # [2, kv_heads, slots, dim]
         meta: AttentionMetadata,
+        ops: TorchOps,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = x if residual is None else x + residual
-        h = F.rms_norm(residual, (residual.shape[-1],), self.input_norm, self.eps)
+        h, residual = ops.add_rms_norm(x, residual, self.input_norm, self.eps)
         qkv = _linear(h, self.qkv, self.fast["qkv"], self.qkv_bias)
         t = qkv.shape[0]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        # RoPE on q and k together: they are adjacent in the fused projection.
-        qk = _rotate(qkv[:, : (nq + nkv) * d].view(t, nq + nkv, d), cos, sin)
-        q, k = qk[:, :nq], qk[:, nq:]
+        q, k = ops.rope(qkv, nq, nkv, d, cos, sin)
         v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
         attn = paged_attention(q, k, v, kv_cache, meta)
-        residual = residual + _linear(attn.reshape(t, nq * d), self.o_proj, self.fast["o_proj"])
-        h = F.rms_norm(residual, (residual.shape[-1],), self.post_norm, self.eps)
-        gate, up = _linear(h, self.gate_up, self.fast["gate_up"]).chunk(2, dim=-1)
-        return _linear(F.silu(gate) * up, self.down, self.fast["down"]), residual
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # HF's rotate_half convention: x * cos + [-x2, x1] * sin, with cos/sin duplicated per half.
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        o = _linear(attn.reshape(t, nq * d), self.o_proj, self.fast["o_proj"])
+        h, residual = ops.add_rms_norm(o, residual, self.post_norm, self.eps)
+        act = ops.silu_mul(_linear(h, self.gate_up, self.fast["gate_up"]))
+        return _linear(act, self.down, self.fast["down"]), residual
 
 
 class LlamaModel(nn.Module):
@@ -128,10 +120,17 @@ class LlamaModel(nn.Module):
         # GGUF blocks kept as they are (--quantization gguf) for the embedding and the LM head.
         self.embed_blocks: QuantWeight | None = None
         self.head_blocks: QuantWeight | None = None
+        self.ops = TorchOps()  # the layers' pointwise ops (engine/layer_ops.py)
 
     def prepare_cpu_linears(self, threads: int) -> str | None:
         """Give the projections and the LM head the CPU fast path for this dtype, if there is one
-        (engine/cpu_linear.py). Returns what it is, or None. The weights stay as they are."""
+        (engine/cpu_linear.py), and the layers the AVX2 kernels' pointwise ops where those run
+        (float32 on CPU, engine/layer_ops.py). Returns what it is, or None. The weights stay as they are."""
+        if self.embed.device.type == "cpu" and self.embed.dtype == torch.float32:
+            from kvharbor.engine import cpu_kernels
+
+            if (kernels := cpu_kernels.load(threads)) is not None:
+                self.ops = CpuOps(kernels)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         chosen = cpu_linear.prepare_linears(self.embed.dtype, self.embed.device, threads, weight_bytes)
         if chosen is None:
@@ -218,7 +217,7 @@ class LlamaModel(nn.Module):
         cos, sin = self.rope(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops)
         return x + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """kvharbor's float32 CPU kernels (engine/csrc/cpu_kernels.c) against float64 references: the
-decode linears and paged decode attention; the build cache, the fallback where nothing can be
+decode linears, paged decode attention and the layers' pointwise ops; the build cache, the fallback where nothing can be
 built, a forked child, and the engine's tokens with the kernels on and off."""
 
 from __future__ import annotations
@@ -139,5 +139,90 @@ def test_the_engine_gives_the_same_tokens_with_the_kernels_on_and_off(tiny_llama
     on, off = make_llm(tiny_llama.loaded), make_llm(tiny_llama.loaded, cpu_kernels=False)
     assert on.engine.cpu_kernels is not None and on.engine.model.layers[0].fast["qkv"] is not None
     assert off.engine.cpu_kernels is None and off.engine.model.layers[0].fast["qkv"] is None
+    assert type(on.engine.model.ops).__name__ == "CpuOps" and type(off.engine.model.ops).__name__ == "TorchOps"
     tokens = [[o.outputs[0].token_ids for o in llm.generate(tiny_llama.prompts, params)] for llm in (on, off)]
     assert tokens[0] == tokens[1]
+
+
+# The pointwise kernels do in float32 what the float64 reference does, in a different order (and
+# SiLU with a polynomial e^x of ~1e-7 relative error): a few float32 ulps of the result's scale.
+POINTWISE_TOL = 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("hidden", [8, 13, 576])
+@pytest.mark.parametrize("add", [False, True])
+def test_add_rms_norm_matches_float64(rows, hidden, add):
+    gen = torch.Generator().manual_seed(rows * 100 + hidden)
+    residual, w = torch.randn(rows, hidden, generator=gen) * 3, torch.randn(hidden, generator=gen)
+    wide = torch.randn(rows, hidden + 4, generator=gen)
+    x = wide[:, 1 : 1 + hidden] if add else None  # strided rows, as an o_proj slice may be
+    total = residual.double() + (x.double() if add else 0)
+    want = w.double() * total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-5)
+    got = KERNELS.add_rms_norm(x, residual, w, 1e-5)
+    assert (residual.double() - total).abs().max() <= 1e-6 * total.abs().max()  # added in place
+    assert (got.double() - want).abs().max() <= POINTWISE_TOL * want.abs().max()
+
+
+@needs_kernels
+@pytest.mark.parametrize(("heads", "dim"), [(1, 2), (3, 12), (12, 64)])
+def test_rope_matches_float64_rotate_half(heads, dim):
+    from kvharbor.engine.layer_ops import rotate
+
+    gen = torch.Generator().manual_seed(heads * dim)
+    rows, extra = 5, 7  # a v part (extra floats) that must stay untouched
+    x = torch.randn(rows, heads * dim + extra, generator=gen)
+    angles = torch.randn(rows, dim // 2, generator=gen) * 10
+    cos, sin = angles.cos(), angles.sin()
+    want = rotate(x[:, : heads * dim].double().view(rows, heads, dim), cos.double()[:, None], sin.double()[:, None])
+    tail = x[:, heads * dim :].clone()
+    KERNELS.rope(x, heads, dim, cos, sin)
+    assert (x[:, : heads * dim].double().view(rows, heads, dim) - want).abs().max() <= POINTWISE_TOL * 10
+    assert torch.equal(x[:, heads * dim :], tail)
+
+
+@needs_kernels
+@pytest.mark.parametrize("inter", [8, 13, 1536])
+def test_silu_mul_matches_float64_also_far_out(inter):
+    gen = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(4, 2 * inter, generator=gen) * 4
+    gate_up[0, : min(inter, 6)] = torch.tensor([-120.0, -88.5, -20.0, 0.0, 88.5, 120.0])[: min(inter, 6)]
+    g, u = gate_up.double().chunk(2, dim=-1)
+    want = g * torch.sigmoid(g) * u
+    got = KERNELS.silu_mul(gate_up)
+    assert got.shape == (4, inter) and torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() <= POINTWISE_TOL * want.abs().max()
+
+
+@needs_kernels
+def test_kv_write_copies_each_row_to_its_slot_and_checks_slots():
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(4, 3 * 2 * 8 + 5, generator=gen)  # k rows strided inside a fused projection
+    rows = qkv[:, 5 : 5 + 16].view(4, 2, 8)
+    cache = torch.zeros(2, 40, 8)
+    slots = torch.tensor([7, 0, 39, 12])
+    KERNELS.kv_write(rows, slots, cache)
+    want = torch.zeros(2, 40, 8)
+    want.index_copy_(1, slots, rows.transpose(0, 1))
+    assert torch.equal(cache, want)
+    with pytest.raises(ValueError, match="one slot per row"):
+        KERNELS.kv_write(rows, torch.tensor([7, 0, 40, 12]), cache)
+    with pytest.raises(ValueError, match="one slot per row"):
+        KERNELS.kv_write(rows, slots, cache, bounds=(0, 40))  # bounds given by the caller are checked too
+    with pytest.raises(ValueError, match="contiguous float32 cache"):
+        KERNELS.kv_write(rows, slots, torch.zeros(2, 40, 9))
+
+
+@needs_kernels
+def test_pointwise_kernels_refuse_what_they_do_not_take():
+    with pytest.raises(ValueError, match="float32"):
+        KERNELS.add_rms_norm(None, torch.zeros(2, 8, dtype=torch.float64), torch.ones(8, dtype=torch.float64), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        KERNELS.add_rms_norm(torch.zeros(2, 7), torch.zeros(2, 8), torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="cos and sin"):
+        KERNELS.rope(torch.zeros(2, 16), 2, 8, torch.zeros(2, 3), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="even dim"):
+        KERNELS.rope(torch.zeros(2, 16), 2, 7, torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="gate and up"):
+        KERNELS.silu_mul(torch.zeros(2, 7))

@@ -745,3 +745,87 @@ int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache
     pthread_mutex_unlock(&call_lock);
     return 0;
 }
+
+// ---- the layer's pointwise ops (engine/layer_ops.py) ----------------------------------------------
+//
+// Why: a decode step's norms, RoPE, SiLU and K/V writes are a few thousand floats each, where torch
+// pays microseconds of dispatch per op: F.rms_norm alone ran 9 ops and 72 us a call here (AMD EPYC,
+// float32), 4.3 ms of a 31 ms SmolLM2 token at batch 1. Each of these is one call, single-threaded
+// (too little work to share), for the few rows of a decode step; larger batches stay with torch.
+
+// residual [rows, hidden] (contiguous) += x (row stride ldx; NULL: no add), then
+// out [rows, hidden] = w * (residual * rsqrt(mean(residual^2) + eps)), the order of the reference.
+void kvharbor_add_rms_norm(const float *x, int64_t ldx, float *residual, const float *w, float *out,
+                           int64_t rows, int64_t hidden, float eps) {
+    const int64_t vec = hidden & ~(int64_t)7;
+    for (int64_t r = 0; r < rows; r++) {
+        float *res = residual + r * hidden, *o = out + r * hidden;
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t i = 0; i < vec; i += 8) {
+            __m256 v = _mm256_loadu_ps(res + i);
+            if (x) v = _mm256_add_ps(v, _mm256_loadu_ps(x + r * ldx + i)), _mm256_storeu_ps(res + i, v);
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        float sq = hsum(acc);
+        for (int64_t i = vec; i < hidden; i++) {
+            if (x) res[i] += x[r * ldx + i];
+            sq += res[i] * res[i];
+        }
+        const float inv = 1.0f / sqrtf(sq / (float)hidden + eps);
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (int64_t i = 0; i < vec; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(res + i), vinv)));
+        for (int64_t i = vec; i < hidden; i++) o[i] = w[i] * (res[i] * inv);
+    }
+}
+
+// RoPE in place, rotate-half convention: the first `heads` heads of dim floats of each row of x
+// (row stride ldx), with cos/sin [rows, dim / 2]: (a, b) -> (a cos - b sin, b cos + a sin).
+void kvharbor_rope(float *x, int64_t ldx, int64_t rows, int64_t heads, int64_t dim, const float *cos,
+                   const float *sin) {
+    const int64_t half = dim / 2, vec = half & ~(int64_t)7;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * half, *s = sin + r * half;
+        for (int64_t h = 0; h < heads; h++) {
+            float *a = x + r * ldx + h * dim, *b = a + half;
+            for (int64_t i = 0; i < vec; i += 8) {
+                __m256 va = _mm256_loadu_ps(a + i), vb = _mm256_loadu_ps(b + i);
+                __m256 vc = _mm256_loadu_ps(c + i), vs = _mm256_loadu_ps(s + i);
+                _mm256_storeu_ps(a + i, _mm256_sub_ps(_mm256_mul_ps(va, vc), _mm256_mul_ps(vb, vs)));
+                _mm256_storeu_ps(b + i, _mm256_add_ps(_mm256_mul_ps(vb, vc), _mm256_mul_ps(va, vs)));
+            }
+            for (int64_t i = vec; i < half; i++) {
+                const float ai = a[i], bi = b[i];
+                a[i] = ai * c[i] - bi * s[i];
+                b[i] = bi * c[i] + ai * s[i];
+            }
+        }
+    }
+}
+
+// out [rows, inter] (contiguous) = silu(gate) * up, where each row of gu (row stride ldgu) holds
+// gate then up, inter floats each; silu(g) = g / (1 + e^-g).
+void kvharbor_silu_mul(const float *gu, int64_t ldgu, float *out, int64_t rows, int64_t inter) {
+    const int64_t vec = inter & ~(int64_t)7;
+    const __m256 one = _mm256_set1_ps(1.0f);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * ldgu, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < vec; i += 8) {
+            __m256 vg = _mm256_loadu_ps(g + i);
+            __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), vg));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+        for (int64_t i = vec; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+// Each of the rows (token t, head h) of src, at src + t * tok_stride + h * head_stride floats,
+// copied to its slot of cache [heads][slots_total][dim] floats.
+void kvharbor_kv_write(const float *src, int64_t tok_stride, int64_t head_stride, const int64_t *slots,
+                       int64_t tokens, int64_t heads, int64_t dim, float *cache, int64_t slots_total) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++)
+            __builtin_memcpy(cache + (h * slots_total + slots[t]) * dim, src + t * tok_stride + h * head_stride,
+                             (size_t)dim * sizeof(float));
+}

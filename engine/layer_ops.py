@@ -1,0 +1,78 @@
+"""A decoder layer's pointwise ops (residual add + RMS norm, RoPE, SiLU-and-multiply), chosen once
+at load: torch's (any dtype, any device), or the AVX2 kernels' (engine/cpu_kernels.py) for the few
+rows of a decode step in float32.
+
+Why the kernels: at batch 1 these ops are a few thousand floats each, and torch's dispatch is what
+they cost. Measured on the AMD EPYC (float32, SmolLM2, one token of a decode step): F.rms_norm ran
+as 9 ops and 72 us a call, and the pointwise ops together were about 9 ms of a 31 ms token under
+--quantization gguf. Above CPU_MAX_ROWS rows (prefill chunks) torch's ops are the faster ones:
+they are vectorized over both threads and their dispatch is amortized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CPU_MAX_ROWS = 64
+
+
+class TorchOps:
+    """The reference: torch ops, any dtype and device."""
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual) * weight, x + residual); a residual of None is taken as 0."""
+        residual = x if residual is None else x + residual
+        return F.rms_norm(residual, (residual.shape[-1],), weight, eps), residual
+
+    def rope(
+        self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, heads, dim] and k [T, kv_heads, dim] of the fused projection, rotated. RoPE on q and
+        k together: they are adjacent in it."""
+        t = qkv.shape[0]
+        qk = rotate(qkv[:, : (heads + kv_heads) * dim].view(t, heads + kv_heads, dim), cos, sin)
+        return qk[:, :heads], qk[:, heads:]
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # HF's rotate_half convention: x * cos + [-x2, x1] * sin, with cos/sin duplicated per half.
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class CpuOps(TorchOps):
+    """float32 on CPU: decode-sized inputs through the AVX2 kernels (cpu_kernels.CpuKernels), in
+    place where the reference makes a new tensor (the residual, the fused q/k); larger ones through
+    torch's ops."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if x.shape[0] > CPU_MAX_ROWS:
+            return super().add_rms_norm(x, residual, weight, eps)
+        if residual is None:  # the first layer: x (the embedding's output, ours) becomes the residual
+            residual, x = x.contiguous(), None
+        return self.kernels.add_rms_norm(x, residual, weight, eps), residual
+
+    def rope(self, qkv, heads, kv_heads, dim, cos, sin):
+        if qkv.shape[0] > CPU_MAX_ROWS:
+            return super().rope(qkv, heads, kv_heads, dim, cos, sin)
+        t = qkv.shape[0]
+        self.kernels.rope(qkv, heads + kv_heads, dim, cos, sin)
+        return qkv[:, : heads * dim].view(t, heads, dim), qkv[:, heads * dim : (heads + kv_heads) * dim].view(
+            t, kv_heads, dim
+        )
+
+    def silu_mul(self, gate_up):
+        if gate_up.shape[0] > CPU_MAX_ROWS:
+            return super().silu_mul(gate_up)
+        return self.kernels.silu_mul(gate_up)
