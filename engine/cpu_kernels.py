@@ -39,7 +39,7 @@ MAX_ROWS_WIDE = 64
 WIDE = 16384  # output columns from which a weight counts as wide
 # Rows up to which a quantized product makes x int8 per group of 32 and sums integer dot products
 # (cpu_kernels.c's INT_ROWS): there the float path is bound by widening the weights, not memory.
-INT_ROWS = 2
+INT_ROWS = 32
 
 
 def cache_dir() -> Path:

@@ -27,12 +27,13 @@ mins are float32 arrays beside them (6% of a q4 weight) so the kernel reads them
 conversions.
 
 Which kernel runs: decode-sized inputs (up to `max_rows`) go through the AVX2 kernel straight
-from the quantized bytes. At 1-2 rows (cpu_kernels.INT_ROWS) x is made int8 per group of 32 and
-each group is an integer dot product (maddubs, as llama.cpp's Q8 activations): there the float
-path was bound by widening 4-bit codes to floats, and this made SmolLM2's batch-1 linears 1.4x
-faster (12.5-14.6 -> 9.0-9.8 ms a step, gguf); the cost is x's rounding, at most half of
-max|x_g| / 127 per element, which benchmarks/quality.py's decode positions measure. From 3 rows
-on, the codes are widened once per column and shared by the rows, with float x. Prefill-sized
+from the quantized bytes, with x made int8 per group of 32 (cpu_kernels.INT_ROWS, up to 32 rows)
+so each group is an integer dot product (maddubs, as llama.cpp's Q8 activations): the float path
+was bound by widening 4-bit codes to floats, and this made SmolLM2's batch-1 linears 1.4x faster
+(12.5-14.6 -> 9.0-9.8 ms a step, gguf) and 4-32-row ones 1.1-1.5x (cpu_kernels.c has the
+figures); the cost is x's rounding, at most half of max|x_g| / 127 per element, which
+benchmarks/quality.py's decode positions measure. Rows are quantized one by one, so a row's result
+does not depend on the batch it runs in. Prefill-sized
 inputs are dequantized, a slice at a time into one reused scratch buffer, and multiplied by MKL,
 which blocks large products far better than a row-tiled kernel (the int8 kernel alone ran at
 0.8x MKL at 128 rows; llama.cpp dequantizes for BLAS in the same case). torch's own
