@@ -27,7 +27,9 @@ class LoadReport:
     kv_blocks_free: int = 0  # no user (cached or not)
     kv_blocks_cached: int = 0  # reusable by prefix
     prefill_tokens_per_s: float = 0.0  # measured (EWMA)
-    decode_step_ms: float = 0.0  # measured (EWMA)
+    decode_step_ms: float = 0.0  # measured (EWMA); 0 until the engine has run a few decode steps
+    decode_batch: float = 0.0  # sequences in those decode steps (EWMA)
+    decode_ms_per_seq: float = 0.0  # how a decode step grows per sequence (fitted; 0: not known yet)
     spec_acceptance_rate: float | None = None  # None: no speculation yet
     draining: bool = False
     in_flight: int = 0  # requests the server holds open
@@ -35,10 +37,18 @@ class LoadReport:
     slo_attainment: float | None = None  # share of them that met TTFT and ITL; None without any
     weight_bytes: int = 0  # the model's weights as held (quantized ones at their own size)
     kv_bytes_per_token: int = 0  # KV bytes one token takes in the pool, every layer
+    block_size: int = 0  # tokens per KV block: what prompts' block hashes are cut by (0: not reported)
 
     @property
     def queue(self) -> int:
         return self.running + self.waiting
+
+    def decode_step_s_at(self, sequences: int) -> float:
+        """The predicted decode step (the inter-token latency) with this many sequences running:
+        the measured step, extrapolated along the fitted per-sequence growth; 0 when unmeasured."""
+        if not self.decode_step_ms:
+            return 0.0
+        return max(0.0, self.decode_step_ms + self.decode_ms_per_seq * (sequences - self.decode_batch)) / 1000
 
     @property
     def kv_free_fraction(self) -> float:

@@ -76,25 +76,59 @@ class _Group:
 
 @dataclass
 class EngineStats:
-    """Measured speed, as EWMAs (alpha 0.2): the load report's 'prefill tok/s' and 'decode step'."""
+    """Measured speed, as EWMAs (alpha 0.2): the load report's 'prefill tok/s' and 'decode step',
+    the decode batch those steps ran, and how a decode step grows per sequence (a least-squares
+    line over the last ~50 decode steps' batch sizes and times; 0 until the batch size has varied),
+    which the gateway extrapolates to predict inter-token latency. The decode figures are reported
+    from MIN_DECODE_STEPS steps on: a first few steps (cold caches, a neighbour's burst) once made
+    an idle engine look twice as slow as a busy one, and the gateway kept a burst off it."""
 
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
+    decode_batch: float = 0.0
+    decode_steps: int = 0
     steps: int = 0
     spec_verifications: int = 0  # speculative chunks verified
     spec_proposed: int = 0  # draft tokens scored
     spec_accepted: int = 0  # of those, accepted
+    _fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums of 1, n, t, n^2, n*t
 
     def record(self, plan: SchedulerPlan, seconds: float) -> None:
         prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1 and not c.draft)
         self.steps += 1
         if prefill:
             rate = prefill / max(seconds, 1e-9)
-            self.prefill_tokens_per_s = (
-                rate if not self.prefill_tokens_per_s else 0.8 * self.prefill_tokens_per_s + 0.2 * rate
-            )
-        else:
-            self.decode_step_s = seconds if not self.decode_step_s else 0.8 * self.decode_step_s + 0.2 * seconds
+            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, rate)
+            return
+        batch = len(plan.chunks)
+        self.decode_steps += 1
+        self.decode_step_s = _ewma(self.decode_step_s, seconds)
+        self.decode_batch = _ewma(self.decode_batch, float(batch))
+        sample = (1.0, batch, seconds, batch**2, batch * seconds)
+        self._fit = [0.98 * acc + x for acc, x in zip(self._fit, sample, strict=True)]
+
+    def decode_report(self) -> dict[str, float]:
+        """The load report's decode fields, once there are enough steps to tell (else none)."""
+        if self.decode_steps < MIN_DECODE_STEPS:
+            return {}
+        return {
+            "decode_step_ms": round(self.decode_step_s * 1000, 2),
+            "decode_batch": round(self.decode_batch, 2),
+            "decode_ms_per_seq": round(self.decode_s_per_seq * 1000, 3),
+        }
+
+    @property
+    def decode_s_per_seq(self) -> float:
+        w, n, t, nn, nt = self._fit
+        spread = w * nn - n * n  # w^2 x the variance of the batch sizes
+        return max(0.0, (w * nt - n * t) / spread) if spread > 0.01 * w * w else 0.0
+
+
+MIN_DECODE_STEPS = 8
+
+
+def _ewma(old: float, new: float) -> float:
+    return new if not old else 0.8 * old + 0.2 * new
 
 
 class EngineCore:
@@ -479,10 +513,11 @@ class EngineCore:
             kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached,
             prefill_tokens_per_s=round(stats.prefill_tokens_per_s, 1),
-            decode_step_ms=round(stats.decode_step_s * 1000, 2),
+            **stats.decode_report(),
             spec_acceptance_rate=round(stats.spec_accepted / stats.spec_proposed, 4) if stats.spec_proposed else None,
             weight_bytes=self.weight_bytes,
             kv_bytes_per_token=self.capacity.bytes_per_token,
+            block_size=self.capacity.block_size,
         )
 
     def check_integrity(self) -> None:

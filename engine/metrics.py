@@ -88,6 +88,12 @@ class _LoadCollector:
         yield gauge("kv_blocks_cached", "KV blocks reusable by prefix", load.kv_blocks_cached)
         yield gauge("prefill_tokens_per_second", "Measured prefill speed (EWMA)", load.prefill_tokens_per_s)
         yield gauge("decode_step_seconds", "Measured decode step time (EWMA)", load.decode_step_ms / 1000)
+        yield gauge("decode_batch", "Sequences in the measured decode steps (EWMA)", load.decode_batch)
+        yield gauge(
+            "decode_step_seconds_per_sequence", "How a decode step grows per sequence (fitted)",
+            load.decode_ms_per_seq / 1000,
+        )  # fmt: skip
+        yield gauge("kv_block_size_tokens", "Tokens per KV block (what prefix hashes are cut by)", load.block_size)
         yield gauge("weight_bytes", "The model's weights as held (quantized at their own size)", load.weight_bytes)
         yield gauge("kv_bytes_per_token", "KV bytes one token takes in the pool", load.kv_bytes_per_token)
         queries, hits = counters["prefix_queries"], counters["prefix_hits"]

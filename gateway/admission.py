@@ -1,10 +1,11 @@
 """SLO-aware admission (DESIGN §5): admit a request now if some engine is predicted to give its
 first token within the model's TTFT SLO; otherwise queue it (priority >= 0) or shed it (< 0).
 
-Prediction for one engine: (prefill tokens queued there + the request's uncached tokens) /
-the engine's measured prefill rate. An engine with nothing queued always fits: waiting would not
-make the request's own prefill shorter. "Queued there" is the larger of what the engine reported and
-what this gateway has sent it that has not produced a first token yet (polls lag behind bursts).
+Prediction for one engine (gateway/predict.py): (prefill tokens queued there + the request's
+uncached tokens) / the engine's measured prefill rate. An engine with nothing queued always fits:
+waiting would not make the request's own prefill shorter. "Queued there" is what the engine
+reported plus what this gateway has sent it since that poll and that has no first token yet
+(polls lag behind bursts).
 
 The queue is bounded. It serves the highest priority first and, within a priority, takes tenants
 in turn (deficit round robin with a quantum of one request), so one tenant's burst cannot starve
@@ -17,9 +18,13 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvharbor.gateway.engines import Engine
+from kvharbor.gateway.predict import predict
+from kvharbor.gateway.router import Route
 
 
 class Shed(Exception):
@@ -34,10 +39,29 @@ class QueueTimeout(Exception):
     """The request waited its whole deadline without an engine meeting the SLO."""
 
 
-def predict_ttft_s(waiting_prefill_tokens: int, uncached_tokens: int, prefill_tokens_per_s: float) -> float:
-    if prefill_tokens_per_s <= 0:
-        return 0.0  # not measured yet: no evidence against admitting
-    return (waiting_prefill_tokens + uncached_tokens) / prefill_tokens_per_s
+def engine_ttft_s(engine: Engine, route: Route, prompt_tokens: int, block_size: int) -> float:
+    """The request's predicted TTFT on `engine` (gateway/predict.py), with the blocks the route's
+    index answer says that engine holds."""
+    return predict(engine, prompt_tokens, route.held.get(engine.url, 0), block_size).ttft_s
+
+
+def fit_route(
+    route: Route, engines: Sequence[Engine], prompt_tokens: int, block_size: int, slo_ttft_s: float
+) -> Route | None:
+    """The router's choice if its engine is predicted to meet the TTFT SLO; else the engine that
+    does with the lowest predicted TTFT (reason "slo"); None when none does (queue or shed). An
+    engine with nothing to prefill fits whatever the request's length: waiting cannot make its
+    own prefill shorter."""
+
+    def ttft(e: Engine) -> float:
+        return engine_ttft_s(e, route, prompt_tokens, block_size)
+
+    fits = [e for e in engines if e.waiting_prefill_tokens == 0 or ttft(e) <= slo_ttft_s]
+    if route.engine in fits:
+        return route
+    if not fits:
+        return None
+    return route.to(min(fits, key=ttft), "slo")
 
 
 @dataclass(eq=False)

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
@@ -27,16 +26,18 @@ from pydantic import ValidationError
 
 from kvharbor.common.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
 from kvharbor.common.http_errors import BodyLimitMiddleware, install_error_handlers
-from kvharbor.common.logs import request_context, request_id_var
+from kvharbor.common.logs import request_context
 from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, message_dicts
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.common.tracing import inject
-from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, predict_ttft_s
-from kvharbor.gateway.engines import Engine, EnginePool
+from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, fit_route
+from kvharbor.gateway.engines import Engine, EnginePool, Sent
 from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
 from kvharbor.gateway.metrics import GatewayMetrics
-from kvharbor.gateway.proxy import EngineCaller, StreamStats, with_retries
-from kvharbor.gateway.router import Route, Router
+from kvharbor.gateway.predict import uncached_tokens
+from kvharbor.gateway.proxy import EngineCaller, with_retries
+from kvharbor.gateway.relay import EngineStream, StreamRelay, StreamStats
+from kvharbor.gateway.router import Route, Router, block_size_for
 from kvharbor.gateway.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("kvharbor.gateway.api")
@@ -48,7 +49,8 @@ class ModelEntry:
     tokenizer: Tokenizer | None
     slo_ttft_s: float
     slo_itl_s: float
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int | None = None  # pinned by the models file; None: the engines' (router.block_size_for)
+    mismatch: str | None = None  # the block-size disagreement last logged, if any
 
 
 @dataclass
@@ -147,6 +149,7 @@ class _Call:
     arrival: float = field(default_factory=time.monotonic)
     slot: str = field(default_factory=lambda: uuid.uuid4().hex)  # this admission's concurrency slot
     span: Any = None
+    block_size: int = DEFAULT_BLOCK_SIZE  # what its prompt's blocks are cut by (set on admission)
 
     @property
     def engine_rid(self) -> str:
@@ -280,7 +283,7 @@ class _Handler:
     async def _serve(self, request: Request, kind: str) -> Response:
         call = await self._call(request, kind)
         state = self.state
-        # The span outlives the handler for streams: _Relay.close ends it when the stream does.
+        # The span outlives the handler for streams: the relay's settle ends it when the stream does.
         span = call.span = state.tracer.start_span(f"gateway {call.path}")
         span.set_attribute("kvharbor.tenant", call.tenant.name)
         span.set_attribute("kvharbor.model", call.model.name)
@@ -334,33 +337,32 @@ class _Handler:
         log.info("rejected", extra={"tenant": call.tenant.name, "reason": reason})
 
     def _hashes(self, call: _Call) -> list[bytes]:
-        return block_hashes(call.prompts[0], call.model.block_size, call.model.name, call.tenant.cache_salt)
+        return block_hashes(call.prompts[0], call.block_size, call.model.name, call.tenant.cache_salt)
+
+    def _block_size(self, model: ModelEntry) -> int:
+        """The engines' block size (a mismatch is logged when it starts, and counted per request)."""
+        size, mismatch = block_size_for(model.block_size, self.state.pool.all(model.name))
+        if mismatch:
+            self.state.metrics.block_size_mismatches.labels(model.name).inc()
+            if mismatch != model.mismatch:
+                log.error("KV block size mismatch: prefix lookups on the other size miss", extra={
+                    "model": model.name, "problem": mismatch})  # fmt: skip
+        model.mismatch = mismatch
+        return size
 
     async def _admit(self, call: _Call) -> Route:
         state = self.state
+        call.block_size = self._block_size(call.model)
         hashes = self._hashes(call)
         model = call.model
 
         async def try_now() -> Route | None:
             engines = state.pool.routable(model.name)
-            if not engines:
-                return None
-            route = await state.router.choose(model.name, engines, hashes)
+            prompt = len(call.prompts[0])
+            route = await state.router.choose(model.name, engines, hashes, prompt, call.block_size) if engines else None
             if route is None:
                 return None
-            # An engine with nothing to prefill takes the request whatever its length: waiting
-            # cannot make its own prefill shorter.
-            fits = [
-                e
-                for e in engines
-                if e.waiting_prefill_tokens == 0 or self._predicted_ttft(call, e, route) <= model.slo_ttft_s
-            ]
-            if route.engine in fits:
-                return route
-            if not fits:
-                return None
-            best = min(fits, key=lambda e: self._predicted_ttft(call, e, route))
-            return route.to(best, "slo")
+            return fit_route(route, engines, len(call.prompts[0]), call.block_size, model.slo_ttft_s)
 
         try:
             route, queued = await state.admission.admit(
@@ -392,11 +394,6 @@ class _Handler:
         state.metrics.matched_blocks.labels(model.name).inc(route.matched_blocks)
         return route
 
-    def _predicted_ttft(self, call: _Call, engine: Engine, route: Route) -> float:
-        matched = route.held.get(engine.url, 0)
-        uncached = max(0, len(call.prompts[0]) - matched * call.model.block_size)
-        return predict_ttft_s(engine.waiting_prefill_tokens, uncached, engine.prefill_tokens_per_s)
-
     def _payload(self, call: _Call, route: Route, engine: Engine) -> dict:
         payload = {
             **call.raw,
@@ -411,8 +408,8 @@ class _Handler:
         else:
             payload["prompt"] = call.prompts
         payload.pop("kv_prefix_source", None)
-        if route.held.get(engine.url, 0) < route.best_matched:
-            payload["kv_prefix_source"] = "shared"  # another engine holds more: pull, don't recompute
+        if source := route.kv_prefix_source(engine):
+            payload["kv_prefix_source"] = source
         if call.body.stream:
             payload["stream_options"] = {"include_usage": True}  # the gateway counts tokens
         return payload
@@ -425,15 +422,25 @@ class _Handler:
         async def pick_next(tried: set[str]) -> Engine | None:
             state.metrics.retries.labels(call.model.name).inc()
             others = [e for e in state.pool.routable(call.model.name) if e.url not in tried]
-            nxt = await state.router.choose(call.model.name, others, self._hashes(call)) if others else None
+            if not others:
+                return None
+            nxt = await state.router.choose(
+                call.model.name, others, self._hashes(call), len(call.prompts[0]), call.block_size
+            )
             return nxt.engine if nxt else None
 
-        uncached = max(0, len(call.prompts[0]) - route.matched_blocks * call.model.block_size)
+
+        def uncached(engine: Engine) -> int:
+            return uncached_tokens(len(call.prompts[0]), route.held.get(engine.url, 0), call.block_size)
+
         if not call.body.stream:
 
             async def run(engine: Engine) -> tuple[bytes, dict]:
-                async with _Busy(engine, uncached):
+                sent = engine.send(uncached(engine))
+                try:
                     return await state.caller.call(engine, call.path, self._payload(call, route, engine), headers)
+                finally:
+                    sent.done()
 
             content, usage = await _unless_disconnected(
                 request, with_retries(state.max_attempts, first, pick_next, run)
@@ -443,23 +450,29 @@ class _Handler:
             headers_out = {"x-request-id": call.rid, **limit_headers}
             return Response(content, media_type="application/json", headers=headers_out)
 
-        stats = StreamStats()
-
-        async def open_stream(engine: Engine):
-            busy = _Busy(engine, uncached)
-            await busy.__aenter__()
+        async def open_stream(engine: Engine) -> tuple[EngineStream, Sent]:
+            sent = engine.send(uncached(engine))
             try:
-                lines = await state.caller.open_stream(
-                    engine, call.path, self._payload(call, route, engine), headers, stats
-                )
+                stream = await state.caller.open_stream(engine, call.path, self._payload(call, route, engine), headers)
             except BaseException:
-                await busy.__aexit__(None, None, None)
+                sent.done()
                 raise
-            busy.first_token()
-            return lines, busy
+            sent.first_token()
+            return stream, sent
 
-        lines, busy = await with_retries(state.max_attempts, first, pick_next, open_stream)
-        relay = _Relay(self, call, lines, busy, stats)
+        stream, sent = await with_retries(state.max_attempts, first, pick_next, open_stream)
+
+        async def debit(tokens: int) -> None:
+            await state.limiter.debit_tokens(call.tenant, tokens)
+
+        async def settle(stats: StreamStats) -> None:
+            sent.done()
+            await state.limiter.release(call.tenant, call.slot)
+            self._finished(call, stats.usage, stats)
+            if call.span is not None:
+                call.span.end()
+
+        relay = StreamRelay(stream, call.rid, call.body.include_usage, debit, settle)
         return _GuardedStream(
             relay.lines(),
             relay.close,
@@ -515,58 +528,6 @@ async def _unless_disconnected(request: Request, work):
             task.cancel()
 
 
-class _Relay:
-    """One streamed answer on its way to the client, and everything to settle when it ends."""
-
-    def __init__(self, handler: _Handler, call: _Call, lines: AsyncIterator[str], busy: _Busy, stats: StreamStats):
-        self.handler, self.call, self.source, self.busy, self.stats = handler, call, lines, busy, stats
-        self.usage: dict = {}
-        self.counted = 0  # output tokens already taken from the tenant's TPM
-        self.closed = False
-
-    async def lines(self) -> AsyncIterator[str]:
-        call, stats, limiter = self.call, self.stats, self.handler.state.limiter
-        request_id_var.set(call.rid)  # the body streams after the handler returned: log under its id
-        try:
-            async for line in self.source:
-                if line.startswith("data: {") and '"usage"' in line:
-                    chunk = json.loads(line[6:])
-                    if chunk.get("usage") and not chunk.get("choices"):
-                        self.usage = chunk["usage"]
-                        if not call.body.include_usage:
-                            continue  # the gateway asked for it; the client did not
-                if not line:
-                    continue
-                if line.startswith('data: {"error"'):
-                    stats.error = stats.error or line[6:200]
-                yield line + "\n\n"
-                # Output tokens count toward TPM as they flow, in batches of 16 to spare Redis.
-                seen = len(stats.chunk_times) + 1
-                if seen - self.counted >= 16:
-                    await limiter.debit_tokens(call.tenant, seen - self.counted)
-                    self.counted = seen
-        finally:
-            await self.close()
-
-    async def close(self) -> None:
-        """Settle once: engine bookkeeping, the engine connection, the concurrency slot, TPM,
-        metrics, the span. Shielded: it runs while Starlette cancels a stream whose client left."""
-        if self.closed:
-            return
-        self.closed = True
-        call, stats, limiter = self.call, self.stats, self.handler.state.limiter
-        with anyio.CancelScope(shield=True):
-            await self.busy.__aexit__(None, None, None)
-            if stats.response is not None:
-                await stats.response.aclose()  # the engine sees the disconnect and aborts
-            await limiter.release(call.tenant, call.slot)
-            streamed = len(stats.chunk_times) + (1 if stats.first_token else 0)
-            await limiter.debit_tokens(call.tenant, int(self.usage.get("completion_tokens", streamed)) - self.counted)
-            self.handler._finished(call, self.usage, stats)
-            if call.span is not None:
-                call.span.end()
-
-
 class _GuardedStream(StreamingResponse):
     """A StreamingResponse that settles its request even when the body never starts (a client
     gone before the first byte): Starlette would otherwise drop the generator unrun."""
@@ -580,29 +541,3 @@ class _GuardedStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self._settle()
-
-
-class _Busy:
-    """Marks an engine as holding one more request of ours (and its unprefilled tokens)."""
-
-    def __init__(self, engine: Engine, prefill_tokens: int) -> None:
-        self.engine = engine
-        self.prefill = prefill_tokens
-        self._open = False
-
-    async def __aenter__(self) -> _Busy:
-        self.engine.in_flight += 1
-        self.engine.pending_prefill += self.prefill
-        self._open = True
-        return self
-
-    def first_token(self) -> None:
-        if self.prefill:
-            self.engine.pending_prefill -= self.prefill
-            self.prefill = 0
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._open:
-            self._open = False
-            self.first_token()
-            self.engine.in_flight -= 1

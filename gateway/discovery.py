@@ -28,6 +28,7 @@ class ModelSpec:
     engines: tuple[str, ...]
     slo_ttft_ms: float
     slo_itl_ms: float
+    block_size: int | None = None  # tokens per KV block, if the models file pins it (else the engines')
 
 
 class Discovery(Protocol):
@@ -80,6 +81,10 @@ class StaticDiscovery:
             if not isinstance(engines, list):
                 raise ValueError(f"models[{i}] in {path} needs an 'engines' list of URLs")
             slo = raw.get("slo") or {}
+            block_size = raw.get("block_size")
+            whole = isinstance(block_size, int) and not isinstance(block_size, bool)
+            if block_size is not None and not (whole and block_size > 0):
+                raise ValueError(f"models[{i}].block_size in {path} must be a positive integer, got {block_size!r}")
             specs.append(
                 ModelSpec(
                     raw.get("name"),
@@ -87,6 +92,7 @@ class StaticDiscovery:
                     tuple(check_url(str(u)) for u in engines),
                     float(slo.get("ttft_p95_ms", ttft_ms)),
                     float(slo.get("itl_p95_ms", itl_ms)),
+                    block_size,
                 )
             )
         return cls(specs, require_engines)
@@ -135,7 +141,7 @@ class KubernetesDiscovery:
         )
         found = engines_from_slices(services, slices)
         self._current = [
-            ModelSpec(name, spec.files, tuple(found.get(name, ())), spec.slo_ttft_ms, spec.slo_itl_ms)
+            ModelSpec(name, spec.files, tuple(found.get(name, ())), spec.slo_ttft_ms, spec.slo_itl_ms, spec.block_size)
             for name, spec in sorted(self.specs.items())
         ]
         return self._current

@@ -21,6 +21,24 @@ from kvharbor.common.load_report import LoadReport
 
 log = logging.getLogger("kvharbor.gateway.engines")
 COOLDOWN_S = 5.0
+# A request sent this long before a poll may not be in the engine's scheduler yet when /load
+# answers: it is counted as unseen (counting it twice for a moment errs toward spreading a burst).
+SEND_LAG_S = 0.05
+
+
+@dataclass(eq=False)
+class Sent:
+    """One request this gateway has open on an engine (Engine.send)."""
+
+    engine: Engine
+    at: float
+    prefill: int  # prompt tokens still to prefill; 0 once the first token came
+
+    def first_token(self) -> None:
+        self.prefill = 0
+
+    def done(self) -> None:
+        self.engine.sent.pop(id(self), None)
 
 
 @dataclass
@@ -33,18 +51,30 @@ class Engine:
     ejected: bool = False
     draining: bool = False
     failures: int = 0
-    in_flight: int = 0  # requests this gateway has open on it (fresher than the last poll)
     cooldown_until: float = 0.0  # after failed calls, a good /load alone does not bring it back before this
-    pending_prefill: int = 0  # prompt tokens this gateway sent that have no first token yet
+    polled_at: float = 0.0  # when the poll that brought `load` was sent
+    sent: dict[int, Sent] = field(default_factory=dict)  # requests this gateway has open on it
 
     @property
     def routable(self) -> bool:
         return self.polled and not self.ejected and not self.draining
 
+    def send(self, prefill_tokens: int) -> Sent:
+        """Count a request this gateway sends now (with the prompt tokens it must prefill) until
+        `done`: the load polled before it cannot show it, so the router adds it itself."""
+        sent = Sent(self, time.monotonic(), prefill_tokens)
+        self.sent[id(sent)] = sent
+        return sent
+
+    def _unseen(self) -> list[Sent]:
+        """Open requests sent after the last poll (less the time a request takes to reach the
+        engine's scheduler): the polled report cannot include them yet."""
+        return [s for s in self.sent.values() if s.at > self.polled_at - SEND_LAG_S]
+
     @property
     def queue(self) -> int:
-        """Requests on the engine: the polled count, or this gateway's own when that is higher."""
-        return max(self.load.queue, self.in_flight)
+        """Requests on the engine: the polled count, plus this gateway's sent since."""
+        return self.load.queue + len(self._unseen())
 
     @property
     def kv_free(self) -> float:
@@ -52,7 +82,14 @@ class Engine:
 
     @property
     def waiting_prefill_tokens(self) -> int:
-        return max(self.load.waiting_prefill_tokens, self.pending_prefill)
+        """Prompt tokens queued there: the polled count, plus those of this gateway's requests sent
+        since that have no first token yet."""
+        return self.load.waiting_prefill_tokens + sum(s.prefill for s in self._unseen())
+
+    def predicted_itl_s(self) -> float:
+        """The inter-token latency a request sent now would see: the engine's decode step with
+        one more sequence than it runs and queues (engine/core.py's EngineStats fits the growth)."""
+        return self.load.decode_step_s_at(self.queue + 1)
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -111,6 +148,7 @@ class EnginePool:
             self.on_change()
 
     async def poll_once(self, engine: Engine) -> None:
+        sent_at = time.monotonic()
         try:
             resp = await self.client.get(engine.url + "/load", timeout=max(1.0, self.interval * 2))
             resp.raise_for_status()
@@ -118,7 +156,7 @@ class EnginePool:
         except (httpx.HTTPError, ValueError) as exc:
             self.failed(engine, f"/load: {type(exc).__name__}", hard=isinstance(exc, httpx.ConnectError), passive=False)
             return
-        engine.load = load
+        engine.load, engine.polled_at = load, sent_at
         engine.instance_id = load.instance_id or engine.instance_id
         engine.draining = load.draining
         first = not engine.polled

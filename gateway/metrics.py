@@ -64,6 +64,12 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.block_size_mismatches = Counter(
+            "kvharbor_gateway_block_size_mismatches",
+            "Requests hashed while the engines (or the models file) disagreed on the KV block size",
+            ["model"],
+            registry=r,
+        )
         self.engines_up = Gauge("kvharbor_gateway_engines_routable", "Engines in rotation", ["model"], registry=r)
         self.queued = Gauge("kvharbor_gateway_queue_length", "Requests waiting for admission", registry=r)
         self.prefix_hit_ratio = Gauge(

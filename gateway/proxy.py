@@ -1,9 +1,10 @@
-"""Calling engines: retries before the first token, streaming relay, and OpenAI-shaped failures.
+"""Calling engines: retries before the first token, and OpenAI-shaped failures.
 
 A call is retried on another engine when the engine cannot be reached, answers 5xx (draining
-included), or its stream ends before the first token. Once a token has reached the client the
-request is bound to its engine: if that stream breaks, the client gets an OpenAI error event and
-`data: [DONE]`, never a hang (every read has a timeout).
+included), or its stream sends an error or ends before the first token. Once a token has reached
+the client the request is bound to its engine (gateway/relay.py relays the rest: if that stream
+breaks, the client gets an OpenAI error event and `data: [DONE]`, never a hang; every read has a
+timeout).
 """
 
 from __future__ import annotations
@@ -12,29 +13,19 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 
 import httpx
 
-from kvharbor.common.openai_api import APIError, error_body
+from kvharbor.common.openai_api import APIError
+from kvharbor.gateway import sse
 from kvharbor.gateway.engines import Engine, EnginePool
+from kvharbor.gateway.relay import EngineStream
 
 log = logging.getLogger("kvharbor.gateway.proxy")
 
 
 class EngineFailed(Exception):
     """This engine could not serve the request before its first token: try another."""
-
-
-@dataclass
-class StreamStats:
-    """What the relay saw, for metrics, goodput and TPM."""
-
-    first_token: float | None = None
-    chunk_times: list[float] = field(default_factory=list)
-    completion_tokens: int = 0  # from usage when the engine sent it, else counted chunks
-    error: str | None = None
-    response: httpx.Response | None = None  # the engine's open stream, closed when the request settles
 
 
 def _engine_error(resp_status: int, text: str) -> APIError:
@@ -107,16 +98,15 @@ class EngineCaller:
         else:
             self.pool.failed(engine, f"HTTP {status}")
 
-    async def open_stream(
-        self, engine: Engine, path: str, payload: dict, headers: dict[str, str], stats: StreamStats
-    ) -> AsyncIterator[str]:
-        """Open a stream and read up to its first token; returns an iterator over every SSE line
-        (the ones already read first). Raises EngineFailed or APIError before anything is sent."""
+    async def open_stream(self, engine: Engine, path: str, payload: dict, headers: dict[str, str]) -> EngineStream:
+        """Open a stream and read up to its first token. Raises EngineFailed (retry elsewhere: no
+        answer, 5xx, an error event or the end before any token) or APIError (the client's fault)
+        before anything reaches the client."""
         request = self.http.build_request(
             "POST", engine.url + path, json=payload, headers=headers, timeout=self.timeout
         )
         try:
-            resp = stats.response = await self.http.send(request, stream=True)
+            resp = await self.http.send(request, stream=True)
         except httpx.ConnectError as exc:
             self.pool.failed(engine, "connect", hard=True)
             raise EngineFailed(f"{engine.url}: {exc}") from exc
@@ -131,20 +121,7 @@ class EngineCaller:
                     raise EngineFailed(f"{engine.url} answered {resp.status_code}")
                 raise _engine_error(resp.status_code, text)
             lines = resp.aiter_lines()
-            head: list[str] = []
-            async for line in lines:
-                if line.startswith('data: {"error"'):
-                    # The engine failed before any token reached the client: another may not.
-                    self.pool.failed(engine, "error before the first token")
-                    raise EngineFailed(f"{engine.url} failed before the first token: {line[6:200]}")
-                head.append(line)
-                if _has_token(line):
-                    stats.first_token = time.monotonic()
-                    break
-                if line.strip() == "data: [DONE]":
-                    break
-            else:
-                raise EngineFailed(f"{engine.url} closed the stream before the first token")
+            head, first_token = await self._head(engine, lines)
         except httpx.HTTPError as exc:
             await resp.aclose()
             self.pool.failed(engine, type(exc).__name__)
@@ -153,39 +130,23 @@ class EngineCaller:
             await resp.aclose()
             raise
         self.pool.succeeded(engine)
-        return self._relay(resp, head, lines, stats)
+        return EngineStream(resp, head, lines, first_token)
 
-    async def _relay(
-        self, resp: httpx.Response, head: list[str], lines: AsyncIterator[str], stats: StreamStats
-    ) -> AsyncIterator[str]:
-        try:
-            for line in head:
-                yield line
-            async for line in lines:
-                if _has_token(line):
-                    stats.chunk_times.append(time.monotonic())
-                yield line
-        except httpx.HTTPError as exc:
-            stats.error = f"the engine stream broke: {type(exc).__name__}"
-            log.warning("engine stream broke mid-way", extra={"error": repr(exc)})
-            yield "data: " + json.dumps(error_body(stats.error + "; retry the request", "service_unavailable"))
-            yield "data: [DONE]"
-        finally:
-            await resp.aclose()
-
-
-def _has_token(line: str) -> bool:
-    if not line.startswith("data: {"):
-        return False
-    try:
-        chunk = json.loads(line[6:])
-    except ValueError:
-        return False
-    for choice in chunk.get("choices") or ():
-        delta = choice.get("delta") or {}
-        if choice.get("text") or delta.get("content"):
-            return True
-    return False
+    async def _head(self, engine: Engine, lines: AsyncIterator[str]) -> tuple[list[sse.Event], float | None]:
+        """The events up to the first token (or [DONE]), and when that token came."""
+        head: list[sse.Event] = []
+        async for line in lines:
+            event = sse.parse(line)
+            if event.kind == sse.ERROR:
+                # The engine failed before any token reached the client: another may not.
+                self.pool.failed(engine, "error before the first token")
+                raise EngineFailed(f"{engine.url} failed before the first token: {event.error_message}")
+            head.append(event)
+            if event.kind == sse.TOKEN:
+                return head, time.monotonic()
+            if event.kind == sse.DONE:
+                return head, None
+        raise EngineFailed(f"{engine.url} closed the stream before the first token")
 
 
 async def with_retries(

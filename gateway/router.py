@@ -5,6 +5,8 @@
   When the queues differ by more than `imbalance_threshold`, or the index cannot answer in
   time, load alone decides. When the chosen engine holds less of the prefix than another, the
   request carries `kv_prefix_source=shared` so the engine pulls the rest from the block store.
+  Then predictions decide (`faster_elsewhere`): another engine predicted better on TTFT (with
+  its cache miss counted) or ITL and no worse on the other takes the request instead.
 - `least_loaded`: the shortest queue, then the most free KV.
 - `round_robin`: in turn.
 """
@@ -12,14 +14,16 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from kvharbor.common.block_hash import BlockHash
+from kvharbor.common.block_hash import DEFAULT_BLOCK_SIZE, BlockHash
 from kvharbor.gateway.config import RoutingConfig
 from kvharbor.gateway.engines import Engine
+from kvharbor.gateway.predict import predict
 from kvharbor.kvcache_service.index import IndexUnavailable
 
 log = logging.getLogger("kvharbor.gateway.router")
@@ -28,15 +32,16 @@ log = logging.getLogger("kvharbor.gateway.router")
 @dataclass(frozen=True)
 class Route:
     engine: Engine
-    reason: str  # prefix | load | imbalance | index_unavailable | least_loaded | round_robin
+    reason: str  # prefix | load | imbalance | index_unavailable | latency | slo | least_loaded | round_robin
     matched_blocks: int = 0  # of the prompt, held by the chosen engine
     best_matched: int = 0  # held by the best holder among the candidates
     prompt_blocks: int = 0
     held: dict[str, int] = field(default_factory=dict)  # engine url -> blocks of the prompt it holds
 
-    @property
-    def kv_prefix_source(self) -> str | None:
-        return "shared" if self.best_matched > self.matched_blocks else None
+    def kv_prefix_source(self, engine: Engine) -> str | None:
+        """What the request tells `engine` (this route's, or a retry's): "shared" when another
+        candidate holds more of the prefix, so it pulls those blocks instead of recomputing them."""
+        return "shared" if self.held.get(engine.url, 0) < self.best_matched else None
 
     def to(self, engine: Engine, reason: str) -> Route:
         """The same request sent to another engine."""
@@ -62,7 +67,14 @@ class Router:
             log.debug("KV index unavailable; routing by load", extra={"error": repr(exc)})
             return None
 
-    async def choose(self, model: str, engines: Sequence[Engine], hashes: Sequence[BlockHash]) -> Route | None:
+    async def choose(
+        self,
+        model: str,
+        engines: Sequence[Engine],
+        hashes: Sequence[BlockHash],
+        prompt_tokens: int = 0,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> Route | None:
         if not engines:
             return None
         strategy = self.config.routing
@@ -72,7 +84,8 @@ class Router:
         if strategy == "least_loaded":
             return Route(_least_loaded(engines), "least_loaded", prompt_blocks=len(hashes))
         matches = await self.matches(model, hashes, engines)
-        return self.by_prefix(engines, hashes, matches)
+        route = self.by_prefix(engines, hashes, matches)
+        return faster_elsewhere(route, engines, prompt_tokens, block_size)
 
     def by_prefix(
         self, engines: Sequence[Engine], hashes: Sequence[BlockHash], matches: dict[str, int] | None
@@ -95,6 +108,37 @@ class Router:
         prefix = held / blocks if blocks else 0.0
         queue = 1.0 - engine.queue / longest_queue if longest_queue else 1.0
         return c.prefix_weight * prefix + c.kv_weight * engine.kv_free + c.queue_weight * queue
+
+
+def faster_elsewhere(route: Route, engines: Sequence[Engine], prompt_tokens: int, block_size: int) -> Route:
+    """The route, or the engine predicted faster for this request (reason "latency"): better on
+    TTFT (a cache miss counted in its prefill) or ITL and no worse on the other (gateway/predict.py).
+    The score's prefix term is bounded, so on its own it keeps sending a burst of one prefix to its
+    holder; predictions count what this gateway sent since the last poll, so the burst spreads as
+    soon as the holder's queue costs more than the other's miss."""
+    predicted = {e.url: predict(e, prompt_tokens, route.held.get(e.url, 0), block_size) for e in engines}
+    mine = predicted[route.engine.url]
+    better = [e for e in engines if predicted[e.url].dominates(mine)]
+    if not better:
+        return route
+    best = min(better, key=lambda e: (predicted[e.url].ttft_s, predicted[e.url].itl_s))
+    return route.to(best, "latency")
+
+
+def block_size_for(configured: int | None, engines: Sequence[Engine]) -> tuple[int, str | None]:
+    """The block size to hash a model's prompts with, and what is wrong, if anything. The engines'
+    /load says what they cut blocks by; their KV events, and so the index, use that. A models file
+    that pins another size, or engines that disagree, is a mismatch: every lookup on the other
+    size misses, so it is reported, and the engines' (most common) size is used."""
+    reported = collections.Counter(e.load.block_size for e in engines if e.polled and e.load.block_size)
+    if not reported:
+        return configured or DEFAULT_BLOCK_SIZE, None
+    size = reported.most_common(1)[0][0]
+    if len(reported) > 1:
+        return size, f"engines report different block sizes {sorted(reported)}: hashing with {size}"
+    if configured is not None and configured != size:
+        return size, f"the models file pins block_size {configured} but the engines use {size}: hashing with {size}"
+    return size, None
 
 
 def _least_loaded(engines: Sequence[Engine]) -> Engine:

@@ -103,7 +103,7 @@ def build_state(config: Any, tracer: Any = None):
             flush=True,
         )
         name, tokenizer = load_tokenizer(spec.files, spec.name)
-        models[name] = ModelEntry(name, tokenizer, spec.slo_ttft_ms / 1000, spec.slo_itl_ms / 1000)
+        models[name] = ModelEntry(name, tokenizer, spec.slo_ttft_ms / 1000, spec.slo_itl_ms / 1000, spec.block_size)
         pool.set_engines(name, list(spec.engines))
         specs[name] = spec
     limiter_client = index = None
@@ -134,20 +134,6 @@ def build_state(config: Any, tracer: Any = None):
     )
 
 
-async def _learn_block_sizes(state: Any) -> None:
-    """Engines publish their block size with their KV events; hash prompts with the same one."""
-    if state.index is None:
-        return
-    while True:
-        for entry in state.models.values():
-            with contextlib.suppress(Exception):
-                size = await state.index.block_size(entry.name)
-                if size and size != entry.block_size:
-                    log.info("block size learned from the KV index", extra={"model": entry.name, "block_size": size})
-                    entry.block_size = size
-        await asyncio.sleep(5.0)
-
-
 async def _follow_discovery(state: Any) -> None:
     """Re-read the engine Services and EndpointSlices; on an API error keep the engines known so far."""
     known: dict[str, tuple[str, ...]] = {}
@@ -169,7 +155,7 @@ def lifespan_for(state: Any):
     async def lifespan(_app: Any) -> AsyncIterator[None]:
         from kvharbor.common.tracing import shutdown
 
-        tasks = [asyncio.create_task(state.pool.poll_forever()), asyncio.create_task(_learn_block_sizes(state))]
+        tasks = [asyncio.create_task(state.pool.poll_forever())]
         if state.discovery is not None:
             tasks.append(asyncio.create_task(_follow_discovery(state)))
         try:

@@ -10,12 +10,13 @@ import redis.asyncio as aredis
 import yaml
 
 from kvharbor.common.load_report import LoadReport
-from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, predict_ttft_s
+from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, fit_route
 from kvharbor.gateway.config import RoutingConfig
 from kvharbor.gateway.discovery import StaticDiscovery
 from kvharbor.gateway.engines import Engine
 from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
-from kvharbor.gateway.router import Router
+from kvharbor.gateway.predict import Prediction, predict_ttft_s
+from kvharbor.gateway.router import Route, Router, block_size_for
 from kvharbor.gateway.tenants import Limits, Tenant, TenantRegistry, TenantsError, hash_key, parse_tenants
 
 # -- tenants ---------------------------------------------------------------------------------------
@@ -137,6 +138,25 @@ def test_prediction():
     assert predict_ttft_s(10**6, 10, 0.0) == 0.0  # no measurement yet: no evidence against admitting
 
 
+def _prefilling(url: str, instance: str, waiting_tokens: int, rate: float = 1000.0) -> Engine:
+    e = Engine(url, "m", instance, LoadReport(waiting_prefill_tokens=waiting_tokens, prefill_tokens_per_s=rate))
+    e.polled = True
+    return e
+
+
+def test_fit_route_keeps_a_fitting_choice_moves_to_the_fastest_fit_or_gives_none():
+    a, b, c = _prefilling("http://a", "A", 900), _prefilling("http://b", "B", 100), _prefilling("http://c", "C", 300)
+    route = Route(a, "prefix", matched_blocks=30, best_matched=30, prompt_blocks=32, held={"http://a": 30})
+    # On A: 900 queued + 512 - 30 x 16 = 32 uncached -> 0.93 s; B: 100 + 512 -> 0.61 s; C: 0.81 s.
+    assert fit_route(route, [a, b, c], 512, 16, slo_ttft_s=1.0) is route
+    moved = fit_route(route, [a, b, c], 512, 16, slo_ttft_s=0.85)
+    assert moved.engine is b and moved.reason == "slo" and moved.matched_blocks == 0
+    assert moved.kv_prefix_source(b) == "shared"  # A still holds the prefix: B pulls it
+    assert fit_route(route, [a, b, c], 512, 16, slo_ttft_s=0.5) is None  # queue or shed
+    idle = _prefilling("http://d", "D", 0)  # nothing queued: fits whatever the prompt's length
+    assert fit_route(route, [a, idle], 10**6, 16, slo_ttft_s=0.1).engine is idle
+
+
 def test_queue_serves_priority_first_and_tenants_in_turn():
     async def main():
         queue = AdmissionQueue(max_queue=10, timeout=5)
@@ -203,15 +223,91 @@ def test_prefix_score_load_imbalance_and_shared_source():
     a, b = engine("http://a", "A"), engine("http://b", "B", running=2)
     hashes = [bytes([i]) * 16 for i in range(10)]
     route = router.by_prefix([a, b], hashes, {"A": 0, "B": 10})
-    assert route.engine is b and route.reason == "prefix" and route.kv_prefix_source is None
+    assert route.engine is b and route.reason == "prefix"
+    assert route.kv_prefix_source(b) is None and route.kv_prefix_source(a) == "shared"  # a retry on A pulls
     busy_b = engine("http://b", "B", running=9)
     route = router.by_prefix([a, busy_b], hashes, {"A": 0, "B": 10})
-    assert route.engine is a and route.reason == "imbalance" and route.kv_prefix_source == "shared"
+    assert route.engine is a and route.reason == "imbalance"
+    assert route.kv_prefix_source(a) == "shared" and route.kv_prefix_source(busy_b) is None
     route = router.by_prefix([a, b], hashes, None)
     assert route.engine is a and route.reason == "index_unavailable"
     full = engine("http://c", "C", free=0)
     route = router.by_prefix([full, engine("http://d", "D")], hashes, {"C": 2, "D": 0})
     assert route.engine.instance_id == "D"  # 2 x 0.2 prefix < 1 x free KV
+
+
+def test_the_block_size_is_the_engines_and_a_disagreement_is_reported():
+    def sized(url, size, polled=True):
+        e = Engine(url, "m", url[-1], LoadReport(block_size=size))
+        e.polled = polled
+        return e
+
+    assert block_size_for(None, []) == (16, None)  # nothing reported yet: the default
+    assert block_size_for(64, [sized("http://a", 0)]) == (64, None)  # an engine too old to say: the pin
+    assert block_size_for(None, [sized("http://a", 32), sized("http://b", 32)]) == (32, None)
+    assert block_size_for(None, [sized("http://a", 32), sized("http://b", 8, polled=False)]) == (32, None)
+    size, problem = block_size_for(16, [sized("http://a", 32)])
+    assert size == 32 and "pins block_size 16 but the engines use 32" in problem
+    size, problem = block_size_for(None, [sized("http://a", 32), sized("http://b", 32), sized("http://c", 16)])
+    assert size == 32 and "[16, 32]" in problem
+
+
+def _idle(url: str, instance: str) -> Engine:
+    """An idle engine that has measured 1,000 prefill tokens/s and a 20 ms decode step at one
+    sequence, growing 2 ms per sequence."""
+    load = LoadReport(prefill_tokens_per_s=1000.0, decode_step_ms=20.0, decode_batch=1.0, decode_ms_per_seq=2.0)
+    e = Engine(url, "m", instance, load)
+    e.polled, e.polled_at = True, 0.0
+    return e
+
+
+def test_predictions_count_what_this_gateway_sent_since_the_last_poll():
+    e = _idle("http://a", "A")
+    assert (e.queue, e.waiting_prefill_tokens, e.predicted_itl_s()) == (0, 0, 0.020)
+    first, second = e.send(300), e.send(200)
+    assert (e.queue, e.waiting_prefill_tokens) == (2, 500)
+    assert e.predicted_itl_s() == pytest.approx(0.024)  # a step of 3 sequences: 20 + 2 x 2 ms
+    first.first_token()
+    assert (e.queue, e.waiting_prefill_tokens) == (2, 200)
+    e.polled_at = second.at + 1.0  # a poll answered after both were sent: its report holds them
+    assert (e.queue, e.waiting_prefill_tokens) == (0, 0)
+    first.done(), second.done()
+    assert not e.sent
+    assert Prediction(0.1, 0.02).dominates(Prediction(0.2, 0.02)) and not Prediction(0.1, 0.03).dominates(
+        Prediction(0.2, 0.02)
+    )
+
+
+def test_a_burst_of_one_prefix_spreads_once_the_holder_is_predicted_slower():
+    """Issue 17's burst: same-prefix requests to two idle engines, no poll in between. The holder
+    takes them while its prediction (its queue, which grows with each send) is not worse than the
+    other's with that engine's cache miss; then the other takes the next."""
+
+    async def main():
+        router = Router(RoutingConfig(imbalance_threshold=100))  # the guard, not the imbalance rule
+        a, b = _idle("http://a", "A"), _idle("http://b", "B")
+
+        class Index:  # A holds 30 of the prompt's 32 blocks; B nothing (the burst is not indexed yet)
+            async def lookup(self, model, hashes, ids):
+                return {"A": 30}
+
+        router.index = Index()
+        hashes = [bytes([i]) * 16 for i in range(32)]
+        chosen = []
+        for _ in range(20):
+            route = await router.choose("m", [a, b], hashes, prompt_tokens=512, block_size=16)
+            route.engine.send(512 - route.held.get(route.engine.url, 0) * 16)
+            chosen.append((route.engine.instance_id, route.reason))
+        return chosen
+
+    chosen = asyncio.run(main())
+    # On A, request k (from 0) waits behind k tails of 32 tokens and its own: 32 x (k + 1) ms
+    # against B's 512-token miss (512 ms). A's ITL is worse from the 2nd on, its TTFT better up to
+    # k = 14; at k = 15 the TTFTs tie and B's ITL is better, so B is better on one and no worse.
+    first_b = [who for who, _ in chosen].index("B")
+    assert chosen[:first_b] == [("A", "prefix")] * first_b and chosen[first_b] == ("B", "latency")
+    assert first_b == 15
+    assert {who for who, _ in chosen[first_b:]} == {"A", "B"}  # from then on both take the burst
 
 
 def test_round_robin_and_least_loaded():
@@ -232,6 +328,13 @@ def test_discovery_files(tmp_path):
     )
     (spec,) = StaticDiscovery.from_file(path, 2000, 200).models()
     assert spec.engines == ("http://127.0.0.1:1",) and spec.slo_ttft_ms == 500 and spec.slo_itl_ms == 200
+    assert spec.block_size is None  # not pinned: the engines' /load says
+    path.write_text(yaml.safe_dump({"models": [{"name": "m", "engines": ["http://127.0.0.1:1"], "block_size": 32}]}))
+    assert StaticDiscovery.from_file(path, 1, 1).models()[0].block_size == 32
+    for bad in (0, "16", True, 1.5):
+        path.write_text(yaml.safe_dump({"models": [{"name": "m", "engines": [], "block_size": bad}]}))
+        with pytest.raises(ValueError, match=r"block_size .* must be a positive integer"):
+            StaticDiscovery.from_file(path, 1, 1)
     with pytest.raises(ValueError, match="http://HOST:PORT"):
         StaticDiscovery.from_flags("127.0.0.1:8000", None, None, 1, 1)
     with pytest.raises(ValueError, match="--engines"):
@@ -263,7 +366,7 @@ def test_an_error_before_the_first_token_moves_the_request():
     import httpx
 
     from kvharbor.common.openai_api import APIError
-    from kvharbor.gateway.proxy import EngineFailed, StreamStats, with_retries
+    from kvharbor.gateway.proxy import EngineFailed, with_retries
 
     def handler(request: httpx.Request) -> httpx.Response:
         if request.url.host == "bad":
@@ -287,15 +390,14 @@ def test_an_error_before_the_first_token_moves_the_request():
     async def main():
         caller, _pool = _caller(handler)
         bad, good, busy, picky = (Engine(f"http://{h}", "m") for h in ("bad", "good", "busy", "picky"))
-        stats = StreamStats()
-        with pytest.raises(EngineFailed, match="before the first token"):
-            await caller.open_stream(bad, "/v1/chat/completions", {}, {}, stats)
+        with pytest.raises(EngineFailed, match="before the first token: engine died"):
+            await caller.open_stream(bad, "/v1/chat/completions", {}, {})
         assert bad.failures == 1
         with pytest.raises(EngineFailed):
-            await caller.open_stream(busy, "/v1/chat/completions", {}, {}, StreamStats())
+            await caller.open_stream(busy, "/v1/chat/completions", {}, {})
         assert busy.draining and busy.failures == 0  # draining is not a failure
         with pytest.raises(APIError) as err:
-            await caller.open_stream(picky, "/v1/chat/completions", {}, {}, StreamStats())
+            await caller.open_stream(picky, "/v1/chat/completions", {}, {})
         assert err.value.status == 400 and err.value.param == "max_tokens"  # the client's fault: no retry
 
         picked: list[str] = []
@@ -305,8 +407,8 @@ def test_an_error_before_the_first_token_moves_the_request():
             return good
 
         async def run(engine):
-            lines = await caller.open_stream(engine, "/v1/chat/completions", {}, {}, StreamStats())
-            return [line async for line in lines]
+            stream = await caller.open_stream(engine, "/v1/chat/completions", {}, {})
+            return [event.line async for event in stream.events()]
 
         out = await with_retries(3, bad, pick_next, run)
         assert any('"Hi"' in line for line in out) and picked == ["http://bad"]

@@ -48,3 +48,30 @@ def test_metrics_render_the_same_report():
 
 
 COUNTERS = ("prefix_queries", "prefix_hits", "aborted", "spec_verifications", "spec_proposed", "spec_accepted")
+
+
+def test_the_engine_fits_how_a_decode_step_grows_and_reports_it_once_measured():
+    from kvharbor.engine.core import MIN_DECODE_STEPS, EngineStats
+
+    class Chunk:
+        num_tokens, draft = 1, False
+
+    class Plan:
+        def __init__(self, n: int) -> None:
+            self.chunks = [Chunk()] * n
+
+    stats = EngineStats()
+    for n in range(1, MIN_DECODE_STEPS):  # a step of n sequences takes 20 + 2 n ms
+        stats.record(Plan(n), (20 + 2 * n) / 1000)
+    assert stats.decode_report() == {}  # too few steps to predict from
+    for n in (3, 8, 1, 5, 2) * 6:
+        stats.record(Plan(n), (20 + 2 * n) / 1000)
+    report = LoadReport(**stats.decode_report())
+    assert report.decode_ms_per_seq == pytest.approx(2.0, rel=1e-3)
+    extrapolated = report.decode_step_ms / 1000 + 0.002 * (10 - report.decode_batch)
+    assert report.decode_step_s_at(10) == pytest.approx(extrapolated)
+    steady = EngineStats()
+    for _ in range(20):
+        steady.record(Plan(4), 0.03)
+    assert steady.decode_report()["decode_ms_per_seq"] == 0.0  # one batch size: no slope to fit
+    assert LoadReport().decode_step_s_at(5) == 0.0  # unmeasured: no evidence either way
