@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import time
@@ -165,11 +166,16 @@ def plot(rows: list[dict], levels: list[int], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(12, 4.5))
+    placed: list[tuple[float, float]] = []  # labelled points, to step a near one's label down
     for r in rows:
         kl = max((r.get("quality") or {}).get("mean_kl", 1e-7), 1e-7)
         for c, marker in zip(levels, "os^", strict=False):
-            speed.scatter(kl, r[f"c{c}"]["output_tok_s"], marker=marker)
-            speed.annotate(f"{r['label']} c={c}", (kl, r[f"c{c}"]["output_tok_s"]), fontsize=8)
+            tok_s = r[f"c{c}"]["output_tok_s"]
+            speed.scatter(kl, tok_s, marker=marker)
+            near = sum(abs(math.log10(kl / k)) < 0.6 and abs(tok_s - t) < 0.06 * max(t, 1) for k, t in placed)
+            placed.append((kl, tok_s))
+            speed.annotate(f"{r['label']} c={c}", (kl, tok_s), xytext=(4, 2 - 9 * near), textcoords="offset points",
+                           fontsize=8)  # fmt: skip
     speed.set_xscale("log")
     speed.set_xlabel("mean KL per token vs float32 (nats, log; peers and none at the left edge)")
     speed.set_ylabel("served output tok/s")
