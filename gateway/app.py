@@ -359,7 +359,11 @@ class _Handler:
         async def try_now() -> Route | None:
             engines = state.pool.routable(model.name)
             prompt = len(call.prompts[0])
-            route = await state.router.choose(model.name, engines, hashes, prompt, call.block_size) if engines else None
+            route = (
+                await state.router.choose(model.name, engines, hashes, prompt, call.block_size, model.slo_itl_s)
+                if engines
+                else None
+            )
             if route is None:
                 return None
             return fit_route(route, engines, len(call.prompts[0]), call.block_size, model.slo_ttft_s)
@@ -425,8 +429,9 @@ class _Handler:
             if not others:
                 return None
             nxt = await state.router.choose(
-                call.model.name, others, self._hashes(call), len(call.prompts[0]), call.block_size
-            )
+                call.model.name, others, self._hashes(call), len(call.prompts[0]), call.block_size,
+                call.model.slo_itl_s,
+            )  # fmt: skip
             return nxt.engine if nxt else None
 
 

@@ -6,7 +6,8 @@
   time, load alone decides. When the chosen engine holds less of the prefix than another, the
   request carries `kv_prefix_source=shared` so the engine pulls the rest from the block store.
   Then predictions decide (`faster_elsewhere`): another engine predicted better on TTFT (with
-  its cache miss counted) or ITL and no worse on the other takes the request instead.
+  its cache miss counted) and no worse on ITL or within the ITL SLO, or better on ITL and no
+  worse on TTFT, takes the request instead.
 - `least_loaded`: the shortest queue, then the most free KV.
 - `round_robin`: in turn.
 """
@@ -74,6 +75,7 @@ class Router:
         hashes: Sequence[BlockHash],
         prompt_tokens: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        slo_itl_s: float = 0.0,
     ) -> Route | None:
         if not engines:
             return None
@@ -85,7 +87,7 @@ class Router:
             return Route(_least_loaded(engines), "least_loaded", prompt_blocks=len(hashes))
         matches = await self.matches(model, hashes, engines)
         route = self.by_prefix(engines, hashes, matches)
-        return faster_elsewhere(route, engines, prompt_tokens, block_size)
+        return faster_elsewhere(route, engines, prompt_tokens, block_size, slo_itl_s)
 
     def by_prefix(
         self, engines: Sequence[Engine], hashes: Sequence[BlockHash], matches: dict[str, int] | None
@@ -110,15 +112,20 @@ class Router:
         return c.prefix_weight * prefix + c.kv_weight * engine.kv_free + c.queue_weight * queue
 
 
-def faster_elsewhere(route: Route, engines: Sequence[Engine], prompt_tokens: int, block_size: int) -> Route:
+def faster_elsewhere(
+    route: Route, engines: Sequence[Engine], prompt_tokens: int, block_size: int, slo_itl_s: float
+) -> Route:
     """The route, or the engine predicted faster for this request (reason "latency"): better on
-    TTFT (a cache miss counted in its prefill) or ITL and no worse on the other (gateway/predict.py).
+    TTFT (a cache miss counted in its prefill) with an ITL no worse or within the SLO, or better on
+    ITL with a TTFT no worse (gateway/predict.py's better_than).
     The score's prefix term is bounded, so on its own it keeps sending a burst of one prefix to its
     holder; predictions count what this gateway sent since the last poll, so the burst spreads as
     soon as the holder's queue costs more than the other's miss."""
+    if route.reason not in ("prefix", "load"):
+        return route  # imbalance and a silent index route by load alone (DESIGN §5)
     predicted = {e.url: predict(e, prompt_tokens, route.held.get(e.url, 0), block_size) for e in engines}
     mine = predicted[route.engine.url]
-    better = [e for e in engines if predicted[e.url].dominates(mine)]
+    better = [e for e in engines if predicted[e.url].better_than(mine, slo_itl_s)]
     if not better:
         return route
     best = min(better, key=lambda e: (predicted[e.url].ttft_s, predicted[e.url].itl_s))

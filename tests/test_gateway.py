@@ -307,7 +307,7 @@ def test_prefix_routing_follows_the_holder_and_beats_round_robin(cluster):
     rng = random.Random(5)
     words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
     systems = [" ".join(rng.choice(words) for _ in range(250)) for _ in range(4)]
-    order = [0, 1, 2, 3, *[rng.randrange(4) for _ in range(12)]]
+    order = [0, 1, 2, 3, *[rng.randrange(4) for _ in range(8)]]
     cached: list[tuple[int, int]] = []  # (cached, prompt) tokens of each prefix-routed request
 
     def run(gateway, key):
@@ -374,32 +374,6 @@ def test_imbalance_routes_by_load(cluster):
                 s.__exit__(None, None, None)
 
 
-def test_a_burst_of_one_prefix_spreads_over_idle_engines(cluster):
-    """Issue 17's burst: concurrent same-prefix chats, two idle engines, one holding the prefix.
-    Every request of the burst sees the same polled /load; the router counts what it sent since,
-    so once the holder's queue costs more than the other's cache miss the burst spreads."""
-    g1 = cluster["g1"]
-    shared = "You answer in one short sentence, politely, about geography. " * 2  # ~30 tokens
-    for k in "ab":  # both engines have measured their prefill rate and decode step
-        httpx.post(cluster[k].url + "/v1/completions", json={"model": MODEL, "prompt": "warm up " * 40,
-                   "max_tokens": 4}, timeout=120).raise_for_status()  # fmt: skip
-    chat(g1, "sk-px", shared + "What is the capital of Peru?")
-    time.sleep(1.0)  # the index hears of the prefix; two polls
-
-    def ask(i: int):
-        question = f"Question {i}: name one river, one mountain and one desert of country number {i}."
-        return chat(g1, "sk-px", shared + question, max_tokens=8, stream=False)
-
-    before = served_counts(cluster)
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        list(pool.map(ask, range(8)))
-    after = served_counts(cluster)
-    served = {k: after[k] - before[k] for k in "ab"}
-    assert sum(served.values()) == 8 and min(served.values()) >= 2, served
-    text = httpx.get(g1.url + "/metrics").text
-    assert metric(text, "kvharbor_gateway_routing_decisions_total", 'reason="latency"') > 0
-
-
 # -- tracing ---------------------------------------------------------------------------------------
 
 
@@ -462,6 +436,11 @@ def test_admission_sheds_queues_and_times_out(cluster, tmp_path):
     try:
         for g in (patient.launch(), hasty.launch()):  # both start at once
             g.wait_ready()
+        # About 4 s of prefill for engine A at the rate it measured, so past the 1.5 s target on a
+        # fast CPU and a slow one alike, within 3,000-6,000 tokens (6,000 took 30 s on the AMD EPYC;
+        # a rate measured on cached prompts can read far too high).
+        rate = httpx.get(a.url + "/load").json()["prefill_tokens_per_s"]
+        total = min(6000, max(3000, int(4 * rate)))
         long_prompt = [1000 + (i * 37) % 30000 for i in range(1500)]
         body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 1}
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -469,10 +448,10 @@ def test_admission_sheds_queues_and_times_out(cluster, tmp_path):
                 pool.submit(
                     httpx.post, a.url + "/v1/completions", json={**body, "cache_salt": f"fill-{i}"}, timeout=300
                 )
-                for i in range(4)
+                for i in range(-(-total // 1500))
             ]
-            # 6,000 prefill tokens: several seconds of work for engine A, far past the 1.5 s target.
-            wait_for(lambda: httpx.get(a.url + "/load").json()["waiting_prefill_tokens"] > 4000, what="saturation")
+            waiting = 1500 * len(fillers) // 2  # a 512-token chunk or two in
+            wait_for(lambda: httpx.get(a.url + "/load").json()["waiting_prefill_tokens"] > waiting, what="saturation")
             time.sleep(1.0)  # the gateways poll it
             started = time.monotonic()
             with pytest.raises(openai.InternalServerError) as shed:

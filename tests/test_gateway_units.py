@@ -273,9 +273,12 @@ def test_predictions_count_what_this_gateway_sent_since_the_last_poll():
     assert (e.queue, e.waiting_prefill_tokens) == (0, 0)
     first.done(), second.done()
     assert not e.sent
-    assert Prediction(0.1, 0.02).dominates(Prediction(0.2, 0.02)) and not Prediction(0.1, 0.03).dominates(
-        Prediction(0.2, 0.02)
-    )
+    mine = Prediction(0.2, 0.02)
+    assert Prediction(0.1, 0.02).better_than(mine, slo_itl_s=0.0)
+    assert not Prediction(0.1, 0.03).better_than(mine, slo_itl_s=0.0)  # a worse ITL, no SLO room
+    assert Prediction(0.1, 0.03).better_than(mine, slo_itl_s=0.05)  # a worse ITL within the SLO
+    assert Prediction(0.2, 0.01).better_than(mine, slo_itl_s=0.0)  # the same TTFT, a better ITL
+    assert not Prediction(0.3, 0.001).better_than(mine, slo_itl_s=1.0)  # a hit is not traded for ITL
 
 
 def test_a_burst_of_one_prefix_spreads_once_the_holder_is_predicted_slower():
@@ -295,7 +298,7 @@ def test_a_burst_of_one_prefix_spreads_once_the_holder_is_predicted_slower():
         hashes = [bytes([i]) * 16 for i in range(32)]
         chosen = []
         for _ in range(20):
-            route = await router.choose("m", [a, b], hashes, prompt_tokens=512, block_size=16)
+            route = await router.choose("m", [a, b], hashes, prompt_tokens=512, block_size=16, slo_itl_s=0.2)
             route.engine.send(512 - route.held.get(route.engine.url, 0) * 16)
             chosen.append((route.engine.instance_id, route.reason))
         return chosen
@@ -303,7 +306,7 @@ def test_a_burst_of_one_prefix_spreads_once_the_holder_is_predicted_slower():
     chosen = asyncio.run(main())
     # On A, request k (from 0) waits behind k tails of 32 tokens and its own: 32 x (k + 1) ms
     # against B's 512-token miss (512 ms). A's ITL is worse from the 2nd on, its TTFT better up to
-    # k = 14; at k = 15 the TTFTs tie and B's ITL is better, so B is better on one and no worse.
+    # k = 14 (a hit is not traded for ITL); at k = 15 the TTFTs tie and B's ITL is better.
     first_b = [who for who, _ in chosen].index("B")
     assert chosen[:first_b] == [("A", "prefix")] * first_b and chosen[first_b] == ("B", "latency")
     assert first_b == 15
