@@ -1,7 +1,8 @@
 """Weight-only quantization of the linear layers (`--quantization int8|int4|gguf`): the formats,
 how float weights become them, and the linear that runs them.
 
-Three formats, one kernel family (engine/csrc/cpu_kernels.c, AVX2), float32 activations and sums:
+Three formats, one kernel family (engine/csrc/cpu_kernels.c, AVX2; activations rounded to int8 per
+group of 32 in decode-sized products, below):
 - `int8`: symmetric, one scale per output channel, round-to-nearest of w / (max|w_row| / 127),
   so every weight is off by at most half a step. No zero points: one multiply per output.
 - `q4`: 4 bits in groups of 32 along the input, a float scale and min per group,

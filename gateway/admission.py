@@ -39,12 +39,6 @@ class QueueTimeout(Exception):
     """The request waited its whole deadline without an engine meeting the SLO."""
 
 
-def engine_ttft_s(engine: Engine, route: Route, prompt_tokens: int, block_size: int) -> float:
-    """The request's predicted TTFT on `engine` (gateway/predict.py), with the blocks the route's
-    index answer says that engine holds."""
-    return predict(engine, prompt_tokens, route.held.get(engine.url, 0), block_size).ttft_s
-
-
 def fit_route(
     route: Route, engines: Sequence[Engine], prompt_tokens: int, block_size: int, slo_ttft_s: float
 ) -> Route | None:
@@ -53,8 +47,8 @@ def fit_route(
     engine with nothing to prefill fits whatever the request's length: waiting cannot make its
     own prefill shorter."""
 
-    def ttft(e: Engine) -> float:
-        return engine_ttft_s(e, route, prompt_tokens, block_size)
+    def ttft(e: Engine) -> float:  # with the blocks the route's index answer says e holds
+        return predict(e, prompt_tokens, route.held.get(e.url, 0), block_size).ttft_s
 
     fits = [e for e in engines if e.waiting_prefill_tokens == 0 or ttft(e) <= slo_ttft_s]
     if route.engine in fits:

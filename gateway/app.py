@@ -358,15 +358,13 @@ class _Handler:
 
         async def try_now() -> Route | None:
             engines = state.pool.routable(model.name)
+            if not engines:
+                return None
             prompt = len(call.prompts[0])
-            route = (
-                await state.router.choose(model.name, engines, hashes, prompt, call.block_size, model.slo_itl_s)
-                if engines
-                else None
-            )
+            route = await state.router.choose(model.name, engines, hashes, prompt, call.block_size, model.slo_itl_s)
             if route is None:
                 return None
-            return fit_route(route, engines, len(call.prompts[0]), call.block_size, model.slo_ttft_s)
+            return fit_route(route, engines, prompt, call.block_size, model.slo_ttft_s)
 
         try:
             route, queued = await state.admission.admit(
@@ -433,7 +431,6 @@ class _Handler:
                 call.model.slo_itl_s,
             )  # fmt: skip
             return nxt.engine if nxt else None
-
 
         def uncached(engine: Engine) -> int:
             return uncached_tokens(len(call.prompts[0]), route.held.get(engine.url, 0), call.block_size)

@@ -38,7 +38,7 @@ class Sent:
         self.prefill = 0
 
     def done(self) -> None:
-        self.engine.sent.pop(id(self), None)
+        self.engine.sent.discard(self)
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Engine:
     failures: int = 0
     cooldown_until: float = 0.0  # after failed calls, a good /load alone does not bring it back before this
     polled_at: float = 0.0  # when the poll that brought `load` was sent
-    sent: dict[int, Sent] = field(default_factory=dict)  # requests this gateway has open on it
+    sent: set[Sent] = field(default_factory=set)  # requests this gateway has open on it
 
     @property
     def routable(self) -> bool:
@@ -63,13 +63,13 @@ class Engine:
         """Count a request this gateway sends now (with the prompt tokens it must prefill) until
         `done`: the load polled before it cannot show it, so the router adds it itself."""
         sent = Sent(self, time.monotonic(), prefill_tokens)
-        self.sent[id(sent)] = sent
+        self.sent.add(sent)
         return sent
 
     def _unseen(self) -> list[Sent]:
         """Open requests sent after the last poll (less the time a request takes to reach the
         engine's scheduler): the polled report cannot include them yet."""
-        return [s for s in self.sent.values() if s.at > self.polled_at - SEND_LAG_S]
+        return [s for s in self.sent if s.at > self.polled_at - SEND_LAG_S]
 
     @property
     def queue(self) -> int:

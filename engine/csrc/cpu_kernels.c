@@ -112,9 +112,19 @@ static inline __attribute__((always_inline)) void group_codes(const int Q, const
 }
 
 // Sums over each group of 32 of each row of x: [m, k / 32], for the mins of format 2
-// (sum_j (q_j s + mn) x_j = s sum_j q_j x_j + mn sum_j x_j). Filled by the caller per call.
+// (sum_j (q_j s + mn) x_j = s sum_j q_j x_j + mn sum_j x_j). Filled per call: by fill_xsums from x,
+// or by fill_xcodes from x's rounded codes (the integer path).
 static float *xsums;
 static int64_t xsums_len;
+
+// buf grown to hold `need` elements of `elem` bytes (its capacity in *len), or NULL when out of
+// memory (buf is then still valid and still the caller's).
+static void *grown(void *buf, int64_t *len, int64_t need, size_t elem) {
+    if (need <= *len) return buf;
+    void *bigger = realloc(buf, (size_t)need * elem);
+    if (bigger) *len = need;
+    return bigger;
+}
 
 // Grouped formats: per group, the 32 codes are widened once per column and multiplied unscaled
 // by each row's 32 x (4 FMAs into a temporary), and the temporary is added with the group's
@@ -275,24 +285,19 @@ static int8_t *xcodes;      // [m, k] int8 codes of x
 static float *xscales;      // [m, k / 32] their scales
 static int64_t xcodes_len, xscales_len;
 
-// x's codes and scales for this call (under call_lock). Returns -1 when out of memory.
+// x's codes, their scales and their groups' sums (xsums) for this call (under call_lock). Returns -1
+// when out of memory.
 static int fill_xcodes(const float *x, int64_t ldx, int64_t m, int64_t k) {
     const int64_t groups = k / GROUP;
-    if (m * k > xcodes_len) {
-        int8_t *grown = realloc(xcodes, (size_t)(m * k));
-        if (!grown) return -1;
-        xcodes = grown, xcodes_len = m * k;
-    }
-    if (m * groups > xscales_len) {
-        float *grown = realloc(xscales, (size_t)(m * groups) * sizeof(float));
-        if (!grown) return -1;
-        xscales = grown, xscales_len = m * groups;
-    }
-    if (m * groups > xsums_len) {
-        float *grown = realloc(xsums, (size_t)(m * groups) * sizeof(float));
-        if (!grown) return -1;
-        xsums = grown, xsums_len = m * groups;
-    }
+    int8_t *codes = grown(xcodes, &xcodes_len, m * k, 1);
+    if (!codes) return -1;
+    xcodes = codes;
+    float *scales = grown(xscales, &xscales_len, m * groups, sizeof(float));
+    if (!scales) return -1;
+    xscales = scales;
+    float *sums = grown(xsums, &xsums_len, m * groups, sizeof(float));
+    if (!sums) return -1;
+    xsums = sums;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t r = 0; r < m; r++)
@@ -558,11 +563,9 @@ void kvharbor_linear(const float *x, int64_t ldx, const float *w, const float *b
 // xsums for this call's x (under call_lock). Returns -1 when out of memory.
 static int fill_xsums(const float *x, int64_t ldx, int64_t m, int64_t k) {
     const int64_t groups = k / GROUP;
-    if (m * groups > xsums_len) {
-        float *grown = realloc(xsums, (size_t)(m * groups) * sizeof(float));
-        if (!grown) return -1;
-        xsums = grown, xsums_len = m * groups;
-    }
+    float *sums = grown(xsums, &xsums_len, m * groups, sizeof(float));
+    if (!sums) return -1;
+    xsums = sums;
     for (int64_t r = 0; r < m; r++)
         for (int64_t g = 0; g < groups; g++) {
             const float *p = x + r * ldx + g * GROUP;
