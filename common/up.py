@@ -30,13 +30,16 @@ import yaml
 from kvharbor.common.api_keys import hash_key
 from kvharbor.common.config import config_from_argv, opt
 from kvharbor.common.loadtest_tenants import loadtest_tenant_rows
+from kvharbor.common.server_config import TracedListenConfig
 
 PREFIX = "[kvharbor up]"
 MAX_BACKOFF_S = 30.0
 
 
 @dataclass(frozen=True)
-class UpConfig:
+class UpConfig(TracedListenConfig):
+    """The gateway's listener is the platform's; log level, log format and traces go to every part."""
+
     host: str = opt("127.0.0.1", "address the gateway listens on")
     port: int = opt(8000, "gateway port: the platform's front door")
     engines: int = opt(2, "engine servers to start")
@@ -65,10 +68,9 @@ class UpConfig:
     ready_timeout: float = opt(300.0, "seconds to wait for every part to become ready")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.engines < 1:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
         if self.loadtest_tenants and self.host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"loadtest_tenants loads public API keys: serve them on 127.0.0.1, not {self.host}")
 
@@ -189,9 +191,11 @@ class Platform:
 
         c = self.config
         cli = [sys.executable, "-m", "kvharbor.common.cli"]
+        shared = ["--log-level", c.log_level, "--log-json" if c.log_json else "--no-log-json"]
+        traced = [*shared, *(["--otlp-endpoint", c.otlp_endpoint] if c.otlp_endpoint else [])]
         kv_port = free_port()
         kvcache = Child(
-            "kvcache", [*cli, "kvcache", "--redis-url", self.redis_url, "--port", str(kv_port)],
+            "kvcache", [*cli, "kvcache", "--redis-url", self.redis_url, "--port", str(kv_port), *shared],
             f"http://127.0.0.1:{kv_port}", "/ready", self.log_dir / "kvcache.log", "Redis",
         )  # fmt: skip
         engines = []
@@ -199,7 +203,7 @@ class Platform:
             port = free_port()
             cmd = [*cli, "serve", "--port", str(port), "--instance-id", f"engine-{i}", "--redis-url", self.redis_url,
                    "--kv-cache-memory", c.kv_cache_memory, "--dtype", c.dtype,
-                   "--quantization", c.quantization, "--kv-cache-dtype", c.kv_cache_dtype]  # fmt: skip
+                   "--quantization", c.quantization, "--kv-cache-dtype", c.kv_cache_dtype, *traced]  # fmt: skip
             if c.num_kv_blocks is not None:
                 cmd += ["--num-kv-blocks", str(c.num_kv_blocks)]
             if c.max_model_len is not None:
@@ -212,7 +216,7 @@ class Platform:
             "gateway",
             [*cli, "gateway", "--host", c.host, "--port", str(c.port), "--engines", ",".join(e.url for e in engines),
              "--tenants-file", self._tenants(), "--redis-url", self.redis_url, "--routing", c.routing,
-             "--slo-ttft-ms", str(c.slo_ttft_ms), "--slo-itl-ms", str(c.slo_itl_ms)]
+             "--slo-ttft-ms", str(c.slo_ttft_ms), "--slo-itl-ms", str(c.slo_itl_ms), *traced]
             + (["--model", c.model] if c.model else []),
             f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}", "/ready",
             self.log_dir / "gateway.log", "the engines",

@@ -12,6 +12,7 @@ from typing import Literal
 
 from kvharbor.common.config import opt, parse_bytes
 from kvharbor.common.redis_keys import STREAM_PREFIX
+from kvharbor.common.server_config import TracedListenConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Device = Literal["auto", "cpu", "cuda"]
@@ -121,9 +122,7 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
-    host: str = opt("127.0.0.1", "address to listen on")
-    port: int = opt(8000, "TCP port to listen on")
+class ServerConfig(TracedListenConfig):
     instance_id: str | None = opt(None, "this engine's id in KV events, /load and metrics (default: host-port)")
     redis_url: str | None = opt(None, "publish KV events to this Redis (redis://host:port/db)")
     kv_events_stream_prefix: str = opt(STREAM_PREFIX, "Redis key prefix of the per-model KV event streams")
@@ -140,14 +139,10 @@ class ServerConfig:
     slo_ttft_ms: float = opt(2000.0, "TTFT target (ms) for /load's slo_attainment")
     slo_itl_ms: float = opt(200.0, "mean inter-token latency target (ms) for /load's slo_attainment")
     slo_window: float = opt(60.0, "seconds of finished requests that slo_attainment covers")
-    otlp_endpoint: str | None = opt(None, "OTLP/HTTP endpoint for traces, e.g. http://collector:4318/v1/traces")
     max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")
-    log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
-    log_json: bool = opt(True, "log one JSON object per line")
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        super().__post_init__()
         if not 0 <= self.api_server_nice <= 19:
             raise ValueError(f"api_server_nice must be in 0..19, got {self.api_server_nice}")
         if self.drain_timeout < 0:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvharbor.common.config import opt
+from kvharbor.common.server_config import TracedListenConfig
 
 
 @dataclass(frozen=True)
@@ -86,16 +87,8 @@ class ResilienceConfig:
 
 
 @dataclass(frozen=True)
-class GatewayServerConfig:
-    host: str = opt("127.0.0.1", "address to listen on")
-    port: int = opt(8000, "TCP port to listen on")
-    otlp_endpoint: str | None = opt(None, "OTLP/HTTP endpoint for traces, e.g. http://collector:4318/v1/traces")
-    log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
-    log_json: bool = opt(True, "log one JSON object per line")
-
-    def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+class GatewayServerConfig(TracedListenConfig):
+    pass
 
 
 @dataclass(frozen=True)

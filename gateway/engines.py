@@ -9,7 +9,6 @@ keeps being polled and returns with its first good answer. A draining engine is 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -176,14 +175,3 @@ class EnginePool:
                 if isinstance(err, Exception):  # a bug must not end health checking for good
                     log.error("engine poll failed unexpectedly", exc_info=err)
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
-
-    async def wait_ready(self, timeout: float) -> bool:
-        """Poll until every engine answered once (start-up); False on timeout."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            await asyncio.gather(*(self.poll_once(e) for e in self.all() if not e.polled))
-            if all(e.polled for e in self.all()):
-                return True
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.sleep(0.5)
-        return False

@@ -7,10 +7,10 @@ the same thing in both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from kvharbor.common.config import opt, parse_bytes
 from kvharbor.common.redis_keys import STREAM_PREFIX
+from kvharbor.common.server_config import ListenConfig
 
 
 @dataclass(frozen=True)
@@ -49,16 +49,12 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
-class ServiceServerConfig:
-    host: str = opt("127.0.0.1", "address to listen on")
+class ServiceServerConfig(ListenConfig):
     port: int = opt(8100, "TCP port to listen on")
     max_lookup_blocks: int = opt(16384, "longest block chain one lookup may ask about (each costs Redis time)")
-    log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
-    log_json: bool = opt(True, "log one JSON object per line")
 
     def __post_init__(self) -> None:
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        super().__post_init__()
         if self.max_lookup_blocks < 1:
             raise ValueError(f"max_lookup_blocks must be >= 1, got {self.max_lookup_blocks}")
 

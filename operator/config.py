@@ -6,9 +6,10 @@ Names shared with other parts (redis_url, log_level, log_json) mean the same thi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import ClassVar
 
 from kvharbor.common.config import opt
+from kvharbor.common.server_config import ListenConfig
 from kvharbor.operator.placement import POOL_LABEL
 
 
@@ -50,15 +51,11 @@ class TenantsConfig:
 
 
 @dataclass(frozen=True)
-class OperatorServerConfig:
+class OperatorServerConfig(ListenConfig):
     host: str = opt("127.0.0.1", "address of the /healthz liveness endpoint (0.0.0.0 in a pod)")
     port: int = opt(8080, "port of the /healthz liveness endpoint (0: none)")
-    log_level: Literal["debug", "info", "warning", "error"] = opt("info", "log level")
-    log_json: bool = opt(True, "log one JSON object per line")
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.port < 65536:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
+    PORT_MAY_BE_ZERO: ClassVar[bool] = True
 
 
 @dataclass(frozen=True)

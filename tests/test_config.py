@@ -74,3 +74,22 @@ def test_bad_files(tmp_path):
 )
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
+
+
+def test_every_command_shares_one_server_sub_config():
+    from kvharbor.common.server_config import ListenConfig
+    from kvharbor.common.up import UpConfig
+    from kvharbor.engine.config import ServeConfig
+    from kvharbor.gateway.config import GatewayConfig
+    from kvharbor.kvcache_service.config import KVCacheServiceConfig
+    from kvharbor.operator.config import OperatorConfig
+
+    shared = {"host", "port", "log_level", "log_json"}
+    for root in (ServeConfig, GatewayConfig, KVCacheServiceConfig, OperatorConfig, UpConfig):
+        assert shared <= {leaf.name for leaf in leaves(root)}, root
+        with pytest.raises(ConfigError, match="port must be in"):
+            load_config(root, env={}, overrides={"port": 70000})
+    assert load_config(OperatorConfig, env={}, overrides={"port": 0}).server.port == 0  # its /healthz is optional
+    with pytest.raises(ConfigError, match=r"port must be in 1\.\.65535"):
+        load_config(GatewayConfig, env={}, overrides={"port": 0})
+    assert issubclass(GatewayConfig.__dataclass_fields__["server"].default_factory, ListenConfig)

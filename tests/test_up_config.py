@@ -80,3 +80,11 @@ def test_loadtest_tenants_are_refused_on_a_reachable_address():
 def test_an_unreadable_tenants_file_is_explained(platform_for, tmp_path):
     with pytest.raises(RuntimeError, match="cannot read the tenants file"):
         platform_for(tenants_file=str(tmp_path / "missing.yaml"), loadtest_tenants=True)._tenants()
+
+
+def test_every_part_gets_the_platforms_log_settings_and_traces(platform_for):
+    children = platform_for(engines=1, log_level="debug", log_json=False, otlp_endpoint="http://c:4318/v1/traces")
+    for child in children._children():
+        cmd = child.cmd
+        assert cmd[cmd.index("--log-level") + 1] == "debug" and "--no-log-json" in cmd, child.name
+        assert ("--otlp-endpoint" in cmd) == (child.name != "kvcache"), child.name  # kvcache has no spans
