@@ -38,6 +38,10 @@ class LoadReport:
     weight_bytes: int = 0  # the model's weights as held (quantized ones at their own size)
     kv_bytes_per_token: int = 0  # KV bytes one token takes in the pool, every layer
     block_size: int = 0  # tokens per KV block: what prompts' block hashes are cut by (0: not reported)
+    role: str = "both"  # P/D: both | prefill | decode (DESIGN §9)
+    kv_transfer_port: int = 0  # where decode engines pull hand-offs from (0: none)
+    kv_pinned_blocks: int = 0  # blocks held for hand-offs not yet confirmed
+    kv_transfer_bytes_per_s: float = 0.0  # hand-off pulls into this engine, measured (EWMA); 0: none yet
 
     @property
     def queue(self) -> int:

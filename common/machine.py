@@ -89,3 +89,28 @@ def machine_title(dtype: str | None = None) -> str:
     """The same, for a plot title."""
     line = cpu_info().short()
     return f"{line}, {dtype}" if dtype else line
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """CPUs as Linux writes them ("0", "0-3,8"); ValueError with what is wrong."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+            raise ValueError(f"cpu_affinity {text!r}: write CPUs as 0 or 0-3,8")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin_to_cpus(text: str | None) -> set[int] | None:
+    """Run this process (and the children it starts from now on) on these CPUs only; None: as is.
+    Why: engines sharing a machine's few cores (P/D measured on 2 cores) must not steal each
+    other's; a pinned engine also sizes its torch threads to the CPUs it got (engine/device.py)."""
+    if not text:
+        return None
+    cpus = parse_cpu_list(text)
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ValueError(f"cpu_affinity {text!r}: this process may only run on CPUs {sorted(allowed)}")
+    os.sched_setaffinity(0, cpus)
+    return cpus

@@ -7,7 +7,8 @@ Extension fields, beyond OpenAI:
     kvharbor's      prompt_token_ids (already tokenized; the chat template is not applied again),
                     cache_salt, priority (higher first; < 0 may be shed), request_id,
                     kv_prefix_source ("local" | "shared": where already computed blocks may come from),
-                    speculative (false: opt out of the engine's speculative decoding)
+                    speculative (false: opt out of the engine's speculative decoding),
+                    kv_transfer_params (P/D, vLLM's name: see KVTransferParams)
 """
 
 from __future__ import annotations
@@ -71,6 +72,36 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [m.model_dump(exclude_none=True) for m in messages]
 
 
+class KVTransferParams(BaseModel):
+    """P/D (DESIGN §9). Sent by the gateway, never by tenants (it strips them). Either a prefill
+    for a decode engine (`do_remote_decode`: the engine runs the prompt, samples the first token and
+    keeps the KV under a lease; its response carries the lease), or that prefill's continuation on a
+    decode engine (`remote_*` and `first_token_id`: it pulls the KV, then decodes from that token)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    do_remote_decode: bool = False
+    remote_host: Annotated[str, Field(min_length=1, max_length=255)] | None = None
+    remote_port: Annotated[int, Field(ge=1, le=65535)] | None = None
+    remote_handle: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    first_token_id: Annotated[int, Field(ge=0)] | None = None
+
+    @model_validator(mode="after")
+    def _one_side(self) -> KVTransferParams:
+        remote = (self.remote_host, self.remote_port, self.remote_handle, self.first_token_id)
+        if self.do_remote_decode and any(v is not None for v in remote):
+            raise ValueError("kv_transfer_params is a prefill (do_remote_decode) or its continuation, not both")
+        if not self.do_remote_decode and any(v is None for v in remote):
+            raise ValueError(
+                "a continuation needs remote_host, remote_port, remote_handle and first_token_id "
+                "(from the prefill engine's response)"
+            )
+        return self
+
+    def wire(self) -> dict[str, Any]:
+        return self.model_dump(exclude_none=True, exclude_defaults=True)
+
+
 class SamplingFields(BaseModel):
     """Fields shared by chat and completions; `sampling_kwargs()` maps them to the engine's names."""
 
@@ -102,6 +133,7 @@ class SamplingFields(BaseModel):
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     kv_prefix_source: Literal["local", "shared"] | None = None
     speculative: bool = True
+    kv_transfer_params: KVTransferParams | None = None
 
     @field_validator("logit_bias")
     @classmethod

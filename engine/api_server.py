@@ -32,7 +32,7 @@ from kvharbor.common.openai_api import (
 )
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_client import CoreClient, RequestStream
-from kvharbor.engine.core_io import EngineDead, NewRequest
+from kvharbor.engine.core_io import EngineDead, HandoffFailed, NewRequest
 from kvharbor.engine.metrics import ServerMetrics
 from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
 from kvharbor.engine.outputs import RequestOutput
@@ -137,20 +137,47 @@ class _Routes:
                 "kv_prefix_source=shared needs a shared block store: start the engine with --redis-url",
                 param="kv_prefix_source",
             )
+        kwargs = body.sampling_kwargs()
+        if body.kv_transfer_params is not None and body.kv_transfer_params.do_remote_decode:
+            kwargs["max_tokens"] = 1  # a hand-off prefill samples the first token; the decode engine the rest
         try:
-            params = SamplingParams(**body.sampling_kwargs())
+            params = SamplingParams(**kwargs)
         except ValueError as exc:
             raise APIError(400, str(exc)) from None
         return params
+
+    def _check_transfer(self, body: Any, prompts: int) -> None:
+        """P/D requests (DESIGN §9) only where this engine's role takes them."""
+        transfer = body.kv_transfer_params
+        if transfer is None:
+            return
+        role, port = self.engine.role, self.engine.kv_transfer_port
+        if prompts != 1:
+            raise APIError(400, "kv_transfer_params takes exactly one prompt", param="kv_transfer_params")
+        if transfer.do_remote_decode and (role == "decode" or not port):
+            raise APIError(
+                400,
+                f"this engine (role {role}) hands off no KV: start it with --role prefill, or --kv-transfer-port",
+                param="kv_transfer_params",
+            )
+        if transfer.do_remote_decode and body.stream:
+            raise APIError(400, "a hand-off prefill is not streamed: send stream=false", param="stream")
+        if not transfer.do_remote_decode and role == "prefill":
+            raise APIError(
+                400, "this engine has role prefill: send continuations to a decode engine", param="kv_transfer_params"
+            )
 
     async def _submit(self, rid: str, ids: list[int], params: SamplingParams, body: Any) -> RequestStream:
         try:
             return await self.loop.add(
                 NewRequest(rid, ids, params, priority=body.priority, tenant=body.user, cache_salt=body.cache_salt),
                 kv_prefix_source=body.kv_prefix_source,
+                kv_transfer=body.kv_transfer_params.wire() if body.kv_transfer_params else None,
             )
         except EngineDead as exc:
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
+        except HandoffFailed as exc:
+            raise APIError(502, str(exc), type="kv_transfer_failed", param="kv_transfer_params") from None
         except ValueError as exc:
             param = "max_tokens" if "max_tokens" in str(exc) else None
             raise APIError(400, str(exc), param=param) from None
@@ -190,6 +217,7 @@ class _Routes:
     async def _generate(
         self, kind: str, rid: str, batch: list[list[int]], echo: list[str], body: Any, request: Request
     ) -> Response:
+        self._check_transfer(body, len(batch))
         params = self._params(body)
         arrival = time.monotonic()
         # Continues the caller's trace (the gateway's traceparent); ends when the request does.
@@ -227,9 +255,19 @@ class _Routes:
                 headers={"X-Request-Id": rid, "Cache-Control": "no-cache"},
             )
         outputs = await run.collect(request)
-        return JSONResponse(
-            builder.response(outputs, body.num_logprobs() is not None, echo), headers={"X-Request-Id": rid}
-        )
+        response = builder.response(outputs, body.num_logprobs() is not None, echo)
+        if body.kv_transfer_params is not None and body.kv_transfer_params.do_remote_decode:
+            response["kv_transfer_params"] = self._handoff(request, rid, outputs[0])
+        return JSONResponse(response, headers={"X-Request-Id": rid})
+
+    def _handoff(self, request: Request, rid: str, output: RequestOutput) -> dict:
+        """What the decode engine needs to continue this prefill (the gateway may set the host)."""
+        return {
+            "remote_host": request.url.hostname or "127.0.0.1",
+            "remote_port": self.engine.kv_transfer_port,
+            "remote_handle": rid,
+            "first_token_id": output.outputs[0].token_ids[0],
+        }
 
     async def models(self) -> dict:
         return {

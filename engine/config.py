@@ -110,6 +110,50 @@ class RuntimeConfig:
     attention_backend: Literal["auto", "torch", "triton"] = opt(
         "auto", "paged attention: triton kernels (CUDA), torch (gathers blocks; CPU); auto picks by device"
     )
+    cpu_affinity: str | None = opt(
+        None, "run only on these CPUs, e.g. 0 or 0-3,8 (engines sharing a machine keep off each other's cores)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.cpu_affinity:
+            from kvharbor.common.machine import parse_cpu_list
+
+            parse_cpu_list(self.cpu_affinity)
+
+
+Role = Literal["both", "prefill", "decode"]
+
+
+@dataclass(frozen=True)
+class DisaggConfig:
+    """Prefill/decode disaggregation (engine/kv_handoff.py, engine/kv_handoff_link.py)."""
+
+    role: Role = opt(
+        "both",
+        "what the gateway sends here: both (whole requests), prefill (prompts whose KV a decode engine pulls), "
+        "decode (whole requests, and requests whose prompt KV it pulls from a prefill engine)",
+    )
+    kv_transfer_port: int | None = opt(
+        None, "TCP port decode engines pull hand-off KV blocks from (0: any free port; default: 0 for role prefill)"
+    )
+    kv_handoff_lease: float = opt(30.0, "seconds a prefill keeps its KV pinned for a decode engine that never confirms")
+    kv_transfer_timeout: float = opt(30.0, "seconds a decode engine waits for one hand-off pull")
+    kv_load_failure_policy: Literal["recompute", "fail"] = opt(
+        "recompute", "a hand-off block that is missing or damaged: recompute its prefill here, or fail the request"
+    )
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_port is not None and not 0 <= self.kv_transfer_port < 65536:
+            raise ValueError(f"kv_transfer_port must be in 0..65535, got {self.kv_transfer_port}")
+        if self.kv_handoff_lease <= 0 or self.kv_transfer_timeout <= 0:
+            raise ValueError("kv_handoff_lease and kv_transfer_timeout must be > 0 seconds")
+
+    @property
+    def transfer_port(self) -> int | None:
+        """The port to serve hand-offs on (0: any), or None when this engine hands off nothing."""
+        if self.kv_transfer_port is not None:
+            return self.kv_transfer_port
+        return 0 if self.role == "prefill" else None
 
 
 @dataclass(frozen=True)
@@ -119,6 +163,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    disagg: DisaggConfig = field(default_factory=DisaggConfig)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import torch
 
 from kvharbor.common.block_hash import BlockHash, namespace_hash
 from kvharbor.common.load_report import LoadReport
+from kvharbor.common.machine import pin_to_cpus
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.attention_triton import resolve_backend
 from kvharbor.engine.block_pool import BlockPool
@@ -32,6 +33,7 @@ from kvharbor.engine.core_io import CoreOutput, SampleDelta
 from kvharbor.engine.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
 from kvharbor.engine.draft import draft_kv_bytes_per_token
 from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv_handoff import HandoffLeases
 from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
 from kvharbor.engine.loader import LoadedModel, load_model
 from kvharbor.engine.model import LlamaModel
@@ -66,6 +68,7 @@ class _Group:
     reported: dict[int, int] = field(default_factory=dict)  # tokens already in a delta
     reported_finish: set[int] = field(default_factory=set)  # samples whose end was reported
     error: str | None = None
+    hand_off: bool = False  # a prefill for a decode engine: pin its prompt's KV when it ends
 
     @property
     def finished(self) -> bool:
@@ -91,6 +94,7 @@ class EngineStats:
     spec_verifications: int = 0  # speculative chunks verified
     spec_proposed: int = 0  # draft tokens scored
     spec_accepted: int = 0  # of those, accepted
+    kv_transfer_bytes_per_s: float = 0.0  # P/D pulls into this engine (EWMA)
     _fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums of 1, n, t, n^2, n*t
 
     def record(self, plan: SchedulerPlan, seconds: float) -> None:
@@ -106,6 +110,10 @@ class EngineStats:
         self.decode_batch = _ewma(self.decode_batch, float(batch))
         sample = (1.0, batch, seconds, batch**2, batch * seconds)
         self._fit = [0.98 * acc + x for acc, x in zip(self._fit, sample, strict=True)]
+
+    def record_transfer(self, nbytes: int, seconds: float) -> None:
+        if nbytes and seconds > 0:
+            self.kv_transfer_bytes_per_s = _ewma(self.kv_transfer_bytes_per_s, nbytes / seconds)
 
     def decode_report(self) -> dict[str, float]:
         """The load report's decode fields, once there are enough steps to tell (else none)."""
@@ -141,6 +149,7 @@ class EngineCore:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        pin_to_cpus(config.runtime.cpu_affinity)  # first: the thread count follows the CPUs left
         set_cpu_threads(self.device, config.runtime.threads)
         t0 = time.monotonic()
         if loaded_model is None:
@@ -220,6 +229,8 @@ class EngineCore:
             self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint, kv_dtype, self.arch.head_dim
         )
         self.runner.kv_io = self.kv_io
+        self.handoffs = HandoffLeases(self.kv, self.kv_io, config.disagg.kv_handoff_lease)
+        self.kv_transfer_port = 0  # set by the core process once its hand-off server listens
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._touched: set[str] = set()
@@ -329,8 +340,15 @@ class EngineCore:
         tenant: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        hand_off: bool = False,
+        first_token: int | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) for bad input."""
+        """Queue a request. Raises ValueError (and queues nothing) for bad input.
+
+        P/D (DESIGN §9): `hand_off` makes it a prefill for a decode engine (n=1): when it ends,
+        its prompt's full KV blocks stay pinned under a lease named by `request_id` (self.handoffs).
+        `first_token` continues a prefill done elsewhere: that token is the first output, and
+        only what the prefix cache lacks (the prompt's tail, once its blocks were imported) runs."""
         params = params or SamplingParams()
         params.validate()
         check_request_id(request_id)
@@ -340,6 +358,7 @@ class EngineCore:
         if params.n > self.config.scheduler.max_n:
             raise ValueError(f"n={params.n} exceeds the engine's limit of {self.config.scheduler.max_n} (--max-n)")
         params.check_vocab(self.arch.vocab_size)
+        self._check_handoff(params, hand_off, first_token)
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(
@@ -362,9 +381,21 @@ class EngineCore:
             arrival_time=arrival_time,
         )
         self.scheduler.add(request)
-        group = _Group(request_id, params)
+        group = _Group(request_id, params, hand_off=hand_off)
         self._groups[request_id] = group
         self._register(group, request)
+        if first_token is not None:
+            request.append_output(first_token)
+            self.scheduler.check_stop(request)  # the prefill's token may already end it
+            self._touched.add(request_id)
+
+    def _check_handoff(self, params: SamplingParams, hand_off: bool, first_token: int | None) -> None:
+        if (hand_off or first_token is not None) and params.n != 1:
+            raise ValueError(f"a disaggregated request samples one sequence, not n={params.n}")
+        if hand_off and first_token is not None:
+            raise ValueError("a request is either a hand-off prefill or its continuation, not both")
+        if first_token is not None and not (isinstance(first_token, int) and 0 <= first_token < self.arch.vocab_size):
+            raise ValueError(f"first_token_id {first_token!r} is outside the vocabulary [0, {self.arch.vocab_size})")
 
     def _check_prompt(self, prompt_token_ids: list[int] | None) -> list[int]:
         if prompt_token_ids is None:
@@ -411,11 +442,13 @@ class EngineCore:
 
     def step(self) -> list[CoreOutput]:
         """Run one iteration. Returns an output for every request that progressed or finished."""
+        self.handoffs.expire()
         plan = self.scheduler.schedule(self._propose())
         if plan.is_empty and self.scheduler.num_unfinished and not self.scheduler.running:
             raise RuntimeError(f"scheduler made no progress with {self.scheduler.num_unfinished} requests waiting")
         if not plan.is_empty or plan.moves_kv:
             self._run(plan)
+        self._hold_handoffs()
         outputs = [self._output(self._groups[g]) for g in sorted(self._touched) if g in self._groups]
         for rid in list(self._touched):
             group = self._groups.get(rid)
@@ -428,6 +461,18 @@ class EngineCore:
                 del self._groups[rid]
         self._touched.clear()
         return outputs
+
+    def _hold_handoffs(self) -> None:
+        # In the step that finished them, before any later step could evict their blocks.
+        for rid in self._touched:
+            group = self._groups.get(rid)
+            if group is None or not group.hand_off or not group.finished:
+                continue
+            group.hand_off = False
+            request = group.samples[0]
+            if group.error is None and request.finish_reason is not FinishReason.ABORT:
+                full = request.num_prompt_tokens // self.capacity.block_size
+                self.handoffs.hold(rid, request.full_block_hashes(self.capacity.block_size)[:full])
 
     def _run(self, plan: SchedulerPlan) -> None:
         t0 = time.perf_counter()
@@ -518,6 +563,10 @@ class EngineCore:
             weight_bytes=self.weight_bytes,
             kv_bytes_per_token=self.capacity.bytes_per_token,
             block_size=self.capacity.block_size,
+            role=self.config.disagg.role,
+            kv_pinned_blocks=self.handoffs.num_blocks,
+            kv_transfer_port=self.kv_transfer_port,
+            kv_transfer_bytes_per_s=round(stats.kv_transfer_bytes_per_s, 1),
         )
 
     def check_integrity(self) -> None:

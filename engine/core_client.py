@@ -28,7 +28,7 @@ from typing import Any
 from kvharbor.common.load_report import LoadReport
 from kvharbor.common.model_files import load_tokenizer
 from kvharbor.common.process_stop import stop_process
-from kvharbor.engine.core_io import CoreOutput, EngineDead, NewRequest
+from kvharbor.engine.core_io import CoreOutput, EngineDead, HandoffFailed, NewRequest
 from kvharbor.engine.core_link import LinkClosed, encode, read_message, read_message_sync
 from kvharbor.engine.metrics import CounterBoard
 from kvharbor.engine.output_processor import OutputProcessor
@@ -66,6 +66,8 @@ class CoreInfo:
     max_model_len: int
     vocab_size: int
     block_size: int
+    role: str = "both"
+    kv_transfer_port: int = 0  # where decode engines pull this engine's hand-offs (0: none)
 
 
 class CoreClient:
@@ -119,7 +121,8 @@ class CoreClient:
             self.proc.wait(30)
             raise ValueError(first[1])
         info = first[1]
-        self.info = CoreInfo(info["model"], info["max_model_len"], info["vocab_size"], info["block_size"])
+        self.info = CoreInfo(info["model"], info["max_model_len"], info["vocab_size"], info["block_size"],
+                             info["role"], info["kv_transfer_port"])  # fmt: skip
         return self.info
 
     async def attach(self) -> None:
@@ -161,7 +164,9 @@ class CoreClient:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    async def add(self, request: NewRequest, kv_prefix_source: str | None = None) -> RequestStream:
+    async def add(
+        self, request: NewRequest, kv_prefix_source: str | None = None, kv_transfer: dict | None = None
+    ) -> RequestStream:
         """Queue a request in the core; raises its ValueError for bad input, EngineDead if it is gone."""
         self._check_alive()
         rid = request.request_id
@@ -174,7 +179,7 @@ class CoreClient:
         self.processor.add(rid, None, request.prompt_token_ids, request.params)
         params = dataclasses.asdict(request.params)
         self._send(["add", rid, request.prompt_token_ids, params, request.priority, request.tenant,
-                    request.cache_salt, request.arrival_time, kv_prefix_source])  # fmt: skip
+                    request.cache_salt, request.arrival_time, kv_prefix_source, kv_transfer])  # fmt: skip
         try:
             stream.imported_blocks = await done
         except BaseException:
@@ -246,7 +251,8 @@ class CoreClient:
         if done is None or done.done():
             return
         if error is not None:
-            done.set_exception(EngineDead(error) if kind == "dead" else ValueError(error))
+            errors = {"dead": EngineDead, "handoff": HandoffFailed}
+            done.set_exception(errors.get(kind, ValueError)(error))
         else:
             done.set_result(imported)
 

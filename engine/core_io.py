@@ -27,10 +27,16 @@ class NewRequest:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     external_prefix: Any = None  # kv_offload.ExternalPrefix: blocks to load into the cache first
+    hand_off: bool = False  # P/D: a prefill whose KV a decode engine will pull (EngineCore.add_request)
+    first_token: int | None = None  # P/D: the first token, sampled by the prefill engine
 
 
 class EngineDead(RuntimeError):
     """The engine core stopped on an unexpected error (or its process died); restart the server."""
+
+
+class HandoffFailed(RuntimeError):
+    """P/D: a hand-off's KV could not be loaded and --kv-load-failure-policy is fail; says why."""
 
 
 @dataclass

@@ -8,8 +8,9 @@ core process. A closed socket is the other side's death: each side treats EOF as
 
     API server -> core                        core -> API server
     ["config", pickled ServeConfig] (first)   ["ready", info] (or ["failed", reason])
-    ["add", id, ids, params, prio, tenant,    ["added", id, imported | None, error, "invalid"|"dead"]
-     salt, arrival, kv_prefix_source]
+    ["add", id, ids, params, prio, tenant,    ["added", id, imported | None, error,
+     salt, arrival, kv_prefix_source,           "invalid"|"dead"|"handoff"]
+     kv_transfer_params | None]
     ["abort", id] / ["abort_all"]             ["out", now, [CoreOutput wire, ...], load, counters]
     ["stop", id, index, n_tokens, string]     ["load", LoadReport json, counters, board]
     ["reuse", prompt, cached, pulled]         ["dead", error]

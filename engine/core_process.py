@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from kvharbor.common.logs import setup_logging
-from kvharbor.engine.core_io import EngineDead, NewRequest
+from kvharbor.engine.core_io import EngineDead, HandoffFailed, NewRequest
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
 from kvharbor.engine.engine_loop import EngineLoop
 from kvharbor.engine.metrics import CounterBoard
@@ -55,6 +55,7 @@ class CoreProcess:
             event_sink=self.publisher.sink if self.publisher else None,
             on_death=self._died,
         )
+        self.handoff_server, self.handoff_puller = self._handoffs(srv.host, engine_config.disagg)
         self.aio: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, bool] = {}  # adds not in the engine yet -> aborted meanwhile
         self._tasks: set[asyncio.Task] = set()
@@ -79,10 +80,23 @@ class CoreProcess:
 
         client = KVStoreClient(
             RedisBlockStore.from_url(srv.redis_url), self.core, srv.kv_store_push, self.board,
-            ask=lambda fn: asyncio.wrap_future(self.loop.call(fn)),  # the pool is the engine thread's
+            ask=self._ask,
         )  # fmt: skip
         client.install()  # before the loop starts: the runner saves blocks from the first step on
         return client
+
+    def _ask(self, fn: Any) -> Any:
+        return asyncio.wrap_future(self.loop.call(fn))  # the pool is the engine thread's
+
+    def _handoffs(self, host: str, disagg: Any) -> tuple[Any, Any]:
+        from kvharbor.engine.kv_handoff_link import HandoffPuller, HandoffServer
+
+        server = None
+        if disagg.transfer_port is not None:
+            server = HandoffServer(self._ask, self.core.kv_io.format, host, disagg.transfer_port, self.board)
+        puller = HandoffPuller(self.core, self._ask, self.board, disagg.kv_load_failure_policy,
+                               disagg.kv_transfer_timeout)  # fmt: skip
+        return server, puller
 
     # -- the engine thread -------------------------------------------------------------------------
 
@@ -108,10 +122,14 @@ class CoreProcess:
 
     async def run(self, reader: asyncio.StreamReader) -> None:
         self.aio = asyncio.get_running_loop()
-        self.loop.start()
         core = self.core
+        if self.handoff_server is not None:  # before the loop: the first load report carries its port
+            core.kv_transfer_port = await self.handoff_server.start()
+            log.info("serving P/D hand-offs", extra={"port": core.kv_transfer_port})
+        self.loop.start()
         info = {"model": core.model_name, "max_model_len": core.max_model_len, "vocab_size": core.arch.vocab_size,
-                "block_size": core.capacity.block_size, "instance_id": self.instance_id}  # fmt: skip
+                "block_size": core.capacity.block_size, "instance_id": self.instance_id,
+                "role": core.config.disagg.role, "kv_transfer_port": core.kv_transfer_port}  # fmt: skip
         self._send(["ready", info])
         if self.publisher is not None:
             self._spawn(self.publisher.run(self.loop, core.capacity.block_size))
@@ -149,19 +167,26 @@ class CoreProcess:
             log.warning("unknown message on the engine link; ignored", extra={"kind": str(kind)[:40]})
 
     async def _add(self, rid: str, ids: list[int], params: dict, priority: int, tenant: str | None,
-                   salt: str | None, arrival: float, source: str | None) -> None:  # fmt: skip
+                   salt: str | None, arrival: float, source: str | None, transfer: dict | None) -> None:  # fmt: skip
         try:
             sampling = SamplingParams(**params)
-            ext = None
-            if source == "shared" and self.kv_store is not None:
+            ext, transfer = None, transfer or {}
+            if transfer.get("remote_handle"):
+                ext = await self.handoff_puller.pull(ids, salt, transfer)
+            elif source == "shared" and self.kv_store is not None:
                 ext = await self.kv_store.pull(ids, salt)
-            request = NewRequest(rid, ids, sampling, priority, tenant, salt, arrival, ext)
+            request = NewRequest(rid, ids, sampling, priority, tenant, salt, arrival, ext,
+                                 hand_off=bool(transfer.get("do_remote_decode")),
+                                 first_token=transfer.get("first_token_id"))  # fmt: skip
             imported = await asyncio.wrap_future(self.loop.add(request))
-        except (ValueError, TypeError, EngineDead) as exc:
+        except (ValueError, TypeError, EngineDead, HandoffFailed) as exc:
             self._pending.pop(rid, None)
-            self._send(["added", rid, None, str(exc), "dead" if isinstance(exc, EngineDead) else "invalid"])
+            kind = {EngineDead: "dead", HandoffFailed: "handoff"}.get(type(exc), "invalid")
+            self._send(["added", rid, None, str(exc), kind])
             return
-        if self.kv_store is not None and imported:
+        if transfer.get("remote_handle"):
+            self.board.inc("kv_handoff_pulled_blocks", imported)
+        elif self.kv_store is not None and imported:
             self.kv_store.pulled(imported)
         if self._pending.pop(rid, False):
             self.loop.abort(rid)
@@ -173,6 +198,8 @@ class CoreProcess:
             await asyncio.sleep(LOAD_INTERVAL_S)
 
     async def _stop(self) -> None:
+        if self.handoff_server is not None:
+            await self.handoff_server.stop()
         self.loop.stop()
         if self.publisher is not None:
             await self.publisher.stop()

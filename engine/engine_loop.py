@@ -115,6 +115,8 @@ class EngineLoop:
                 busy = self.engine.has_unfinished()
                 if busy:
                     self._step()
+                elif self.engine.handoffs.expire():  # leases end on time on an idle engine too
+                    self._refresh()
                 self._refresh()
                 if not busy:
                     self._wake.wait(timeout=0.5)
@@ -169,6 +171,8 @@ class EngineLoop:
                 tenant=request.tenant,
                 cache_salt=request.cache_salt,
                 arrival_time=request.arrival_time,
+                hand_off=request.hand_off,
+                first_token=request.first_token,
             )
         except Exception as exc:
             done.set_exception(exc)

@@ -41,6 +41,7 @@ class KVCacheManager:
         self._loads: list[Load] = []  # imported, not yet written: for the next plan
         self._importing: list[Block] = []  # imported blocks whose KV the runner has not written
         self._held: list[Block] = []  # those and their chains' blocks, in release order
+        self._pins: dict[str, list[Block]] = {}  # P/D hand-offs: cached blocks kept for a decode engine
 
     @property
     def num_free_blocks(self) -> int:
@@ -210,6 +211,30 @@ class KVCacheManager:
         self._held += [*reversed(blocks), *reversed(pinned)]
         return len(todo)
 
+    # -- pins (P/D hand-offs) ------------------------------------------------------------------------
+
+    def pin(self, key: str, hashes: Sequence[BlockHash]) -> list[int]:
+        """Hold the cached run of `hashes` (a chain from block 0) under `key`, so no eviction can
+        reuse those blocks until `unpin(key)`. Returns their block ids, in chain order."""
+        if key in self._pins:
+            raise ValueError(f"KV blocks are already pinned under {key!r}")
+        blocks = [self.pool.cached[h] for h in hashes[: self.cached_run(hashes)]]
+        self.pool.touch(blocks)
+        self._pins[key] = blocks
+        return [b.block_id for b in blocks]
+
+    def unpin(self, key: str) -> bool:
+        """Release what `pin(key)` held (tail first, so the chain is evicted from its end)."""
+        blocks = self._pins.pop(key, None)
+        if blocks is None:
+            return False
+        self.pool.free_blocks(reversed(blocks))
+        return True
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._pins.values())
+
     @property
     def has_loads(self) -> bool:
         """Imported blocks wait for their write (a step must run, even with no request)."""
@@ -233,6 +258,7 @@ class KVCacheManager:
         self.pool.check_integrity()
         holders = Counter(b.block_id for table in self.tables.values() for b in table)
         holders.update(b.block_id for b in self._held)  # imports awaiting their write hold a reference
+        holders.update(b.block_id for blocks in self._pins.values() for b in blocks)
         for block in self.pool.blocks:
             assert block.ref_cnt == holders.get(block.block_id, 0), (
                 f"{block} is held by {holders.get(block.block_id, 0)} tables"

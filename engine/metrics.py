@@ -31,6 +31,12 @@ BOARD: dict[str, tuple[str, str | None]] = {
     "kv_store_push_dropped_blocks": ("KV blocks not written (queue full, store down)", None),
     "kv_store_refused_blocks": ("Shared-store blocks refused, by reason", "reason"),
     "kv_store_errors": ("Shared-store calls that failed, by operation", "op"),
+    "kv_handoff_sent_blocks": ("P/D: KV blocks sent to decode engines", None),
+    "kv_handoff_sent_bytes": ("P/D: bytes of KV sent to decode engines", None),
+    "kv_handoff_pulled_blocks": ("P/D: KV blocks pulled from prefill engines and used", None),
+    "kv_handoff_pulled_bytes": ("P/D: bytes moved by pulls from prefill engines", None),
+    "kv_handoff_pull_seconds": ("P/D: seconds spent pulling from prefill engines", None),
+    "kv_handoff_pulls": ("P/D: pulls from prefill engines, by result (ok, partial, refused, unreachable)", "result"),
 }
 
 
@@ -96,6 +102,14 @@ class _LoadCollector:
         yield gauge("kv_block_size_tokens", "Tokens per KV block (what prefix hashes are cut by)", load.block_size)
         yield gauge("weight_bytes", "The model's weights as held (quantized at their own size)", load.weight_bytes)
         yield gauge("kv_bytes_per_token", "KV bytes one token takes in the pool", load.kv_bytes_per_token)
+        role = GaugeMetricFamily("kvharbor_engine_role", "This engine's P/D role (1 for the one it has)",
+                                 labels=[*names, "role"])  # fmt: skip
+        role.add_metric([*values, load.role], 1)
+        yield role
+        yield gauge("kv_pinned_blocks", "P/D: KV blocks held for decode engines that have not confirmed",
+                    load.kv_pinned_blocks)  # fmt: skip
+        yield gauge("kv_transfer_bytes_per_second", "P/D: measured pull rate from prefill engines (EWMA)",
+                    load.kv_transfer_bytes_per_s)  # fmt: skip
         queries, hits = counters["prefix_queries"], counters["prefix_hits"]
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)

@@ -296,7 +296,7 @@ class Scheduler:
             if not request.forked:
                 forked += self._fork(request, tokens[1:], logprobs[1:])
             request.append_output(tokens[0], logprobs[0])
-            self._check_stop(request)
+            self.check_stop(request)
         return forked
 
     def _accept(self, chunk: ScheduledChunk, tokens: list[int], logprobs: list | None = None) -> None:
@@ -308,7 +308,7 @@ class Scheduler:
         self.kv.truncate(request, request.num_computed_tokens)
         for i, token in enumerate(tokens):
             request.append_output(token, logprobs[i] if logprobs else None)
-            self._check_stop(request)
+            self.check_stop(request)
             if request.is_finished:
                 return
 
@@ -324,10 +324,11 @@ class Scheduler:
             children.append(child)
         self._sort_running()
         for child in children:
-            self._check_stop(child)
+            self.check_stop(child)
         return children
 
-    def _check_stop(self, request: Request) -> None:
+    def check_stop(self, request: Request) -> None:
+        """Retire `request` if its last output token ends it (EOS, a stop token, a length limit)."""
         token = request.output_token_ids[-1]
         params = request.params
         num_out = len(request.output_token_ids)

@@ -23,6 +23,7 @@ import uvicorn
 from kvharbor.common.config import config_from_argv
 from kvharbor.common.http_server import uvicorn_config
 from kvharbor.common.logs import setup_logging
+from kvharbor.common.machine import pin_to_cpus
 
 log = logging.getLogger("kvharbor.engine.serve")
 
@@ -33,6 +34,7 @@ def main(argv: list[str], prog: str = "kvharbor serve", command: str = "serve") 
     config = config_from_argv(ServeConfig, argv, prog, __doc__.splitlines()[0])
     setup_logging(config.server.log_level, config.server.log_json)
     try:
+        pin_to_cpus(config.engine.runtime.cpu_affinity)  # before the core process starts: it inherits it
         server = build_server(config)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"kvharbor serve: error: {exc}", file=sys.stderr)

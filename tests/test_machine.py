@@ -72,3 +72,15 @@ def test_this_machines_record_carries_the_dtype():
     assert record["dtype"] == "float32" and record["cores"] == cpu_info().cores >= 1
     assert record["cpu_model"] and set(record["isa"]) == set(ISA_FLAGS)
     assert machine_title("float32").endswith(", float32")
+
+
+def test_cpu_lists_parse_and_bad_ones_say_how_to_write_them():
+    from kvharbor.common.machine import parse_cpu_list, pin_to_cpus
+
+    assert parse_cpu_list("0") == {0} and parse_cpu_list("0-3,8") == {0, 1, 2, 3, 8}
+    for bad in ("", "a", "3-1", "0-", "1,,2"):
+        with pytest.raises(ValueError, match="write CPUs as"):
+            parse_cpu_list(bad)
+    assert pin_to_cpus(None) is None
+    with pytest.raises(ValueError, match="may only run on CPUs"):
+        pin_to_cpus("4095")

@@ -1,0 +1,96 @@
+"""P/D hand-offs inside the engine: a prefill engine pins its prompt's KV under a lease, a decode
+engine imports those blocks and continues from the prefill's first token. The tokens equal one
+engine's, only the prompt's tail runs on the decode side, and no pinned block outlives its lease."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvharbor.engine import SamplingParams
+
+PROMPT = [(i * 37) % 500 + 3 for i in range(150)]  # 9 full blocks of 16 and a 6-token tail
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+def run(engine) -> dict:
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def prefill(llm, rid: str = "p1", prompt=PROMPT):
+    llm.engine.add_request(rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=1, temperature=0.0),
+                           hand_off=True)  # fmt: skip
+    out = run(llm.engine)[rid]
+    return out.outputs[0].token_ids[0]
+
+
+def hand_over(a, b, rid: str = "p1") -> int:
+    n = a.engine.handoffs.size(rid)
+    hashes, payloads = a.engine.handoffs.export(rid, 0, n)
+    return b.engine.import_prefix(hashes, payloads)
+
+
+def test_decode_continues_a_prefill_done_elsewhere_with_the_same_tokens(tiny_llama, make_llm):
+    a, b, fresh = (make_llm(tiny_llama.loaded) for _ in range(3))
+    want = fresh.generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+
+    first = prefill(a)
+    assert first == want[0]
+    assert a.engine.handoffs.size("p1") == len(PROMPT) // 16 == a.engine.load().kv_pinned_blocks
+    assert hand_over(a, b) == 9
+    b.engine.add_request("d1", prompt_token_ids=PROMPT, params=GREEDY, first_token=first)
+    out = run(b.engine)["d1"]
+    assert out.outputs[0].token_ids == want
+    assert out.num_cached_tokens == 9 * 16  # only the tail and the first token ran here
+    assert a.engine.handoffs.release("p1") and not a.engine.handoffs.release("p1")
+    assert a.engine.load().kv_pinned_blocks == 0
+
+
+def test_pinned_blocks_survive_pool_pressure_until_the_lease_ends(tiny_llama, make_llm):
+    a = make_llm(tiny_llama.loaded, num_kv_blocks=32)
+    prefill(a)
+    pinned = a.engine.handoffs.export("p1", 0, 9)
+    assert a.engine.pool.num_free == 32 - 9
+    other = [(i * 13) % 500 + 3 for i in range(360)]  # 23 blocks: unpinned, one of p1's would be evicted
+    a.generate([other], SamplingParams(max_tokens=2, temperature=0.0))
+    assert a.engine.handoffs.export("p1", 0, 9) == pinned  # not evicted, not overwritten
+    assert a.engine.handoffs.expire(now=1e12) == 1 and a.engine.handoffs.size("p1") is None
+    assert a.engine.handoffs.expired == 1 and a.engine.load().kv_pinned_blocks == 0
+
+
+def test_an_aborted_prefill_pins_nothing(tiny_llama, make_llm):
+    a = make_llm(tiny_llama.loaded)
+    a.engine.add_request("p1", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=1), hand_off=True)
+    a.engine.abort("p1")
+    run(a.engine)
+    assert a.engine.handoffs.num_leases == 0
+
+
+def test_a_first_token_that_ends_the_request_finishes_it_without_a_step(tiny_llama, make_llm):
+    b = make_llm(tiny_llama.loaded)
+    b.engine.add_request("d1", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=1), first_token=7)
+    out = run(b.engine)["d1"]
+    assert out.outputs[0].token_ids == [7] and out.outputs[0].finish_reason == "length"
+    b.engine.add_request("d2", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=5), first_token=2)  # EOS
+    assert run(b.engine)["d2"].outputs[0].finish_reason == "stop"
+    assert b.engine.stats.steps == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"hand_off": True, "params": SamplingParams(n=2)}, "one sequence"),
+        ({"first_token": 3, "params": SamplingParams(n=2)}, "one sequence"),
+        ({"first_token": 512}, "outside the vocabulary"),
+        ({"first_token": 3, "hand_off": True}, "not both"),
+    ],
+)
+def test_bad_handoff_requests_are_refused(tiny_llama, make_llm, kwargs, match):
+    b = make_llm(tiny_llama.loaded)
+    with pytest.raises(ValueError, match=match):
+        b.engine.add_request("x", prompt_token_ids=PROMPT, **{"params": SamplingParams(), **kwargs})
+    assert not b.engine.has_unfinished()
