@@ -42,7 +42,10 @@ class UpConfig(TracedListenConfig):
 
     host: str = opt("127.0.0.1", "address the gateway listens on")
     port: int = opt(8000, "gateway port: the platform's front door")
-    engines: int = opt(2, "engine servers to start")
+    engines: int = opt(2, "engine servers to start (role both; see prefill_engines for P/D)")
+    prefill_engines: int = opt(0, "P/D: prefill engines to start (with decode_engines, instead of --engines)")
+    decode_engines: int = opt(0, "P/D: decode engines to start (with prefill_engines, instead of --engines)")
+    pin_cpus: bool = opt(False, "pin each engine to its own CPU, in turn (engines then do not steal each other's)")
     model: str | None = opt(None, "model for the engines: .gguf or HF folder (default: bundled SmolLM2)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX/AVX512-BF16, else float32"
@@ -71,8 +74,18 @@ class UpConfig(TracedListenConfig):
         super().__post_init__()
         if self.engines < 1:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if min(self.prefill_engines, self.decode_engines) < 0:
+            raise ValueError("prefill_engines and decode_engines must be >= 0")
+        if self.prefill_engines and not self.decode_engines:
+            raise ValueError("prefill_engines needs decode_engines: prefill engines hand their KV to decode engines")
         if self.loadtest_tenants and self.host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"loadtest_tenants loads public API keys: serve them on 127.0.0.1, not {self.host}")
+
+    def roles(self) -> list[str]:
+        """Each engine's P/D role, in start order."""
+        if self.decode_engines:
+            return ["prefill"] * self.prefill_engines + ["decode"] * self.decode_engines
+        return ["both"] * self.engines
 
 
 def say(message: str) -> None:
@@ -199,11 +212,14 @@ class Platform:
             f"http://127.0.0.1:{kv_port}", "/ready", self.log_dir / "kvcache.log", "Redis",
         )  # fmt: skip
         engines = []
-        for i in range(c.engines):
+        cpus = sorted(os.sched_getaffinity(0))
+        for i, role in enumerate(c.roles()):
             port = free_port()
             cmd = [*cli, "serve", "--port", str(port), "--instance-id", f"engine-{i}", "--redis-url", self.redis_url,
-                   "--kv-cache-memory", c.kv_cache_memory, "--dtype", c.dtype,
+                   "--kv-cache-memory", c.kv_cache_memory, "--dtype", c.dtype, "--role", role,
                    "--quantization", c.quantization, "--kv-cache-dtype", c.kv_cache_dtype, *traced]  # fmt: skip
+            if c.pin_cpus:
+                cmd += ["--cpu-affinity", str(cpus[i % len(cpus)])]
             if c.num_kv_blocks is not None:
                 cmd += ["--num-kv-blocks", str(c.num_kv_blocks)]
             if c.max_model_len is not None:

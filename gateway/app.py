@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -31,11 +32,13 @@ from kvharbor.common.openai_api import APIError, ChatCompletionRequest, Completi
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.common.tracing import inject
 from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, fit_route
+from kvharbor.gateway.disagg import Decision, decide, decode_candidates, prefill_pool
+from kvharbor.gateway.disagg import Request as PDRequest
 from kvharbor.gateway.engines import Engine, EnginePool, Sent
 from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
 from kvharbor.gateway.metrics import GatewayMetrics
 from kvharbor.gateway.predict import uncached_tokens
-from kvharbor.gateway.proxy import EngineCaller, with_retries
+from kvharbor.gateway.proxy import EngineCaller, EngineFailed, with_retries
 from kvharbor.gateway.relay import EngineStream, StreamRelay, StreamStats
 from kvharbor.gateway.router import Route, Router, block_size_for
 from kvharbor.gateway.tenants import Tenant, TenantRegistry
@@ -150,6 +153,13 @@ class _Call:
     slot: str = field(default_factory=lambda: uuid.uuid4().hex)  # this admission's concurrency slot
     span: Any = None
     block_size: int = DEFAULT_BLOCK_SIZE  # what its prompt's blocks are cut by (set on admission)
+    transfer: dict | None = None  # P/D: the prefill engine's hand-off, for the decode engine
+
+    @property
+    def pd_supported(self) -> bool:
+        """P/D carries one prompt, one sample and no logprobs."""
+        body = self.body
+        return len(self.prompts) == 1 and (body.n or 1) == 1 and body.num_logprobs() is None
 
     @property
     def engine_rid(self) -> str:
@@ -357,7 +367,7 @@ class _Handler:
         model = call.model
 
         async def try_now() -> Route | None:
-            engines = state.pool.routable(model.name)
+            engines = decode_candidates(state.pool.routable(model.name))
             if not engines:
                 return None
             prompt = len(call.prompts[0])
@@ -410,7 +420,10 @@ class _Handler:
         else:
             payload["prompt"] = call.prompts
         payload.pop("kv_prefix_source", None)
-        if source := route.kv_prefix_source(engine):
+        payload.pop("kv_transfer_params", None)  # the gateway's to give: it makes engines connect out
+        if call.transfer is not None:
+            payload["kv_transfer_params"] = call.transfer
+        elif source := route.kv_prefix_source(engine):
             payload["kv_prefix_source"] = source
         if call.body.stream:
             payload["stream_options"] = {"include_usage": True}  # the gateway counts tokens
@@ -423,7 +436,7 @@ class _Handler:
 
         async def pick_next(tried: set[str]) -> Engine | None:
             state.metrics.retries.labels(call.model.name).inc()
-            others = [e for e in state.pool.routable(call.model.name) if e.url not in tried]
+            others = [e for e in decode_candidates(state.pool.routable(call.model.name)) if e.url not in tried]
             if not others:
                 return None
             nxt = await state.router.choose(
@@ -432,8 +445,13 @@ class _Handler:
             )  # fmt: skip
             return nxt.engine if nxt else None
 
+        await self._disaggregate(call, route, headers)
+
         def uncached(engine: Engine) -> int:
-            return uncached_tokens(len(call.prompts[0]), route.held.get(engine.url, 0), call.block_size)
+            prompt = len(call.prompts[0])
+            if call.transfer is not None:
+                return prompt % call.block_size  # the hand-off brings every full block
+            return uncached_tokens(prompt, route.held.get(engine.url, 0), call.block_size)
 
         if not call.body.stream:
 
@@ -481,6 +499,57 @@ class _Handler:
             media_type="text/event-stream",
             headers={"x-request-id": call.rid, "Cache-Control": "no-cache", **limit_headers},
         )
+
+    async def _disaggregate(self, call: _Call, route: Route, headers: dict[str, str]) -> None:
+        """P/D: decide, and when a prefill engine is worth it, run the prefill there (DESIGN §9).
+        A prefill that fails leaves the request colocated, counted as prefill_failed."""
+        state, model = self.state, call.model
+        decision = await self._pd_decision(call, route)
+        if decision.disaggregated:
+            call.transfer = await self._prefill(call, route, decision.prefill, headers)
+            if call.transfer is None:
+                decision = Decision(None, "prefill_failed")
+        state.metrics.pd_decisions.labels(model.name, decision.reason).inc()
+        if call.span is not None:
+            call.span.set_attribute("kvharbor.pd", decision.reason)
+
+    async def _pd_decision(self, call: _Call, route: Route) -> Decision:
+        state = self.state
+        if state.router.config.disaggregation == "off":
+            return Decision(None, "off")
+        everyone = state.pool.all(call.model.name)
+        pool = prefill_pool([e for e in everyone if e.routable])
+        held = dict(route.held)
+        if pool and call.pd_supported:  # what the prefill engines hold: their misses cost there
+            found = await state.router.matches(call.model.name, self._hashes(call), pool) or {}
+            held.update({e.url: found.get(e.instance_id or "", 0) for e in pool})
+        request = PDRequest(len(call.prompts[0]), held, call.block_size, call.model.slo_ttft_s, call.pd_supported)
+        configured = any(e.role == "prefill" for e in everyone)
+        return decide(route.engine, pool, request, state.router.config.pd_min_gain_ms / 1000, configured)
+
+    async def _prefill(self, call: _Call, route: Route, engine: Engine, headers: dict[str, str]) -> dict | None:
+        """The prompt's prefill on `engine`, kept there for the decode engine: its hand-off, or None."""
+        state = self.state
+        payload = {**self._payload(call, route, engine), "stream": False,
+                   "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+        payload.pop("stream_options", None)
+        payload.pop("kv_prefix_source", None)
+        sent = engine.send(uncached_tokens(len(call.prompts[0]), 0, call.block_size))
+        with state.tracer.start_as_current_span("gateway prefill") as span:
+            span.set_attribute("kvharbor.engine", engine.url)
+            try:
+                content, _ = await state.caller.call(engine, call.path, payload, inject(dict(headers)))
+                transfer = json.loads(content)["kv_transfer_params"]
+            except (APIError, EngineFailed, ValueError, KeyError, TypeError) as exc:
+                log.warning("prefill engine failed; prefilling on the decode engine", extra={
+                    "engine": engine.url, "error": str(exc)[:300]})  # fmt: skip
+                span.set_status(trace.StatusCode.ERROR, str(exc)[:300])
+                return None
+            finally:
+                sent.done()
+        # The engine names itself as it was asked; the gateway knows the address it reached.
+        transfer["remote_host"] = urlsplit(engine.url).hostname or transfer.get("remote_host")
+        return transfer
 
     def _finished(self, call: _Call, usage: dict, stats: StreamStats | None) -> None:
         m = self.state.metrics

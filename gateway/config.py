@@ -53,10 +53,18 @@ class RoutingConfig:
     imbalance_threshold: int = opt(8, "queue-length gap between engines beyond which routing looks at load only")
     index_timeout: float = opt(0.2, "seconds a KV index lookup may take before routing falls back to load")
     load_interval: float = opt(0.5, "seconds between /load polls of each engine")
+    disaggregation: Literal["auto", "off"] = opt(
+        "auto", "P/D: auto (prefill on a role-prefill engine when the predicted gain pays for the KV transfer), off"
+    )
+    pd_min_gain_ms: float = opt(
+        50.0, "P/D: decode-engine prefill time a hand-off must spare, net of its transfer, to be worth it (ms)"
+    )
 
     def __post_init__(self) -> None:
         if min(self.prefix_weight, self.kv_weight, self.queue_weight) < 0:
             raise ValueError("routing weights must be >= 0")
+        if self.pd_min_gain_ms < 0:
+            raise ValueError(f"pd_min_gain_ms must be >= 0, got {self.pd_min_gain_ms}")
         if self.imbalance_threshold < 1:
             raise ValueError(f"imbalance_threshold must be >= 1, got {self.imbalance_threshold}")
 

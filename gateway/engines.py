@@ -94,6 +94,11 @@ class Engine:
     def prefill_tokens_per_s(self) -> float:
         return self.load.prefill_tokens_per_s
 
+    @property
+    def role(self) -> str:
+        """P/D: both | prefill | decode, as the engine's /load says."""
+        return self.load.role
+
 
 class EnginePool:
     def __init__(

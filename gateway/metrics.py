@@ -46,6 +46,12 @@ class GatewayMetrics:
         self.routes = Counter(
             "kvharbor_gateway_routing_decisions", "Routing decisions by reason", ["model", "reason"], registry=r
         )
+        self.pd_decisions = Counter(
+            "kvharbor_gateway_pd_decisions",
+            "P/D: where each request's prefill ran, by reason (disaggregated, or why colocated)",
+            ["model", "reason"],
+            registry=r,
+        )
         self.prompt_blocks = Counter(
             "kvharbor_gateway_prompt_blocks", "Full prompt blocks of routed requests", ["model"], registry=r
         )

@@ -88,3 +88,16 @@ def test_every_part_gets_the_platforms_log_settings_and_traces(platform_for):
         cmd = child.cmd
         assert cmd[cmd.index("--log-level") + 1] == "debug" and "--no-log-json" in cmd, child.name
         assert ("--otlp-endpoint" in cmd) == (child.name != "kvcache"), child.name  # kvcache has no spans
+
+
+def test_pd_topology_gives_each_engine_its_role_and_own_cpu(platform_for):
+    import os
+
+    cmds = engine_cmds(platform_for(prefill_engines=1, decode_engines=2, pin_cpus=True))
+    assert [cmd[cmd.index("--role") + 1] for cmd in cmds] == ["prefill", "decode", "decode"]
+    cpus = sorted(os.sched_getaffinity(0))
+    assert [cmd[cmd.index("--cpu-affinity") + 1] for cmd in cmds] == [str(cpus[i % len(cpus)]) for i in range(3)]
+    (cmd, _) = engine_cmds(platform_for())  # default: two colocated engines, unpinned
+    assert cmd[cmd.index("--role") + 1] == "both" and "--cpu-affinity" not in cmd
+    with pytest.raises(ConfigError, match="needs decode_engines"):
+        load_config(UpConfig, env={}, overrides={"prefill_engines": 1})

@@ -1,0 +1,104 @@
+"""Prefill/decode disaggregation, decided per request (DESIGN §9).
+
+The router first picks the decode engine, by prefix affinity and load, among engines whose role
+is `decode` or `both`. Then `decide` asks whether a `prefill` engine is worth it for this request:
+
+- gain = the prefill seconds the decode engine is spared (its uncached prompt tokens over its
+  measured prefill rate: the time its running streams would stall) less the seconds it spends
+  pulling the KV (the blocks it lacks, over the transfer rate it measured; DEFAULT_TRANSFER_BPS
+  before it has). Below `min_gain_s` the transfer does not pay: short prompts, a warm cache. A
+  prompt shorter than one block has nothing to hand over.
+- the TTFT may grow by the transfer, no more: a prefill engine predicted slower than the decode
+  engine itself (its queue, its own cache misses) is used only if the TTFT SLO is still met.
+
+Colocated serving is the answer whenever there is no prefill engine (counted apart from a pool
+that is configured but down), or the request is one P/D does not carry (n > 1, logprobs, several
+prompts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvharbor.gateway.engines import Engine
+from kvharbor.gateway.predict import predict_ttft_s, uncached_tokens
+
+# Loopback on these machines moves GB/s; a pod network less. Only until the first pull is measured.
+DEFAULT_TRANSFER_BPS = 500e6
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: Engine | None  # None: prefill on the decode engine (colocated)
+    reason: str  # disaggregated | off | no_prefill_engine | prefill_down | unsupported | short_prompt | ttft
+    gain_s: float = 0.0
+    ttft_s: float = 0.0  # predicted TTFT of the chosen way
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
+
+
+@dataclass(frozen=True)
+class Request:
+    """What `decide` needs of one request."""
+
+    prompt_tokens: int
+    held: dict[str, int]  # engine url -> blocks of the prompt it holds (the router's lookup)
+    block_size: int
+    slo_ttft_s: float
+    supported: bool = True  # n == 1, no logprobs, one prompt
+
+
+def decode_candidates(engines: Sequence[Engine]) -> list[Engine]:
+    """Engines that take whole requests: roles decode and both (prefill engines only when nothing else runs)."""
+    takers = [e for e in engines if e.role != "prefill"]
+    return takers or list(engines)
+
+
+def prefill_pool(engines: Sequence[Engine]) -> list[Engine]:
+    return [e for e in engines if e.role == "prefill"]
+
+
+def decide(
+    decode: Engine, prefill_engines: Sequence[Engine], request: Request, min_gain_s: float, configured: bool = True
+) -> Decision:
+    """P/D or colocated for one request whose decode engine is `decode`. `prefill_engines`: the
+    routable prefill engines; `configured`: whether any prefill engine exists at all (else the
+    fallback counts as no_prefill_engine rather than prefill_down)."""
+    if not request.supported:
+        return Decision(None, "unsupported")
+    if not prefill_engines:
+        return Decision(None, "prefill_down" if configured else "no_prefill_engine")
+    bs = request.block_size
+    here = uncached_tokens(request.prompt_tokens, request.held.get(decode.url, 0), bs)
+    colocated = predict_ttft_s(decode.waiting_prefill_tokens, here, decode.prefill_tokens_per_s)
+    best, best_ttft = None, 0.0
+    for engine in prefill_engines:
+        uncached = uncached_tokens(request.prompt_tokens, request.held.get(engine.url, 0), bs)
+        ttft = predict_ttft_s(engine.waiting_prefill_tokens, uncached, engine.prefill_tokens_per_s)
+        if best is None or ttft < best_ttft:
+            best, best_ttft = engine, ttft
+    transfer = transfer_s(decode, request)
+    # A decode engine that has only ever continued hand-offs has not measured a whole prefill:
+    # the prefill engine's rate stands in (the same model, and in a pool the same hardware).
+    # Neither measured yet: no evidence against the prefill pool the operator set up (predict.py's rule).
+    rate = decode.prefill_tokens_per_s or best.prefill_tokens_per_s
+    gain = (here / rate if rate > 0 else math.inf) - transfer
+    if request.prompt_tokens < request.block_size or gain < min_gain_s:
+        return Decision(None, "short_prompt", gain, colocated)
+    pd_ttft = best_ttft + transfer
+    if pd_ttft > request.slo_ttft_s and best_ttft > colocated:
+        return Decision(None, "ttft", gain, colocated)
+    return Decision(best, "disaggregated", gain, pd_ttft)
+
+
+def transfer_s(decode: Engine, request: Request) -> float:
+    """Seconds for `decode` to pull the prompt's full blocks it lacks."""
+    full = request.prompt_tokens // request.block_size
+    missing = max(0, full - request.held.get(decode.url, 0))
+    nbytes = missing * request.block_size * decode.load.kv_bytes_per_token
+    rate = decode.load.kv_transfer_bytes_per_s or DEFAULT_TRANSFER_BPS
+    return nbytes / rate

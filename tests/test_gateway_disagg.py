@@ -1,0 +1,83 @@
+"""The gateway's per-request P/D decision (gateway/disagg.py), over polled loads: a prefill
+engine is used when it spares the decode engine more prefill time than the KV transfer costs,
+and never when it would miss a TTFT that colocated serving meets."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvharbor.common.load_report import LoadReport
+from kvharbor.gateway.disagg import Request, decide, decode_candidates, prefill_pool, transfer_s
+from kvharbor.gateway.engines import Engine
+
+BS = 16
+KV_BYTES = 46_080  # SmolLM2 in float32, per token
+
+
+def engine(url: str, role: str, rate: float = 1000.0, waiting: int = 0, transfer_bps: float = 0.0) -> Engine:
+    load = LoadReport(role=role, prefill_tokens_per_s=rate, waiting_prefill_tokens=waiting,
+                      kv_bytes_per_token=KV_BYTES, kv_transfer_bytes_per_s=transfer_bps)  # fmt: skip
+    e = Engine(url, "m", url[-1], load)
+    e.polled = True
+    return e
+
+
+def request(prompt: int, held: dict | None = None, slo: float = 2.0, supported: bool = True) -> Request:
+    return Request(prompt, held or {}, BS, slo, supported)
+
+
+DECODE, PREFILL = engine("http://d", "decode"), engine("http://p", "prefill")
+
+
+def test_a_long_prompt_goes_to_the_prefill_engine():
+    d = decide(DECODE, [PREFILL], request(2048), min_gain_s=0.05)
+    assert d.disaggregated and d.prefill is PREFILL and d.reason == "disaggregated"
+    # 2.048 s of prefill spared, less 2048 x 46 KB at the default 500 MB/s (0.19 s)
+    assert d.gain_s == pytest.approx(2.048 - 2048 * KV_BYTES / 500e6)
+
+
+def test_short_prompts_and_warm_caches_stay_colocated():
+    assert decide(DECODE, [PREFILL], request(40), 0.05).reason == "short_prompt"  # 40 ms < 50 ms
+    assert decide(DECODE, [PREFILL], request(8), 0.0).reason == "short_prompt"  # not one block to hand over
+    warm = request(2048, held={DECODE.url: 2048 // BS - 2})  # the decode engine holds all but 2 blocks
+    assert decide(DECODE, [PREFILL], warm, 0.05).reason == "short_prompt"
+
+
+def test_a_slow_link_makes_the_transfer_not_pay():
+    slow = engine("http://d", "decode", transfer_bps=20e6)  # 20 MB/s measured: 4.7 s for 2048 tokens
+    d = decide(slow, [PREFILL], request(2048), 0.05)
+    assert d.reason == "short_prompt" and d.gain_s < 0
+    assert transfer_s(slow, request(2048)) == pytest.approx(2048 * KV_BYTES / 20e6)
+
+
+def test_a_busy_prefill_engine_is_not_used_when_it_would_miss_the_ttft():
+    busy = engine("http://p", "prefill", waiting=10_000)  # 10 s of queued prefill
+    d = decide(DECODE, [busy], request(2048, slo=2.0), 0.05)
+    assert d.reason == "ttft" and not d.disaggregated
+    # ... unless it still meets the SLO
+    assert decide(DECODE, [busy], request(2048, slo=30.0), 0.05).disaggregated
+
+
+def test_the_least_loaded_prefill_engine_with_the_prefix_wins():
+    a, b = engine("http://a", "prefill", waiting=3000), engine("http://b", "prefill")
+    assert decide(DECODE, [a, b], request(2048), 0.05).prefill is b
+    holds = request(2048, held={a.url: 2048 // BS})  # a holds the whole prompt: its queue only
+    assert decide(DECODE, [engine("http://a", "prefill", waiting=1000), b], holds, 0.05).prefill.url == a.url
+
+
+def test_no_prefill_engine_unsupported_requests_and_unmeasured_engines():
+    assert decide(DECODE, [], request(2048), 0.05, configured=False).reason == "no_prefill_engine"
+    assert decide(DECODE, [], request(2048), 0.05, configured=True).reason == "prefill_down"
+    assert decide(DECODE, [PREFILL], request(2048, supported=False), 0.05).reason == "unsupported"
+    cold = engine("http://d", "decode", rate=0.0), engine("http://p", "prefill", rate=0.0)
+    assert decide(*cold[:1], [cold[1]], request(2048), 0.05).disaggregated  # no evidence against the pool
+    # a decode engine that has only continued hand-offs borrows the prefill engine's rate
+    d = decide(engine("http://d", "decode", rate=0.0), [PREFILL], request(2048), 0.05)
+    assert d.gain_s == pytest.approx(2.048 - 2048 * KV_BYTES / 500e6)
+
+
+def test_roles_split_the_pool():
+    both = engine("http://b", "both")
+    assert decode_candidates([DECODE, PREFILL, both]) == [DECODE, both]
+    assert prefill_pool([DECODE, PREFILL, both]) == [PREFILL]
+    assert decode_candidates([PREFILL]) == [PREFILL]  # nothing else runs: whole requests go there
