@@ -1,12 +1,24 @@
 """desired_objects: what an InferenceService becomes in the cluster (DESIGN §6), as plain dicts.
 
-A ConfigMap with the engine config, an engine Deployment (GPU limits, node pool selector,
-tolerations, readiness on /ready and liveness on /health, a preStop pause so endpoints drop the
-pod before SIGTERM starts the engine's drain, and a grace period longer than the drain), a
-Service labelled for the gateway's discovery, and a PodDisruptionBudget, all owned by the
+Per engine role (operator/roles.py: one colocated `both`, or `prefill` and `decode`) a ConfigMap
+with the engine config, an engine Deployment (GPU limits, node pool selector, tolerations,
+readiness on /ready and liveness on /health, a preStop pause so endpoints drop the pod before
+SIGTERM starts the engine's drain, and a grace period longer than the drain) and a
+PodDisruptionBudget; then one Service labelled for the gateway's discovery, which selects the
+engines of every role (the gateway tells them apart by their /load role). All are owned by the
 InferenceService. The function is pure: the same spec gives the same objects (reconciling twice
-changes nothing), and the pod template carries a hash of what it depends on, so a spec change
+changes nothing), and each pod template carries a hash of what it depends on, so a spec change
 rolls the Deployment.
+
+    kind         colocated              disaggregated (role: prefill, decode)
+    ConfigMap    <name>-engine-config   <name>-engine-<role>-config
+    Deployment   <name>-engine          <name>-engine-<role>   (label and selector kvharbor.io/role)
+    PDB          <name>-engine          <name>-engine-<role>
+    Service      <name>                 <name>, over both roles
+
+A colocated service's objects carry no role label: in its pod template one would roll every
+engine on upgrade, and a Deployment's selector cannot change. Its Service says
+`kvharbor.io/roles: both`, a disaggregated one's `prefill-decode`.
 """
 
 from __future__ import annotations
@@ -14,16 +26,21 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
 from kvharbor.common.endpoint_slices import DISCOVERY_LABEL, MODEL_ANNOTATION, MODEL_LABEL
 from kvharbor.operator.placement import POOL_LABEL, PlacementPlan
+from kvharbor.operator.roles import COLOCATED, RoleSpec, role_specs
 
 GROUP_VERSION = "kvharbor.io/v1alpha1"
 ENGINE_PORT = 8000
+KV_TRANSFER_PORT = 8200  # prefill engines serve KV hand-offs here; decode engines dial the pod IP
 PRESTOP_PAUSE_S = 5
+ROLE_LABEL = "kvharbor.io/role"  # on a role's pods, Deployment, ConfigMap and PDB
+ROLES_LABEL = "kvharbor.io/roles"  # on the Service: both, or prefill-decode
 
 
 def _label_value(text: str) -> str:
@@ -37,22 +54,31 @@ def owner_reference(name: str, uid: str) -> dict:
             "controller": True, "blockOwnerDeletion": True}  # fmt: skip
 
 
-def object_names(name: str) -> dict[str, tuple[str, str]]:
-    """kind -> (apiVersion, name) of every object an InferenceService owns."""
+def deployment_name(name: str, role: str = COLOCATED) -> str:
+    # NOTE: "-engine" stays next to the service name, so no other InferenceService's names can
+    # collide with a role's: theirs end in "-engine", a role's in "-prefill" / "-decode".
+    return f"{name}-engine" if role == COLOCATED else f"{name}-engine-{role}"
+
+
+def object_names(name: str, role: str = COLOCATED) -> dict[str, tuple[str, str]]:
+    """kind -> (apiVersion, name) of the objects an InferenceService owns for one engine role
+    (the Service is the same for every role)."""
+    engine = deployment_name(name, role)
     return {
-        "ConfigMap": ("v1", f"{name}-engine-config"),
-        "Deployment": ("apps/v1", f"{name}-engine"),
+        "ConfigMap": ("v1", f"{engine}-config"),
+        "Deployment": ("apps/v1", engine),
         "Service": ("v1", name),
-        "PodDisruptionBudget": ("policy/v1", f"{name}-engine"),
+        "PodDisruptionBudget": ("policy/v1", engine),
     }
 
 
-def engine_selector(name: str) -> dict[str, str]:
-    """The labels that select an InferenceService's engine pods."""
-    return {"app.kubernetes.io/instance": name, "app.kubernetes.io/name": "kvharbor-engine"}
+def engine_selector(name: str, role: str | None = None) -> dict[str, str]:
+    """The labels that select an InferenceService's engine pods: every role's, or one role's."""
+    selector = {"app.kubernetes.io/instance": name, "app.kubernetes.io/name": "kvharbor-engine"}
+    return selector if role in (None, COLOCATED) else {**selector, ROLE_LABEL: role}
 
 
-def engine_config(spec: dict, redis_url: str | None) -> dict:
+def engine_config(spec: dict, redis_url: str | None, role: str = COLOCATED) -> dict:
     """The engine's YAML config (the same names as `kvharbor serve` flags)."""
     model, engine, slo = spec["model"], spec.get("engine", {}), spec.get("slo", {})
     config = {
@@ -75,6 +101,10 @@ def engine_config(spec: dict, redis_url: str | None) -> dict:
     }
     if redis_url:
         config["redis_url"] = redis_url
+    if role != COLOCATED:  # a colocated engine's config stays as it was: no rollout on upgrade
+        config["role"] = role
+    if role == "prefill":
+        config["kv_transfer_port"] = KV_TRANSFER_PORT  # fixed: a pod declares its ports
     return config
 
 
@@ -83,21 +113,56 @@ def desired_objects(
     namespace: str,
     uid: str,
     spec: dict,
-    placement: PlacementPlan,
-    replicas: int,
+    placement: PlacementPlan | Mapping[str, PlacementPlan],
+    replicas: int | Mapping[str, int],
     image: str,
     redis_url: str | None = None,
     pool_label: str = POOL_LABEL,
 ) -> list[dict[str, Any]]:
+    """Every object of the roles `spec` runs (operator/roles.py): per role a ConfigMap and a
+    Deployment, then the Service, then per role a PodDisruptionBudget. `placement` and
+    `replicas` map each role to its own, or are one value for every role."""
     owner = [owner_reference(name, uid)]
+    roles = role_specs(spec)
+    per_role = [
+        role_objects(name, namespace, owner, spec, role, _of(placement, role.role), _of(replicas, role.role),
+                     image, redis_url, pool_label)
+        for role in roles
+    ]  # fmt: skip
+    service = engine_service(name, namespace, owner, spec, [role.role for role in roles])
+    return [*(o for objs in per_role for o in objs[:2]), service, *(objs[2] for objs in per_role)]
+
+
+def _of(value: Any, role: str) -> Any:
+    return value[role] if isinstance(value, Mapping) else value
+
+
+def engine_labels(name: str, role: str) -> dict[str, str]:
     labels = {"app.kubernetes.io/name": "kvharbor-engine", "app.kubernetes.io/instance": name,
               "app.kubernetes.io/managed-by": "kvharbor-operator"}  # fmt: skip
-    selector = engine_selector(name)
-    names = object_names(name)
-    config = engine_config(spec, redis_url)
+    return labels if role == COLOCATED else {**labels, ROLE_LABEL: role}
+
+
+def role_objects(
+    name: str,
+    namespace: str,
+    owner: list[dict],
+    spec: dict,
+    role: RoleSpec,
+    placement: PlacementPlan,
+    replicas: int,
+    image: str,
+    redis_url: str | None,
+    pool_label: str,
+) -> list[dict[str, Any]]:
+    """[ConfigMap, Deployment, PodDisruptionBudget] of one engine role."""
+    labels = engine_labels(name, role.role)
+    selector = engine_selector(name, role.role)
+    names = object_names(name, role.role)
+    config = engine_config(spec, redis_url, role.role)
     config_yaml = yaml.safe_dump(config, sort_keys=True)
     rollout = hashlib.sha256(
-        json.dumps([config_yaml, placement.__dict__, spec.get("placement", {})], sort_keys=True).encode()
+        json.dumps([config_yaml, placement.__dict__, role.placement], sort_keys=True).encode()
     ).hexdigest()[:16]
     drain = int(config["drain_timeout"])
     meta = {"namespace": namespace, "labels": labels, "ownerReferences": owner}
@@ -108,13 +173,47 @@ def desired_objects(
         "data": {"engine.yaml": config_yaml},
     }
     tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
-                   *spec.get("placement", {}).get("tolerations", [])]  # fmt: skip
-    container = {
+                   *role.placement.get("tolerations", [])]  # fmt: skip
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": names["Deployment"][1], **meta},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels, "annotations": {"kvharbor.io/rollout-hash": rollout}},
+                "spec": {
+                    "nodeSelector": {pool_label: placement.pool},
+                    "tolerations": tolerations,
+                    "terminationGracePeriodSeconds": drain + PRESTOP_PAUSE_S + 15,
+                    "containers": [engine_container(image, placement, role.role)],
+                    "volumes": [{"name": "config", "configMap": {"name": configmap["metadata"]["name"]}}],
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+                },
+            },
+        },
+    }
+    pdb = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": names["PodDisruptionBudget"][1], **meta},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}},
+    }
+    return [configmap, deployment, pdb]
+
+
+def engine_container(image: str, placement: PlacementPlan, role: str) -> dict[str, Any]:
+    ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+    if role == "prefill":
+        ports.append({"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
+    return {
         "name": "engine",
         "image": image,
         "args": ["serve", "--config", "/etc/kvharbor/engine.yaml", "--instance-id", "$(POD_NAME)"],
         "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": ports,
         "resources": {
             "limits": {"nvidia.com/gpu": str(placement.gpus_per_replica)},
             "requests": {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": str(placement.gpus_per_replica)},
@@ -131,42 +230,25 @@ def desired_objects(
         "volumeMounts": [{"name": "config", "mountPath": "/etc/kvharbor", "readOnly": True}],
         "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
-    deployment = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {"name": names["Deployment"][1], **meta},
-        "spec": {
-            "replicas": replicas,
-            "selector": {"matchLabels": selector},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "template": {
-                "metadata": {"labels": labels, "annotations": {"kvharbor.io/rollout-hash": rollout}},
-                "spec": {
-                    "nodeSelector": {pool_label: placement.pool},
-                    "tolerations": tolerations,
-                    "terminationGracePeriodSeconds": drain + PRESTOP_PAUSE_S + 15,
-                    "containers": [container],
-                    "volumes": [{"name": "config", "configMap": {"name": configmap["metadata"]["name"]}}],
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
-                },
-            },
-        },
-    }
-    service = {
+
+
+def engine_service(name: str, namespace: str, owner: list[dict], spec: dict, roles: Sequence[str]) -> dict[str, Any]:
+    """The one engine Service: it selects every role's engines, so the gateway's discovery finds
+    the prefill pool and the decode engines alike (DESIGN §5) and reads each one's role in /load."""
+    labels = {**engine_labels(name, COLOCATED), DISCOVERY_LABEL: "engine",
+              MODEL_LABEL: _label_value(spec["model"]["name"]), ROLES_LABEL: "-".join(roles)}  # fmt: skip
+    return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": {
-            "name": names["Service"][1],
-            **meta,
-            "labels": {**labels, DISCOVERY_LABEL: "engine", MODEL_LABEL: _label_value(spec["model"]["name"])},
+            "name": object_names(name)["Service"][1],
+            "namespace": namespace,
+            "labels": labels,
+            "ownerReferences": owner,
             "annotations": {MODEL_ANNOTATION: spec["model"]["name"]},
         },
-        "spec": {"selector": selector, "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http"}]},
+        "spec": {
+            "selector": engine_selector(name),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http"}],
+        },
     }
-    pdb = {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": {"name": names["PodDisruptionBudget"][1], **meta},
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}},
-    }
-    return [configmap, deployment, service, pdb]

@@ -1,11 +1,14 @@
 """What the operator does for an InferenceService, as plain async functions (kopf calls them
 from operator/handlers.py; nothing here imports kopf).
 
-- `reconcile_service`: place the model on a node pool, then create or update the engine objects
-  (`desired_objects`); when nothing fits, deploy nothing and say why.
-- `observe_service` (on a timer): readiness from the Deployment, engine URLs from the Service's
-  EndpointSlices, load from each engine's /load, then `scale_decision`; it re-runs placement
-  while the service is unplaced, since new nodes may have joined.
+- `reconcile_service`: place each engine role (operator/roles.py: one colocated, or prefill and
+  decode) on a node pool, then create or update the engine objects (`desired_objects`) and
+  delete the ones a former mode left (a colocated Deployment once the service is disaggregated,
+  or the reverse); when nothing fits, deploy nothing and say why.
+- `observe_service` (on a timer): readiness from each role's Deployment, engine URLs from the
+  Service's EndpointSlices, load from each engine's /load, then `scale_decision` per role on the
+  reports of that role's engines only, so scaling one role never moves the other; it re-runs
+  placement while the service is unplaced, since new nodes may have joined.
 - `finalize_service` (the finalizer): scale to zero, wait until the engine pods are gone (they
   drain), then remove their instances from the KV index so no router sends anyone there.
 
@@ -27,8 +30,9 @@ from kvharbor.common.kube import Kube, NotOwned, path
 from kvharbor.common.load_report import LoadReport
 from kvharbor.operator.config import OperatorConfig
 from kvharbor.operator.model_profiles import profile_for
-from kvharbor.operator.objects import desired_objects, engine_selector, object_names
+from kvharbor.operator.objects import deployment_name, desired_objects, engine_selector, object_names
 from kvharbor.operator.placement import EngineShape, PlacementPlan, place, pools_from_nodes
+from kvharbor.operator.roles import ALL_ROLES, COLOCATED, RoleSpec, role_specs
 from kvharbor.operator.scaling import AutoscalingSpec, observed, scale_decision
 from kvharbor.operator.status import (
     Event,
@@ -89,36 +93,35 @@ class Resource:
             dict(body.get("spec") or {}), dict(body.get("status") or {}),
         )  # fmt: skip
 
-    @property
-    def deployment_path(self) -> str:
-        api_version, name = object_names(self.name)["Deployment"]
+    def deployment_path(self, role: str = COLOCATED) -> str:
+        api_version, name = object_names(self.name, role)["Deployment"]
         return path(api_version, "Deployment", self.namespace, name)
 
     def section(self, key: str) -> dict:
         return dict(self.spec.get(key) or {})
 
-
-DEFAULT_TARGETS = {"queue": 8.0, "kv": 0.8, "slo": 0.95}
-
-
-def autoscaling_target(res: Resource) -> tuple[str, float]:
-    """The metric and its target, defaulted per metric; kv and slo are shares in (0, 1]."""
-    auto = res.section("autoscaling")
-    metric = auto.get("metric", "queue")
-    if metric not in DEFAULT_TARGETS:
-        raise ValueError(f"autoscaling.metric must be queue, kv or slo, got {metric!r}")
-    target = float(auto.get("target", DEFAULT_TARGETS[metric]))
-    if target <= 0 or (metric != "queue" and target > 1):
-        raise ValueError(f"autoscaling.target {target:g} does not fit metric {metric}: use a share in (0, 1]")
-    return metric, target
+    def role_status(self, role: str) -> dict:
+        """What .status says of one role: a colocated service keeps it at the top, a
+        disaggregated one under status.roles.<role>."""
+        if role == COLOCATED:
+            return self.status
+        return dict((self.status.get("roles") or {}).get(role) or {})
 
 
-def replica_bounds(res: Resource) -> tuple[int, int]:
-    replicas = res.section("replicas")
-    low, high = int(replicas.get("min", 1)), int(replicas.get("max", 1))
-    if low > high:
-        raise ValueError(f"replicas.min ({low}) is above replicas.max ({high}); set min <= max")
-    return low, high
+def mode_status(res: Resource, per_role: dict[str, dict]) -> dict:
+    """Per-role status fields where the service's mode keeps them: at the top for a colocated
+    service; under `roles`, with replica sums at the top, for a disaggregated one. The other
+    mode's fields are cleared (a merge patch removes nulls), so a service that changed mode
+    shows no stale numbers."""
+    if COLOCATED in per_role:
+        out = dict(per_role[COLOCATED])
+        return out | ({"roles": None} if "roles" in res.status else {})
+    out: dict[str, Any] = {"roles": per_role}
+    for key in ("desiredReplicas", "readyReplicas"):
+        values = [fields[key] for fields in per_role.values() if key in fields]
+        if values:
+            out[key] = sum(values)
+    return out | {key: None for key in ("placement", "lastScaleTime") if key in res.status}
 
 
 def engine_shape(res: Resource) -> EngineShape:
@@ -134,28 +137,33 @@ def engine_shape(res: Resource) -> EngineShape:
     )
 
 
-async def plan_placement(ctx: OperatorContext, res: Resource) -> PlacementPlan | str:
-    """The placement, or why there is none (bad spec, or no pool fits)."""
-    model, resources, placement = res.section("model"), res.section("resources"), res.section("placement")
+async def plan_placement(ctx: OperatorContext, res: Resource) -> dict[str, PlacementPlan] | str:
+    """Each role's placement, or why there is none (bad spec, or no pool fits some role)."""
+    model = res.section("model")
     try:
-        replica_bounds(res)
-        autoscaling_target(res)
+        roles = role_specs(res.spec)
         profile = profile_for(model["name"], model.get("profile"))
         shape = engine_shape(res)
         profile.weight_bytes(shape.dtype, shape.quantization, shape.gguf_bits)  # what it cannot size is a bad spec
         profile.kv_bytes_per_token(shape.dtype, shape.kv_cache_dtype)
     except (KeyError, ValueError) as exc:
         return f"invalid spec: {exc}"
-    nodes = await ctx.kube.list(path("v1", "Node"))
-    plan = place(
-        profile,
-        shape,
-        pools_from_nodes(nodes, ctx.config.watch.pool_label),
-        node_pool=placement.get("nodePool"),
-        gpu_type=resources.get("gpuType"),
-        gpus_per_replica=resources.get("gpusPerReplica"),
-    )
-    return "no node pool fits: " + "; ".join(plan) if isinstance(plan, list) else plan
+    pools = pools_from_nodes(await ctx.kube.list(path("v1", "Node")), ctx.config.watch.pool_label)
+    plans, reasons = {}, []
+    for role in roles:
+        plan = place(
+            profile,
+            shape,
+            pools,
+            node_pool=role.placement.get("nodePool"),
+            gpu_type=role.resources.get("gpuType"),
+            gpus_per_replica=role.resources.get("gpusPerReplica"),
+        )
+        if isinstance(plan, list):
+            reasons.append(("" if role.role == COLOCATED else f"{role.role} engines: ") + "; ".join(plan))
+        else:
+            plans[role.role] = plan
+    return "no node pool fits: " + " | ".join(reasons) if reasons else plans
 
 
 def placement_status(plan: PlacementPlan) -> dict:
@@ -171,22 +179,21 @@ def placement_status(plan: PlacementPlan) -> dict:
 async def reconcile_service(ctx: OperatorContext, body: dict) -> Outcome:
     res, now = Resource.of(body), rfc3339()
     old = list(res.status.get("conditions") or [])
-    plan = await plan_placement(ctx, res)
-    if isinstance(plan, str):
-        reason = "InvalidSpec" if plan.startswith("invalid spec") else "NoFit"
-        conds = set_condition(old, "Placed", False, reason, plan, now)
+    plans = await plan_placement(ctx, res)
+    if isinstance(plans, str):
+        reason = "InvalidSpec" if plans.startswith("invalid spec") else "NoFit"
+        conds = set_condition(old, "Placed", False, reason, plans, now)
         conds = set_condition(conds, "Ready", False, "NotPlaced", "nothing is deployed until a node pool fits", now)
         status = {"conditions": conds, "phase": phase(conds), "observedGeneration": res.generation}
         return Outcome(status, transition_events(old, conds))
-    low, high = replica_bounds(res)
-    current = await ctx.kube.get(res.deployment_path)
-    replicas = min(high, max(low, int((current or {}).get("spec", {}).get("replicas", low))))
+    replicas = {role.role: await start_replicas(ctx, res, role) for role in role_specs(res.spec)}
     engine = ctx.config.engine
     objects = desired_objects(
-        res.name, res.namespace, res.uid, res.spec, plan, replicas,
+        res.name, res.namespace, res.uid, res.spec, plans, replicas,
         engine.engine_image, engine.redis_url, ctx.config.watch.pool_label,
     )  # fmt: skip
-    events = [Event("Normal", "Placed", placement_message(plan))] if placement_changed(res, plan) else []
+    moved = [role for role, plan in plans.items() if placement_changed(res, role, plan)]
+    events = [Event("Normal", "Placed", placement_message(role, plans[role])) for role in moved]
     changed, conflicts = [], []
     for obj in objects:
         try:
@@ -197,38 +204,71 @@ async def reconcile_service(ctx: OperatorContext, body: dict) -> Outcome:
         if result != "unchanged":
             changed.append(f"{obj['kind']} {obj['metadata']['name']}")
             events.append(Event("Normal", result.capitalize(), f"{obj['kind']} {obj['metadata']['name']} {result}"))
-    conds = set_condition(old, "Placed", True, "Fits", placement_message(plan), now)
+    for gone in await remove_former_roles(ctx, res, set(plans)):
+        changed.append(gone)
+        events.append(Event("Normal", "Deleted", f"{gone} deleted: the service no longer runs that role"))
+    placed = "; ".join(placement_message(role, plan) for role, plan in plans.items())
+    conds = set_condition(old, "Placed", True, "Fits", placed, now)
     if changed:
         conds = set_condition(conds, "Progressing", True, "ObjectsApplied", "applied " + ", ".join(changed), now)
     if conflicts:  # rename the InferenceService, or remove the other object
         conds = set_condition(conds, "Degraded", True, "NameConflict", "; ".join(conflicts), now)
+    per_role = {role: {"placement": placement_status(plan), "desiredReplicas": replicas[role]}
+                for role, plan in plans.items()}  # fmt: skip
     status = {
         "conditions": conds,
         "phase": phase(conds),
-        "placement": placement_status(plan),
-        "desiredReplicas": replicas,
+        **mode_status(res, per_role),
         "observedGeneration": res.generation,
     }
     return Outcome(status, events + transition_events(old, conds))
 
 
-def placement_message(plan: PlacementPlan) -> str:
-    return (
+async def start_replicas(ctx: OperatorContext, res: Resource, role: RoleSpec) -> int:
+    """The role's replicas: what its Deployment runs (autoscaling set it), within the bounds."""
+    current = await ctx.kube.get(res.deployment_path(role.role))
+    return role.clamp(int((current or {}).get("spec", {}).get("replicas", role.start_replicas)))
+
+
+async def remove_former_roles(ctx: OperatorContext, res: Resource, roles: set[str]) -> list[str]:
+    """Delete the owned ConfigMap, Deployment and PDB of roles the service no longer runs (the
+    Service is shared by every role): a colocated Deployment would keep serving, and PDBs that
+    overlap on a pod block its eviction."""
+    gone = []
+    for role in ALL_ROLES:
+        if role in roles:
+            continue
+        for kind, (api_version, name) in object_names(res.name, role).items():
+            if kind == "Service":
+                continue
+            url = path(api_version, kind, res.namespace, name)
+            obj = await ctx.kube.get(url) or {}
+            owners = [o.get("uid") for o in obj.get("metadata", {}).get("ownerReferences") or []]
+            if res.uid in owners and await ctx.kube.delete(url):
+                gone.append(f"{kind} {name}")
+    return gone
+
+
+def placement_message(role: str, plan: PlacementPlan) -> str:
+    text = (
         f"pool {plan.pool} ({plan.gpu_product or 'GPU'}), {plan.gpus_per_replica} GPU(s) per replica, "
         f"weights {plan.weight_bytes / 2**30:.1f} GiB, "
         f"KV capacity {plan.kv_capacity_tokens} tokens at {plan.bytes_per_token} bytes/token"
     )
+    return text if role == COLOCATED else f"{role} engines: {text}"
 
 
-def placement_changed(res: Resource, plan: PlacementPlan) -> bool:
-    return res.status.get("placement") != placement_status(plan)
+def placement_changed(res: Resource, role: str, plan: PlacementPlan) -> bool:
+    return res.role_status(role).get("placement") != placement_status(plan)
 
 
-async def missing_objects(ctx: OperatorContext, res: Resource) -> list[str]:
-    """Owned objects other than the Deployment that someone deleted (the caller read that one)."""
+async def missing_objects(ctx: OperatorContext, res: Resource, roles: tuple[RoleSpec, ...]) -> list[str]:
+    """Owned objects other than the Deployments that someone deleted (the caller read those)."""
+    names = [object_names(res.name, role.role) for role in roles]
+    owned = {(kind, *ref) for of_role in names for kind, ref in of_role.items() if kind != "Deployment"}
     missing = []
-    for kind, (api_version, name) in object_names(res.name).items():
-        if kind != "Deployment" and await ctx.kube.get(path(api_version, kind, res.namespace, name)) is None:
+    for kind, api_version, name in sorted(owned):  # the Service once: every role shares it
+        if await ctx.kube.get(path(api_version, kind, res.namespace, name)) is None:
             missing.append(f"{kind} {name}")
     return missing
 
@@ -260,65 +300,98 @@ async def observe_service(ctx: OperatorContext, body: dict, now: float | None = 
         return Outcome()  # the finalizer owns it now: scaling back up would undo its drain
     res = Resource.of(body)
     conds = list(res.status.get("conditions") or [])
-    deployment = await ctx.kube.get(res.deployment_path)
-    if not is_true(conds, "Placed") or deployment is None or await missing_objects(ctx, res):
+    try:
+        roles = role_specs(res.spec)
+    except ValueError:
+        return await reconcile_service(ctx, body)  # it says what is wrong with the spec
+    deployments = {role.role: await ctx.kube.get(res.deployment_path(role.role)) for role in roles}
+    if not is_true(conds, "Placed") or None in deployments.values() or await missing_objects(ctx, res, roles):
         return await reconcile_service(ctx, body)  # unplaced (nodes may have come), or an object was removed
     now = time.time() if now is None else now
     urls = await engine_urls(ctx, res)
     loads, silent = await engine_loads(ctx, urls)
-    desired = int(deployment.get("spec", {}).get("replicas", 0))
-    outcome = Outcome()
-    wanted = await autoscale(ctx, res, desired, loads, now, outcome)
-    ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
-    new = readiness(res, conds, deployment, wanted, silent)
-    outcome.status.update(conditions=new, phase=phase(new), readyReplicas=ready, desiredReplicas=wanted, endpoints=urls)
+    outcome, wanted, per_role = Outcome(), {}, {}
+    for role in roles:
+        deployment = deployments[role.role]
+        desired = int(deployment.get("spec", {}).get("replicas", 0))
+        fields: dict[str, Any] = {}  # this role's status; autoscale adds its lastScaleTime
+        wanted[role.role] = await autoscale(ctx, res, role, desired, loads, now, outcome, fields)
+        ready = int((deployment.get("status") or {}).get("readyReplicas") or 0)
+        per_role[role.role] = {**fields, "readyReplicas": ready, "desiredReplicas": wanted[role.role]}
+    new = readiness(conds, roles, deployments, wanted, silent)
+    outcome.status.update(conditions=new, phase=phase(new), endpoints=urls, **mode_status(res, per_role))
     outcome.events += transition_events(conds, new)
     return outcome
 
 
 async def autoscale(
-    ctx: OperatorContext, res: Resource, desired: int, loads: list[LoadReport], now: float, outcome: Outcome
+    ctx: OperatorContext,
+    res: Resource,
+    role: RoleSpec,
+    desired: int,
+    loads: list[LoadReport],
+    now: float,
+    outcome: Outcome,
+    fields: dict,
 ) -> int:
-    """Patch the Deployment's replicas when the scaling rule says so; returns the replicas wanted."""
-    low, high = replica_bounds(res)
-    metric, target = autoscaling_target(res)
+    """Patch the role's Deployment replicas when the scaling rule says so; returns the replicas
+    wanted. It reads only the reports of that role's engines and keeps its own last-scale time
+    (in `fields`, the role's status), so one role's load or cool-down never moves the other."""
     scaling = ctx.config.scaling
-    spec = AutoscalingSpec(low, high, metric, target, scaling.scale_up_cooldown, scaling.scale_down_cooldown)
-    value = observed(spec.metric, loads)
-    last = parse_rfc3339(res.status.get("lastScaleTime")) or 0.0
+    spec = AutoscalingSpec(role.min_replicas, role.max_replicas, role.metric, role.target,
+                           scaling.scale_up_cooldown, scaling.scale_down_cooldown)  # fmt: skip
+    value = observed(spec.metric, [load for load in loads if load.role == role.role])
+    last = parse_rfc3339(res.role_status(role.role).get("lastScaleTime")) or 0.0
     wanted = scale_decision(value, spec, desired, now, last)
     if wanted != desired:
-        await ctx.kube.merge_patch(res.deployment_path, {"spec": {"replicas": wanted}})
+        await ctx.kube.merge_patch(res.deployment_path(role.role), {"spec": {"replicas": wanted}})
         shown = "no data" if value is None else f"{value:.2f}"
         message = f"{desired} -> {wanted} replicas: {spec.metric} {shown} per replica, target {spec.target:g}"
-        outcome.events.append(Event("Normal", "Scaled", message))
-        outcome.status["lastScaleTime"] = rfc3339(now)
+        prefix = "" if role.role == COLOCATED else f"{role.role} engines: "
+        outcome.events.append(Event("Normal", "Scaled", prefix + message))
+        fields["lastScaleTime"] = rfc3339(now)
     return wanted
 
 
-def readiness(res: Resource, conds: list[dict], deployment: dict, wanted: int, silent: list[str]) -> list[dict]:
-    """Ready / Progressing / Degraded from the Deployment's status and the engines' answers."""
-    now, status = rfc3339(), deployment.get("status") or {}
-    ready, updated = int(status.get("readyReplicas") or 0), int(status.get("updatedReplicas") or 0)
-    low, _ = replica_bounds(res)
-    need = max(1, low) if wanted else 0
-    conds = set_condition(conds, "Ready", ready >= need, "EnginesReady" if ready >= need else "WaitingForEngines",
-                          f"{ready}/{wanted} engine replicas ready (at least {need} needed)", now)  # fmt: skip
-    rolling = updated < wanted or ready < wanted
+def readiness(
+    conds: list[dict],
+    roles: tuple[RoleSpec, ...],
+    deployments: dict[str, dict],
+    wanted: dict[str, int],
+    silent: list[str],
+) -> list[dict]:
+    """Ready / Progressing / Degraded from the Deployments' status and the engines' answers:
+    Ready when every role has the engines it needs."""
+    now, all_ready, rolling, readies, rollouts = rfc3339(), True, False, [], []
+    for role in roles:
+        status, want = deployments[role.role].get("status") or {}, wanted[role.role]
+        ready, updated = int(status.get("readyReplicas") or 0), int(status.get("updatedReplicas") or 0)
+        need = max(1, role.min_replicas) if want else 0
+        all_ready &= ready >= need
+        rolling |= updated < want or ready < want
+        prefix = "" if role.role == COLOCATED else f"{role.role}: "
+        readies.append(f"{prefix}{ready}/{want} engine replicas ready (at least {need} needed)")
+        rollouts.append(f"{prefix}{updated} updated, {ready} ready, {want} wanted")
+    conds = set_condition(conds, "Ready", all_ready, "EnginesReady" if all_ready else "WaitingForEngines",
+                          "; ".join(readies), now)  # fmt: skip
     conds = set_condition(conds, "Progressing", rolling, "RollingOut" if rolling else "Stable",
-                          f"{updated} updated, {ready} ready, {wanted} wanted", now)  # fmt: skip
+                          "; ".join(rollouts), now)  # fmt: skip
     if silent:
         return set_condition(conds, "Degraded", True, "EnginesSilent", f"no /load answer from {', '.join(silent)}", now)
     return set_condition(conds, "Degraded", False, "Healthy", "every ready engine answers", now)
 
 
 def is_engine_pod_name(service: str, instance: str) -> bool:
-    """Engine instance ids are their pod names: (<service>-engine-<template hash>-) cut to 58
-    characters, as Kubernetes cuts a generated name's base, then 5 random characters."""
+    """Engine instance ids are their pod names: (<engine Deployment>-<template hash>-) cut to 58
+    characters, as Kubernetes cuts a generated name's base, then 5 random characters. Any role's
+    Deployment counts: the service may have changed mode while its engines published."""
     base, suffix = instance[:-5], instance[-5:]
     if not re.fullmatch(r"[a-z0-9]{5}", suffix) or len(base) > 58:
         return False
-    prefix = f"{service}-engine-"
+    return any(_is_pod_base(base, f"{deployment_name(service, role)}-") for role in ALL_ROLES)
+
+
+def _is_pod_base(base: str, prefix: str) -> bool:
     if len(base) < 58:
         return base.startswith(prefix) and re.fullmatch(r"[a-z0-9]{1,10}-", base[len(prefix) :]) is not None
     if len(prefix) >= 58:
@@ -328,9 +401,13 @@ def is_engine_pod_name(service: str, instance: str) -> bool:
 
 async def finalize_service(ctx: OperatorContext, body: dict) -> Outcome:
     res, outcome = Resource.of(body), Outcome()
-    deployment = await ctx.kube.get(res.deployment_path)
-    if deployment is not None and deployment.get("spec", {}).get("replicas") != 0:
-        await ctx.kube.merge_patch(res.deployment_path, {"spec": {"replicas": 0}})
+    draining = False
+    for role in ALL_ROLES:  # every role it may have run: its mode may have changed
+        deployment = await ctx.kube.get(res.deployment_path(role))
+        if deployment is not None and deployment.get("spec", {}).get("replicas") != 0:
+            await ctx.kube.merge_patch(res.deployment_path(role), {"spec": {"replicas": 0}})
+            draining = True
+    if draining:
         outcome.events.append(Event("Normal", "Draining", "scaled the engines to 0 so they drain before cleanup"))
     selector = ",".join(f"{k}={v}" for k, v in engine_selector(res.name).items())
     # Failed or Succeeded pods (evicted, OOM-killed) stay until someone deletes them, and run nothing.

@@ -1,5 +1,6 @@
 """The Helm chart renders (Helm's own library, from the helm-python-sdk wheel), lints clean in
-strict mode, and every manifest validates strictly against Kubernetes 1.30 and 1.37."""
+strict mode, and every manifest validates strictly against Kubernetes 1.30 and 1.37 (and the
+InferenceServices it may carry against our CRD)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,30 @@ def test_the_chart_passes_options_its_commands_accept(tmp_path):
     (tmp_path / "models.yaml").write_text(models["data"]["models.yaml"])
     specs = StaticDiscovery.from_file(tmp_path / "models.yaml", 2000, 200, require_engines=False).models()
     assert [(s.name, s.engines, s.slo_ttft_ms) for s in specs] == [("SmolLM2-135M-Instruct", (), 2000.0)]
+
+
+def test_inference_services_in_values_render_and_satisfy_the_crd():
+    """The disaggregated example, given as a value, renders as is into the gateway's discovery
+    namespace and satisfies the CRD; the gateway gets the P/D values as options it accepts."""
+    import jsonschema
+    from test_operator_manifests import spec_schema
+
+    from kvharbor.gateway.config import GatewayConfig
+
+    example = yaml.safe_load((CHART / "examples" / "inferenceservice-disaggregated.yaml").read_text())
+    values = {
+        "inferenceServices": [{"name": example["metadata"]["name"], "spec": example["spec"]}],
+        "gateway": {"discoveryNamespace": "models", "disaggregation": "off", "pdMinGainMs": 20},
+    }
+    docs = render(values)
+    (service,) = [d for d in docs if d["kind"] == "InferenceService"]
+    assert service["metadata"]["name"] == "qwen-7b-pd" and service["metadata"]["namespace"] == "models"
+    assert service["spec"] == example["spec"] and service["spec"]["disaggregation"]["prefill"]["replicas"] == 1
+    jsonschema.validate(service, spec_schema("inferenceservices"))
+    for doc in docs:
+        if doc["kind"] != "InferenceService":
+            kubernetes_validate.validate(doc, "1.37", strict=True)
+    routing = _config_of(_container(docs, "gateway"), GatewayConfig).routing
+    assert (routing.disaggregation, routing.pd_min_gain_ms) == ("off", 20.0)
+    assert _config_of(_container(render({}), "gateway"), GatewayConfig).routing.disaggregation == "auto"
+    assert not [d for d in render({}) if d["kind"] == "InferenceService"]  # none unless asked

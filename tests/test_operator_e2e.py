@@ -217,6 +217,74 @@ def test_queue_depth_scales_the_deployment_up_and_status_follows(cluster):
     assert scaled and "1 -> 3 replicas: queue 12.00" in scaled[0]["message"]
 
 
+def _endpoint_slice(service: str, name: str, port: int) -> dict:
+    return {
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": name, "namespace": NS, "labels": {"kubernetes.io/service-name": service}},
+        "addressType": "IPv4", "ports": [{"name": "http", "port": port}],
+        "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
+    }  # fmt: skip
+
+
+def test_disaggregation_runs_a_deployment_per_role_each_scaled_on_its_own_load(cluster):
+    api, _, _, _ = cluster
+    smol = {"source": "/m", "name": "SmolLM2-135M-Instruct"}
+    replicas = lambda role: api.get("apps/v1", "Deployment", f"pd-engine-{role}", NS)["spec"]["replicas"]  # noqa: E731
+    # Colocated first: turning disaggregation on replaces its Deployment, which must not keep serving.
+    api.create(inference_service("pd", model=smol))
+    wait_for(lambda: api.get("apps/v1", "Deployment", "pd-engine", NS), 30, "the colocated Deployment")
+    svc = api.get(API, "InferenceService", "pd", NS)
+    svc["spec"]["disaggregation"] = {
+        "prefill": {"replicas": 1, "autoscaling": {"max": 3, "target": 1000}},  # queued prefill tokens
+        "decode": {"replicas": 2, "autoscaling": {"min": 1, "max": 3}},  # KV use, target 0.8
+    }
+    api.apply(svc)
+    wait_for(lambda: api.get("apps/v1", "Deployment", "pd-engine", NS) is None, 30, "the colocated one gone")
+    deployments = {r: api.get("apps/v1", "Deployment", f"pd-engine-{r}", NS) for r in ("prefill", "decode")}
+    for role, dep in deployments.items():
+        assert dep["spec"]["template"]["metadata"]["labels"]["kvharbor.io/role"] == role
+        assert api.get("v1", "ConfigMap", f"pd-engine-{role}-config", NS) is not None
+    prefill_ports = {p["name"]: p["containerPort"] for p in
+                     deployments["prefill"]["spec"]["template"]["spec"]["containers"][0]["ports"]}  # fmt: skip
+    assert prefill_ports == {"http": 8000, "kv-transfer": 8200}
+    assert api.get("v1", "ConfigMap", "pd-engine-config", NS) is None
+    assert api.get("v1", "Service", "pd", NS)["spec"]["selector"].keys() == {
+        "app.kubernetes.io/instance", "app.kubernetes.io/name"}  # both roles: the gateway finds them all
+    # One /load stand-in per role, both behind the engine Service (as the gateway discovers them).
+    prefill, decode = LoadStandIn(), LoadStandIn()
+    try:
+        prefill.load = {"role": "prefill", "waiting_prefill_tokens": 0, "kv_blocks_free": 100, "kv_blocks_total": 100}
+        decode.load = {"role": "decode", "running": 4, "kv_blocks_free": 20, "kv_blocks_total": 100}  # at target
+        for role, stand_in in (("prefill", prefill), ("decode", decode)):
+            api.create(_endpoint_slice("pd", f"pd-{role}", stand_in.port))
+            ready = deployments[role]["spec"]["replicas"]
+            api.patch_status("apps/v1", "Deployment", f"pd-engine-{role}", NS, {"readyReplicas": ready,
+                                                                                "updatedReplicas": ready})  # fmt: skip
+        wait_for(lambda: condition(api, "pd", "Ready").get("status") == "True", 30, "Ready=True")
+        roles = status_of(api, "pd")["roles"]
+        assert (roles["prefill"]["readyReplicas"], roles["decode"]["readyReplicas"]) == (1, 2)
+        assert roles["decode"]["placement"]["pool"] == "l4" and "placement" not in status_of(api, "pd")
+        # A prefill queue scales the prefill engines only ...
+        prefill.load = {**prefill.load, "waiting_prefill_tokens": 3000}
+        wait_for(lambda: replicas("prefill") == 3, 30, "3 prefill replicas")
+        assert replicas("decode") == 2
+        # ... and full KV the decode engines only (the prefill queue is now at its target).
+        prefill.load = {**prefill.load, "waiting_prefill_tokens": 1000}
+        decode.load = {**decode.load, "kv_blocks_free": 0}
+        wait_for(lambda: replicas("decode") == 3, 30, "3 decode replicas")
+        assert replicas("prefill") == 3
+        wait_for(lambda: status_of(api, "pd")["roles"]["decode"].get("desiredReplicas") == 3, 30, "status")
+        assert status_of(api, "pd")["roles"]["prefill"]["desiredReplicas"] == 3
+        scaled_events = lambda: sorted(e["message"] for e in events_for(api, "pd") if e["reason"] == "Scaled")  # noqa: E731
+        wait_for(lambda: len(scaled_events()) == 2, 10, "a Scaled event per role")
+        scaled = scaled_events()
+        assert scaled[0].startswith("decode engines: 2 -> 3 replicas: kv 1.00")
+        assert scaled[1].startswith("prefill engines: 1 -> 3 replicas: prefill_tokens 3000.00")
+    finally:
+        prefill.close()
+        decode.close()
+
+
 def _index_entries(redis_url: str, instances: list[tuple[str, str]]) -> dict[str, int]:
     async def body() -> dict[str, int]:
         index = RedisIndex.from_url(redis_url)

@@ -185,5 +185,19 @@ def test_observed_metrics_from_load_reports():
     assert observed("queue", loads) == 5.0
     assert observed("kv", loads) == 0.5
     assert observed("slo", loads) is None and observed("queue", []) is None
-    with pytest.raises(ValueError, match="queue, kv or slo"):
+    with pytest.raises(ValueError, match="queue, kv, slo, prefill_tokens or itl"):
         observed("gpu", loads)
+
+
+def test_prefill_and_decode_metrics_from_load_reports():
+    prefill = [LoadReport(role="prefill", waiting_prefill_tokens=3000), LoadReport(role="prefill")]
+    assert observed("prefill_tokens", prefill) == 1500.0
+    # itl: the step each engine predicts for the batch it runs now (measured 100 ms at 8 sequences,
+    # 5 ms more per sequence); an engine that measured no step yet gives no data.
+    busy = LoadReport(role="decode", running=10, decode_step_ms=100.0, decode_batch=8, decode_ms_per_seq=5.0)
+    idle = LoadReport(role="decode", running=0, decode_step_ms=100.0, decode_batch=8, decode_ms_per_seq=5.0)
+    assert observed("itl", [busy]) == pytest.approx(110.0)
+    assert observed("itl", [busy, idle]) == pytest.approx((110.0 + 60.0) / 2)
+    assert observed("itl", [LoadReport(role="decode", running=3)]) is None
+    spec = AutoscalingSpec(1, 8, "itl", target=120)
+    assert scale_decision(240.0, spec, 2, now=1000, last_change=0) == 4  # twice the ITL SLO: twice the engines

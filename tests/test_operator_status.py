@@ -76,13 +76,67 @@ def test_engine_pod_names_including_cut_ones():
 def test_autoscaling_targets_default_per_metric_and_shares_must_fit():
     import pytest
 
-    from kvharbor.operator.reconcile import Resource, autoscaling_target
+    from kvharbor.operator.roles import role_specs
 
-    def res(auto: dict) -> Resource:
-        return Resource("s", "ns", "u", 1, {"model": {"name": "m"}, "autoscaling": auto}, {})
+    def target(auto: dict) -> tuple[str, float]:
+        (role,) = role_specs({"model": {"name": "m"}, "autoscaling": auto})
+        return role.metric, role.target
 
-    assert autoscaling_target(res({})) == ("queue", 8.0)
-    assert autoscaling_target(res({"metric": "slo"})) == ("slo", 0.95)
-    assert autoscaling_target(res({"metric": "kv", "target": 0.7})) == ("kv", 0.7)
+    assert target({}) == ("queue", 8.0)
+    assert target({"metric": "slo"}) == ("slo", 0.95)
+    assert target({"metric": "kv", "target": 0.7}) == ("kv", 0.7)
     with pytest.raises(ValueError, match="share in"):
-        autoscaling_target(res({"metric": "slo", "target": 8}))
+        target({"metric": "slo", "target": 8})
+
+
+def test_engine_pods_of_either_role_are_the_services():
+    from kvharbor.operator.reconcile import is_engine_pod_name
+
+    assert is_engine_pod_name("llama", "llama-engine-prefill-7d9f8c6b5-x2k4q")
+    assert is_engine_pod_name("llama", "llama-engine-decode-7d9f8c6b5-x2k4q")
+    assert not is_engine_pod_name("llama", "llama-engine-embed-7d9f8c6b5-x2k4q")  # no such role
+    # The service "llama-engine-prefill" (colocated) is another one, whose pods are not llama's.
+    assert not is_engine_pod_name("llama", "llama-engine-prefill-engine-7d9f8c6b5-x2k4q")
+    assert is_engine_pod_name("llama-engine-prefill", "llama-engine-prefill-engine-7d9f8c6b5-x2k4q")
+    long = "a-very-long-inference-service-name-for-a-model"
+    assert is_engine_pod_name(long, (f"{long}-engine-decode-7d9f8c6b5-")[:58] + "x2k4q")
+
+
+def _res(spec: dict, status: dict | None = None):
+    from kvharbor.operator.reconcile import Resource
+
+    return Resource("pd", "ns", "u", 1, {"model": {"name": "m"}, **spec}, status or {})
+
+
+PD = {"disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 2, "autoscaling": {"max": 4}}}}
+
+
+def test_a_disaggregated_service_reports_each_role_and_clears_the_colocated_fields():
+    from kvharbor.operator.reconcile import mode_status
+
+    res = _res(PD, {"placement": {"pool": "l4"}, "lastScaleTime": "2026-01-01T00:00:00Z", "desiredReplicas": 1})
+    scaled = "2026-01-02T00:00:00Z"
+    per_role = {"prefill": {"readyReplicas": 1, "desiredReplicas": 1},
+                "decode": {"readyReplicas": 1, "desiredReplicas": 3, "lastScaleTime": scaled}}  # fmt: skip
+    status = mode_status(res, per_role)
+    assert status == {"roles": per_role, "readyReplicas": 2, "desiredReplicas": 4,
+                      "placement": None, "lastScaleTime": None}  # fmt: skip
+    # Back to colocated: the role numbers go, the top-level ones are the service's again.
+    back = mode_status(_res({}, {"roles": per_role}), {"both": {"readyReplicas": 1, "desiredReplicas": 1}})
+    assert back == {"readyReplicas": 1, "desiredReplicas": 1, "roles": None}
+    assert mode_status(_res({}), {"both": {"desiredReplicas": 1}}) == {"desiredReplicas": 1}
+
+
+def test_ready_needs_every_role_and_says_which_waits():
+    from kvharbor.operator.reconcile import readiness
+    from kvharbor.operator.roles import role_specs
+
+    roles = role_specs(_res(PD).spec)
+    deployments = {"prefill": {"status": {"readyReplicas": 1, "updatedReplicas": 1}},
+                   "decode": {"status": {"readyReplicas": 0, "updatedReplicas": 2}}}  # fmt: skip
+    conds = readiness([], roles, deployments, {"prefill": 1, "decode": 2}, [])
+    ready = next(c for c in conds if c["type"] == "Ready")
+    assert ready["status"] == "False" and "decode: 0/2 engine replicas ready (at least 2 needed)" in ready["message"]
+    deployments["decode"]["status"]["readyReplicas"] = 2
+    conds = readiness(conds, roles, deployments, {"prefill": 1, "decode": 2}, [])
+    assert phase(conds) == "Ready"
