@@ -93,7 +93,8 @@ class CoreProcess:
 
         server = None
         if disagg.transfer_port is not None:
-            server = HandoffServer(self._ask, self.core.kv_io.format, host, disagg.transfer_port, self.board)
+            server = HandoffServer(self._ask, self.core.handoffs, self.core.kv_io.format, host, disagg.transfer_port,
+                                   self.board)  # fmt: skip
         puller = HandoffPuller(self.core, self._ask, self.board, disagg.kv_load_failure_policy,
                                disagg.kv_transfer_timeout)  # fmt: skip
         return server, puller

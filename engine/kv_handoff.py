@@ -7,7 +7,7 @@ while the decode engine pulls them (engine/kv_handoff_link.py). The lease ends w
 side confirms (`release`) or when it expires; either way the blocks go back to the pool as
 ordinary cached blocks, still good for prefix hits here.
 
-Everything here runs in the engine thread: the pool and the KV tensor are only consistent there.
+Everything here runs in the engine thread (the pool is only consistent there), except `export`.
 """
 
 from __future__ import annotations
@@ -47,12 +47,20 @@ class HandoffLeases:
         return len(ids)
 
     def export(self, handle: str, start: int, count: int) -> tuple[list[BlockHash], list[bytes]] | None:
-        """Blocks [start, start + count) of a lease as (hashes, payloads); None if it is gone."""
+        """Blocks [start, start + count) of a lease as (hashes, payloads); None if it is gone.
+
+        Safe from another thread than the engine's (the hand-off server copies there, so a
+        transfer never waits for a step to end): pinned blocks are full and cached, and nothing
+        writes a block with a reference but its owner while filling it. Only the lease's end can
+        free them mid-copy, so the copy counts only if the same lease is still held after it."""
         lease = self._leases.get(handle)
         if lease is None:
             return None
         end = min(len(lease.block_ids), start + count)
-        return lease.hashes[start:end], self.kv_io.export(lease.block_ids[start:end])
+        payloads = self.kv_io.export(lease.block_ids[start:end])
+        if self._leases.get(handle) is not lease:
+            return None  # released or expired while copying: the bytes may be another request's
+        return lease.hashes[start:end], payloads
 
     def size(self, handle: str) -> int | None:
         lease = self._leases.get(handle)

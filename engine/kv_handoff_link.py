@@ -34,7 +34,7 @@ from kvharbor.engine.core_link import LinkClosed, encode, read_message
 from kvharbor.kvcache_service.block_store import BlockFormat, BlockRefused, decode_block, encode_block
 
 log = logging.getLogger("kvharbor.engine.kv_handoff")
-SLICE_BLOCKS = 32  # per engine-thread export: short enough not to stall a step for long
+SLICE_BLOCKS = 32  # blocks per frame: a few MB, so a frame never holds much memory at once
 Ask = Callable[[Callable[[Any], Any]], Awaitable[Any]]  # run fn(core) in the engine thread
 
 
@@ -44,8 +44,9 @@ Ask = Callable[[Callable[[Any], Any]], Awaitable[Any]]  # run fn(core) in the en
 class HandoffServer:
     """Serves the core's hand-off leases to decode engines (in the core process's event loop)."""
 
-    def __init__(self, ask: Ask, fmt: BlockFormat, host: str, port: int, counters: Any) -> None:
+    def __init__(self, ask: Ask, leases: Any, fmt: BlockFormat, host: str, port: int, counters: Any) -> None:
         self._ask = ask
+        self.leases = leases  # the core's HandoffLeases: export() may run off the engine thread
         self.format = fmt
         self.host = host
         self.port = port
@@ -82,13 +83,15 @@ class HandoffServer:
             writer.close()
 
     async def _send_blocks(self, writer: asyncio.StreamWriter, handle: str, start: int) -> None:
-        size = await self._ask(lambda core: core.handoffs.size(handle))
+        size = self.leases.size(handle)  # a dict read: no need to wait for the engine thread
         if size is None:
             writer.write(encode(["gone", f"no hand-off {handle!r} here (it expired or was released)"]))
             return
         writer.write(encode(["head", size]))
         for first in range(max(0, start), size, SLICE_BLOCKS):
-            got = await self._ask(lambda core, i=first: core.handoffs.export(handle, i, SLICE_BLOCKS))
+            # Copied in a worker thread, not the engine's: a busy prefill engine's long steps
+            # would make every slice wait for one to end.
+            got = await asyncio.to_thread(self.leases.export, handle, first, SLICE_BLOCKS)
             if got is None:
                 break  # expired mid-transfer: the decode side computes the rest
             hashes, payloads = got

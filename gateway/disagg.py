@@ -8,8 +8,10 @@ is `decode` or `both`. Then `decide` asks whether a `prefill` engine is worth it
   pulling the KV (the blocks it lacks, over the transfer rate it measured; DEFAULT_TRANSFER_BPS
   before it has). Below `min_gain_s` the transfer does not pay: short prompts, a warm cache. A
   prompt shorter than one block has nothing to hand over.
-- the TTFT may grow by the transfer, no more: a prefill engine predicted slower than the decode
-  engine itself (its queue, its own cache misses) is used only if the TTFT SLO is still met.
+- the TTFT: P/D is refused only where it would miss the TTFT SLO that colocated serving meets
+  (a short chat while the prefill engine works through a long document). Where both miss it (a
+  long document), the prefill engine takes the prompt anyway: that is what keeps the decode
+  engine's streams steady.
 
 Colocated serving is the answer whenever there is no prefill engine (counted apart from a pool
 that is configured but down), or the request is one P/D does not carry (n > 1, logprobs, several
@@ -90,7 +92,7 @@ def decide(
     if request.prompt_tokens < request.block_size or gain < min_gain_s:
         return Decision(None, "short_prompt", gain, colocated)
     pd_ttft = best_ttft + transfer
-    if pd_ttft > request.slo_ttft_s and best_ttft > colocated:
+    if pd_ttft > request.slo_ttft_s >= colocated:
         return Decision(None, "ttft", gain, colocated)
     return Decision(best, "disaggregated", gain, pd_ttft)
 

@@ -50,12 +50,13 @@ def test_a_slow_link_makes_the_transfer_not_pay():
     assert transfer_s(slow, request(2048)) == pytest.approx(2048 * KV_BYTES / 20e6)
 
 
-def test_a_busy_prefill_engine_is_not_used_when_it_would_miss_the_ttft():
+def test_a_busy_prefill_engine_is_not_used_when_only_it_would_miss_the_ttft():
     busy = engine("http://p", "prefill", waiting=10_000)  # 10 s of queued prefill
-    d = decide(DECODE, [busy], request(2048, slo=2.0), 0.05)
+    d = decide(DECODE, [busy], request(512, slo=2.0), 0.05)  # colocated: 0.5 s, P/D: 10.5 s
     assert d.reason == "ttft" and not d.disaggregated
-    # ... unless it still meets the SLO
-    assert decide(DECODE, [busy], request(2048, slo=30.0), 0.05).disaggregated
+    # ... but it is when it still meets the SLO, and when colocated serving would miss it too
+    assert decide(DECODE, [busy], request(512, slo=30.0), 0.05).disaggregated
+    assert decide(DECODE, [busy], request(2048, slo=1.0), 0.05).disaggregated  # 2 s here: protect the decodes
 
 
 def test_the_least_loaded_prefill_engine_with_the_prefix_wins():
