@@ -82,7 +82,7 @@ class KVBlockIO:
         bad = next((len(p) for p in payloads if len(p) != size), None)
         if bad is not None:
             raise ValueError(f"a KV block payload is {bad} bytes, expected {size}")
-        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        raw = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8)  # one copy, writable
         data = raw.view(self.dtype).view(len(block_ids), *self.shape).permute(1, 2, 3, 0, 4, 5)
         index = torch.tensor(list(block_ids), device=self._blocks.device)
         self._blocks.index_copy_(3, index, data.to(self._blocks.device))
