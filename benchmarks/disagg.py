@@ -1,0 +1,236 @@
+"""Prefill/decode disaggregation against colocated serving, on the same cores and engine count.
+
+    python benchmarks/disagg.py       # writes benchmarks/results/disagg.{json,png}
+
+Two set-ups, one after the other, each with two `kvharbor serve` engines (SmolLM2) pinned one per
+CPU (--cpu-affinity), a real redis-server and one gateway:
+- pd: one prefill engine and one decode engine; the gateway decides per request (gateway/disagg.py);
+- colocated: two role-both engines behind prefix routing (the baseline, measured in the same run).
+
+One workload for both, arriving as a Poisson process with a fixed seed: chat streams (short
+prompts, --chat-output tokens) and long documents (--doc-len prompt tokens, a few output tokens).
+Reported per set-up: the chats' ITL p50/p95/p99, TTFT p50/p95 of each class, output tok/s,
+goodput under the load test's SLOs (loadtest/slos.yaml: chat and docqa), and KV bytes moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from compare_peers import MODEL, free_port, server
+from serve import RequestResult, one_request, pct
+
+from kvharbor.common.embedded_redis import EmbeddedRedis
+from kvharbor.common.machine import machine_record, machine_title
+from kvharbor.gateway.tenants import hash_key
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CLI = [sys.executable, "-m", "kvharbor.common.cli"]
+SLOS = yaml.safe_load((Path(__file__).resolve().parents[1] / "loadtest" / "slos.yaml").read_text())["tenants"]
+SETUPS = {"pd": ("prefill", "decode"), "colocated": ("both", "both")}
+
+
+@dataclass(frozen=True)
+class Arrival:
+    at: float  # seconds after the start
+    kind: str  # chat | doc
+    prompt: list[int]
+    output: int
+
+
+def workload(args: argparse.Namespace) -> list[Arrival]:
+    """Both classes' Poisson arrivals, merged, with random token-id prompts (no cache hits between them)."""
+    rng = random.Random(args.seed)
+    out = []
+    for kind, rate, n, length, output in (
+        ("chat", args.chat_rate, args.chats, args.chat_len, args.chat_output),
+        ("doc", args.doc_rate, args.docs, args.doc_len, args.doc_output),
+    ):
+        t = 0.0
+        for _ in range(n):
+            t += rng.expovariate(rate)
+            out.append(Arrival(t, kind, [rng.randrange(200, 40000) for _ in range(length)], output))
+    return sorted(out, key=lambda a: a.at)
+
+
+async def drive(gateway: str, arrivals: list[Arrival]) -> tuple[list[tuple[str, RequestResult]], float]:
+    headers = {"Authorization": "Bearer sk-bench"}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), headers=headers) as client:
+        start = time.perf_counter()
+
+        async def one(a: Arrival) -> tuple[str, RequestResult]:
+            await asyncio.sleep(max(0.0, a.at - (time.perf_counter() - start)))
+            return a.kind, await one_request(client, gateway, MODEL, a.prompt, a.output, 0.0)
+
+        results = await asyncio.gather(*(one(a) for a in arrivals))
+        return list(results), time.perf_counter() - start
+
+
+def summarize(results: list[tuple[str, RequestResult]], wall: float, moved: float, decisions: dict) -> dict:
+    by = {k: [r for kind, r in results if kind == k and r.ok] for k in ("chat", "doc")}
+    itl = [x for r in by["chat"] for x in r.itls_s]
+    out = {
+        "errors": sum(not r.ok for _, r in results),
+        "first_error": next((r.error for _, r in results if not r.ok), ""),
+        "wall_s": wall,
+        "output_tok_s": sum(r.output_tokens for _, r in results if r.ok) / wall,
+        **{f"chat_itl_p{q}_ms": pct(itl, q) * 1000 for q in (50, 95, 99)},
+        "kv_bytes_moved": moved,
+        "pd_decisions": decisions,
+    }
+    for kind, slo in (("chat", SLOS["chat"]), ("doc", SLOS["docqa"])):
+        ttft = [r.ttft_s for r in by[kind]]
+        out |= {f"{kind}_ttft_p{q}_ms": pct(ttft, q) * 1000 for q in (50, 95)}
+        good = [r for r in by[kind] if r.ttft_s * 1000 <= slo["ttft_p95_ms"]
+                and (pct(r.itls_s, 95) * 1000 if r.itls_s else 0) <= slo["itl_p95_ms"]]  # fmt: skip
+        out[f"{kind}_goodput_rps"] = len(good) / wall
+    return out
+
+
+def moved_bytes(engines: list[str]) -> float:
+    """KV bytes the engines pulled from prefill engines, so far."""
+    name = "kvharbor_kv_handoff_pulled_bytes_total"
+    lines = (line for url in engines for line in httpx.get(url + "/metrics").text.splitlines())
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+
+
+def decisions_of(gateway: str) -> dict[str, float]:
+    text = httpx.get(gateway + "/metrics").text
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("kvharbor_gateway_pd_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            found[reason] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def run_setup(name: str, args: argparse.Namespace, arrivals: list[Arrival], logs: Path) -> dict:
+    roles = SETUPS[name]
+    cpus = sorted(os.sched_getaffinity(0))
+    with EmbeddedRedis() as rds, tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        tenants = Path(tmp) / "tenants.yaml"
+        tenants.write_text(yaml.safe_dump({"tenants": [{"name": "bench", "api_keys": [hash_key("sk-bench")]}]}))
+        engines = [f"http://127.0.0.1:{free_port()}" for _ in roles]
+        print(f"{name}: starting engines {roles} on CPUs {cpus[: len(roles)]} and a gateway ...", flush=True)
+        for i, (url, role) in enumerate(zip(engines, roles, strict=True)):
+            cmd = [*CLI, "serve", "--port", url.rsplit(":", 1)[1], "--instance-id", f"{name}-{i}", "--role", role,
+                   "--redis-url", rds.url, "--dtype", args.dtype, "--num-kv-blocks", str(args.kv_blocks),
+                   "--cpu-affinity", str(cpus[i % len(cpus)]), "--max-model-len", str(args.doc_len + 256)]  # fmt: skip
+            stack.enter_context(server(cmd, url, "/ready", logs / f"disagg-{name}-{i}.log", {}, 300))
+        gw = f"http://127.0.0.1:{free_port()}"
+        cmd = [*CLI, "gateway", "--port", gw.rsplit(":", 1)[1], "--engines", ",".join(engines),
+               "--tenants-file", str(tenants), "--redis-url", rds.url, "--slo-ttft-ms", str(args.slo_ttft_ms),
+               "--pd-min-gain-ms", str(args.pd_min_gain_ms), "--max-prompt-tokens", str(args.doc_len + 64),
+               *(["--disaggregation", "off"] if name == "colocated" else [])]  # fmt: skip
+        stack.enter_context(server(cmd, gw, "/ready", logs / f"disagg-{name}-gateway.log", {}, 120))
+        print(f"{name}: warm-up ...", flush=True)
+        warm = [Arrival(0.0, "chat", a.prompt[:48], 4) for a in arrivals[:4]] + [
+            Arrival(0.0, "doc", [7] * args.doc_len, 2)
+        ]
+        asyncio.run(drive(gw, warm))
+        print(f"{name}: {len(arrivals)} requests over ~{arrivals[-1].at:.0f} s ...", flush=True)
+        moved0 = moved_bytes(engines)
+        results, wall = asyncio.run(drive(gw, arrivals))
+        moved = moved_bytes(engines) - moved0
+        return summarize(results, wall, moved, decisions_of(gw))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = result["setups"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = (
+        (left, ["chat_itl_p50_ms", "chat_itl_p95_ms", "chat_itl_p99_ms"], "chat inter-token latency (ms)"),
+        (right, ["chat_ttft_p50_ms", "chat_ttft_p95_ms", "doc_ttft_p50_ms", "doc_ttft_p95_ms"], "TTFT (ms)"),
+    )
+    for ax, keys, title in panels:
+        width = 0.38
+        for j, (name, run) in enumerate(runs.items()):
+            xs = [i + (j - 0.5) * width for i in range(len(keys))]
+            bars = ax.bar(xs, [run[k] for k in keys], width, label=f"{name} ({run['output_tok_s']:.0f} out tok/s)")
+            ax.bar_label(bars, fmt="%.0f", fontsize=7)
+        ax.set_xticks(range(len(keys)), [k.replace("_ms", "").replace("_", " ") for k in keys], fontsize=8)
+        ax.set_title(title)
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"P/D vs colocated, 2 engines pinned one per CPU - {result['title']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def print_table(result: dict) -> None:
+    keys = ["chat_itl_p50_ms", "chat_itl_p95_ms", "chat_itl_p99_ms", "chat_ttft_p50_ms", "chat_ttft_p95_ms",
+            "doc_ttft_p50_ms", "doc_ttft_p95_ms", "output_tok_s", "chat_goodput_rps", "doc_goodput_rps",
+            "kv_bytes_moved", "errors"]  # fmt: skip
+    runs = result["setups"]
+    print(f"\n{'':22}" + "".join(f"{name:>14}" for name in runs))
+    for k in keys:
+        print(f"{k:22}" + "".join(f"{run[k]:>14.1f}" for run in runs.values()))
+    print(f"\nchat ITL p99, colocated / pd: {result['itl_p99_ratio']:.2f}x (target >= 2x); "
+          f"output tok/s, pd / colocated: {result['throughput_ratio']:.2f} (target within 15%)")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chats", type=int, default=40, help="chat streams")
+    ap.add_argument("--chat-rate", type=float, default=0.2, help="chat arrivals per second")
+    ap.add_argument("--chat-len", type=int, default=64, help="chat prompt tokens")
+    ap.add_argument("--chat-output", type=int, default=128, help="chat output tokens")
+    # NOTE: one core prefills SmolLM2 at ~150 tok/s in float32 (AMD EPYC, AVX2): a 2,048-token
+    # document is ~14 s of one engine's time, so these rates keep a lone prefill engine ~60% busy.
+    ap.add_argument("--docs", type=int, default=10, help="long-document requests")
+    ap.add_argument("--doc-rate", type=float, default=0.045, help="document arrivals per second")
+    ap.add_argument("--doc-len", type=int, default=2048, help="document prompt tokens")
+    ap.add_argument("--doc-output", type=int, default=4, help="document output tokens")
+    ap.add_argument("--kv-blocks", type=int, default=1024, help="each engine's KV pool, in blocks of 16 tokens")
+    ap.add_argument("--dtype", default="float32", help="engines' dtype (float32: the same on every CPU here)")
+    ap.add_argument("--pd-min-gain-ms", type=float, default=50.0, help="the gateway's P/D threshold")
+    ap.add_argument("--slo-ttft-ms", type=float, default=float(SLOS["chat"]["ttft_p95_ms"]),
+                    help="the gateway's TTFT target (admission, and P/D's TTFT rule)")  # fmt: skip
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS / "disagg.json", help="JSON output (PNG beside it)")
+    args = ap.parse_args(argv)
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("this benchmark pins two engines to a CPU each: it needs 2 CPUs")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = args.out.parent / "logs"
+    logs.mkdir(exist_ok=True)
+    arrivals = workload(args)
+    result: dict = {
+        "benchmark": "disagg",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "config": vars(args) | {"out": str(args.out)},
+        "machine": machine_record(args.dtype),
+        "title": machine_title(args.dtype),
+        "setups": {name: run_setup(name, args, arrivals, logs) for name in ("colocated", "pd")},
+    }
+    runs = result["setups"]
+    result["itl_p99_ratio"] = runs["colocated"]["chat_itl_p99_ms"] / runs["pd"]["chat_itl_p99_ms"]
+    result["throughput_ratio"] = runs["pd"]["output_tok_s"] / runs["colocated"]["output_tok_s"]
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(result, args.out.with_suffix(".png"))
+    print_table(result)
+    print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0 if not any(r["errors"] for r in runs.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
