@@ -143,10 +143,11 @@ def run_setup(name: str, args: argparse.Namespace, arrivals: list[Arrival], logs
         ]
         asyncio.run(drive(gw, warm))
         print(f"{name}: {len(arrivals)} requests over ~{arrivals[-1].at:.0f} s ...", flush=True)
-        moved0 = moved_bytes(engines)
+        moved0, decided0 = moved_bytes(engines), decisions_of(gw)
         results, wall = asyncio.run(drive(gw, arrivals))
         moved = moved_bytes(engines) - moved0
-        return summarize(results, wall, moved, decisions_of(gw))
+        decided = {k: v - decided0.get(k, 0.0) for k, v in decisions_of(gw).items()}  # past the warm-up
+        return summarize(results, wall, moved, decided)
 
 
 def plot(result: dict, path: Path) -> None:
