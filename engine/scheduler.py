@@ -10,7 +10,7 @@ Control flow, driven by LLMEngine:
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -249,14 +249,18 @@ class Scheduler:
         return ScheduledChunk(request, request.num_computed_tokens, 1 + len(draft), 1, draft, probs)
 
     def _schedule_waiting(self, plan: SchedulerPlan, budget: int) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = min(self.waiting, key=self._rank())
+        if not self.waiting:
+            return budget
+        order = _AdmissionOrder(self.waiting, self.running)
+        taken: set[str] = set()
+        while budget > 0 and len(self.running) < self.config.max_num_seqs and (request := order.head()) is not None:
             hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             copies = self.kv.allocate_slots(request, num_new, hit)
             if copies is None:
                 break  # NOTE: head-of-line blocking keeps priority order strict
-            self.waiting.remove(request)
+            order.take(request)
+            taken.add(request.request_id)
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit.num_tokens
@@ -265,6 +269,8 @@ class Scheduler:
             plan.block_copies.extend(copies)
             plan.chunks.append(self._chunk(request, num_new))
             budget -= num_new
+        if taken:
+            self.waiting = [r for r in self.waiting if r.request_id not in taken]
         self._sort_running()
         return budget
 
@@ -341,3 +347,34 @@ class Scheduler:
                 return
         if num_out >= request.max_output_tokens or request.num_tokens >= self.max_model_len:
             self.finish(request, FinishReason.LENGTH)
+
+
+class _AdmissionOrder:
+    """The waiting queue in the scheduler's order (`Scheduler._rank`): higher priority, then the
+    tenant with fewer running requests, then the earlier arrival. A tenant's requests share its
+    running count, so the next one is always some tenant's own best: each pick compares tenants,
+    not requests. NOTE: a min over every waiting request per admission was quadratic; 5,000
+    queued requests spent 29 s of a 61 s run in that min."""
+
+    def __init__(self, waiting: list[Request], running: list[Request]) -> None:
+        self.running = Counter(r.tenant for r in running)
+        by_tenant: dict[str | None, list[Request]] = {}
+        for request in waiting:
+            by_tenant.setdefault(request.tenant, []).append(request)
+        # Stable sorts: among equals, queue order, as min() over the queue had it.
+        self.queues = {t: deque(sorted(q, key=lambda r: (-r.priority, r.arrival_time))) for t, q in by_tenant.items()}
+
+    def head(self) -> Request | None:
+        best: tuple | None = None
+        for tenant, queue in self.queues.items():
+            if queue:
+                r = queue[0]
+                key = (-r.priority, self.running[tenant], r.arrival_time)
+                if best is None or key < best[0]:
+                    best = (key, r)
+        return None if best is None else best[1]
+
+    def take(self, request: Request) -> None:
+        self.queues[request.tenant].popleft()
+        self.running[request.tenant] += 1
+

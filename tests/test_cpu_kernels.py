@@ -91,12 +91,21 @@ def test_shapes_the_attention_kernel_does_not_take_are_refused():
 
 @needs_kernels
 @pytest.mark.slow  # runs the C compiler
-def test_a_build_is_cached_by_source_and_flags(tmp_path):
-    cc = cpu_kernels._compiler()
-    first = cpu_kernels.build(cc, tmp_path)
+def test_a_build_is_cached_by_source_and_flags(tmp_path, monkeypatch):
+    # A one-line source: the caching is the point, and the real kernel takes ~10 s to compile.
+    source = tmp_path / "tiny.c"
+    source.write_text("int kvharbor_tiny(void) { return 1; }\n")
+    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    cc, out = cpu_kernels._compiler(), tmp_path / "built"
+    first = cpu_kernels.build(cc, out)
     stamp = first.stat().st_mtime_ns
-    assert cpu_kernels.build(cc, tmp_path) == first and first.stat().st_mtime_ns == stamp
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no half-written file left behind
+    assert cpu_kernels.build(cc, out) == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in out.iterdir()] == [first.name]  # no half-written file left behind
+    source.write_text("int kvharbor_tiny(void) { return 2; }\n")
+    second = cpu_kernels.build(cc, out)
+    assert second != first and sorted(p.name for p in out.iterdir()) == sorted([first.name, second.name])
+    monkeypatch.setattr(cpu_kernels, "FLAGS", (*cpu_kernels.FLAGS, "-DKVHARBOR_TEST_FLAG"))
+    assert cpu_kernels.build(cc, out) not in (first, second)  # other flags: another build
 
 
 @needs_kernels

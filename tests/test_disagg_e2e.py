@@ -12,13 +12,14 @@ import threading
 import httpx
 import openai
 import pytest
-from servers import EngineServerProcess, GatewayProcess, RedisProcess, metric, wait_for, write_tenants
+from servers import EngineServerProcess, GatewayProcess, OTLPCollector, RedisProcess, metric, wait_for, write_tenants
 
 pytestmark = pytest.mark.slow  # real engines, redis-server and a gateway
 
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE_ARGS = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "4096")
 LEASE_S = 3
+FAST_SPANS = {"OTEL_BSP_SCHEDULE_DELAY": "200"}
 MESSAGES = [
     {"role": "system", "content": "You are a careful assistant. " + "Answer briefly and exactly. " * 20},
     {"role": "user", "content": "Name three rivers of Europe and the seas they reach."},
@@ -29,9 +30,12 @@ MESSAGES = [
 def pd(tmp_path_factory):
     logs = tmp_path_factory.mktemp("disagg")
     write_tenants(logs / "tenants.yaml", [{"name": "acme", "key": "sk-acme"}])
-    with RedisProcess(logs / "redis") as rds:
-        prefill = EngineServerProcess(logs, "--role", "prefill", "--kv-handoff-lease", str(LEASE_S), *ENGINE_ARGS)
-        decode = EngineServerProcess(logs, "--role", "decode", *ENGINE_ARGS)
+    with OTLPCollector() as otlp, RedisProcess(logs / "redis") as rds:
+        traced = ("--otlp-endpoint", otlp.url)
+        prefill = EngineServerProcess(logs, "--role", "prefill", "--kv-handoff-lease", str(LEASE_S), "--instance-id",
+                                      "P", *traced, *ENGINE_ARGS, env=FAST_SPANS)  # fmt: skip
+        decode = EngineServerProcess(logs, "--role", "decode", "--instance-id", "D", *traced, *ENGINE_ARGS,
+                                     env=FAST_SPANS)  # fmt: skip
         procs = [prefill, decode]
         try:
             for p in procs:
@@ -40,12 +44,12 @@ def pd(tmp_path_factory):
                 p.wait_ready()
             gateway = GatewayProcess(
                 logs, "--engines", f"{prefill.url},{decode.url}", "--tenants-file", str(logs / "tenants.yaml"),
-                "--redis-url", rds.url, "--pd-min-gain-ms", "0",
+                "--redis-url", rds.url, "--pd-min-gain-ms", "0", *traced, env=FAST_SPANS,
             )  # fmt: skip
             procs.append(gateway)
             gateway.start()
             wait_for(lambda: httpx.get(gateway.url + "/ready").status_code == 200, what="gateway sees engines")
-            yield {"prefill": prefill, "decode": decode, "gateway": gateway}
+            yield {"prefill": prefill, "decode": decode, "gateway": gateway, "otlp": otlp}
         finally:
             for p in reversed(procs):
                 p.stop()
@@ -72,7 +76,7 @@ def test_a_chat_through_prefill_and_decode_engines_equals_one_engines(pd):
     client = openai.OpenAI(base_url=pd["gateway"].url + "/v1", api_key="sk-acme", max_retries=0, timeout=120)
     stream = client.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, extra_headers={"x-request-id": "pd-trace-1"},
     )  # fmt: skip
     chunks = list(stream)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
@@ -89,6 +93,17 @@ def test_a_chat_through_prefill_and_decode_engines_equals_one_engines(pd):
     assert metric(pm, "kvharbor_kv_handoff_sent_blocks_total") == usage.prompt_tokens // 16
     assert load(pd["prefill"])["kv_pinned_blocks"] == 0  # released on the decode engine's confirmation
     assert load(pd["decode"])["kv_transfer_bytes_per_s"] > 0 and load(pd["prefill"])["role"] == "prefill"
+    # One trace: the gateway's span, its prefill call's span, and both engines' spans.
+    spans = wait_for(lambda: (s := trace_spans(pd["otlp"], "pd-trace-1")) and len(s) >= 4 and s, 20, "spans")
+    assert len({s["trace_id"] for s in spans}) == 1
+    engines = {s["attributes"]["kvharbor.instance_id"] for s in spans if "kvharbor.instance_id" in s["attributes"]}
+    assert engines == {"P", "D"} and "gateway prefill" in {s["name"] for s in spans if s["service"] == "gateway"}
+
+
+def trace_spans(otlp, rid: str) -> list[dict]:
+    """The spans of the trace whose gateway span carries request id `rid`."""
+    roots = [s for s in otlp.spans if s["attributes"].get("kvharbor.request_id") == rid]
+    return [s for s in otlp.spans if roots and s["trace_id"] == roots[0]["trace_id"]]
 
 
 def test_an_unconfirmed_hand_off_is_released_when_its_lease_ends(pd):

@@ -69,7 +69,9 @@ def test_logits_of_prompt_and_8_decode_steps_match(model_case, make_llm):
 
 def test_greedy_one_at_a_time(model_case, make_llm):
     llm = make_llm(model_case.loaded)
-    for prompt in model_case.prompts:
+    # SmolLM2 decodes one sequence at ~15 tok/s here: half its prompts (the rest run batched below).
+    prompts = model_case.prompts[::2] if model_case.name == "smollm2" else model_case.prompts
+    for prompt in prompts:
         assert_greedy(model_case, [prompt], tokens_of(llm.generate([prompt], GREEDY)))
 
 

@@ -306,7 +306,7 @@ def hit_rate_delta(cluster, run) -> float:
 def test_prefix_routing_follows_the_holder_and_beats_round_robin(cluster):
     rng = random.Random(5)
     words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
-    systems = [" ".join(rng.choice(words) for _ in range(250)) for _ in range(4)]
+    systems = [" ".join(rng.choice(words) for _ in range(120)) for _ in range(4)]  # ~240 tokens: 7+ blocks
     order = [0, 1, 2, 3, *[rng.randrange(4) for _ in range(8)]]
     cached: list[tuple[int, int]] = []  # (cached, prompt) tokens of each prefix-routed request
 
@@ -327,7 +327,7 @@ def test_prefix_routing_follows_the_holder_and_beats_round_robin(cluster):
     rr_rate = hit_rate_delta(cluster, run(cluster["rr"], "sk-rr"))
     # Every repeat of a system prompt went where that prompt already was: all of it came from the
     # cache but the last token's block (the last token must run), so at most a block short.
-    assert all(p > 300 and c >= p - BLOCK for c, p in cached[4:]), cached
+    assert all(p > 200 and c >= p - BLOCK for c, p in cached[4:]), cached
     text = httpx.get(cluster["g1"].url + "/metrics").text
     assert 0.3 < metric(text, "kvharbor_gateway_prefix_hit_ratio") <= 1.0
     assert metric(text, "kvharbor_gateway_block_size_mismatches_total") == 0  # engines and gateway agree

@@ -34,7 +34,7 @@ def test_loadtest_smoke_run_and_slo_verdicts(tmp_path, tiny_chat_model):
         "--spawn-rate",
         "3",
         "--run-time",
-        "10s",
+        "4s",
         "--model-path",
         str(tiny_chat_model),  # the load test's plumbing is the point here, not SmolLM2's answers
         "--slos",
