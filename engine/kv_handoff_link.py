@@ -203,6 +203,8 @@ class HandoffPuller:
             self.counters.inc("kv_handoff_pulls", label="unreachable")
             return self._failed(f"the prefill engine at {host}:{port} did not hand over {handle!r}: {exc!r}")
         self._record(got, k, len(hashes))
+        log.info("hand-off pulled", extra={"handle": handle, "blocks": len(got.payloads), "bytes": got.nbytes,
+                                           "seconds": round(got.seconds, 4), "refused": got.refused})  # fmt: skip
         await self._ask(lambda c: c.stats.record_transfer(got.nbytes, got.seconds))
         if got.refused and self.policy == "fail":
             raise HandoffFailed(f"the hand-off {handle!r} from {host}:{port} was refused: {got.refused}")
