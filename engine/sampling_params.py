@@ -16,6 +16,9 @@ _RANGED = {
 }
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this sample the argmax (see SamplingParams.greedy)
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling and stopping options. `validate()` raises ValueError on bad values.
@@ -56,7 +59,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # NOTE: logits / 1e-181 overflow to inf and softmax gives NaN (the fuzz test's 500); below
+        # GREEDY_BELOW a temperature picks the argmax anyway, so it is greedy (vLLM's rule too).
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         def bad(msg: str) -> ValueError:

@@ -306,7 +306,7 @@ def hit_rate_delta(cluster, run) -> float:
 def test_prefix_routing_follows_the_holder_and_beats_round_robin(cluster):
     rng = random.Random(5)
     words = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet"]
-    systems = [" ".join(rng.choice(words) for _ in range(120)) for _ in range(4)]  # ~240 tokens: 7+ blocks
+    systems = [" ".join(rng.choice(words) for _ in range(150)) for _ in range(4)]  # ~250 tokens, 7 blocks
     order = [0, 1, 2, 3, *[rng.randrange(4) for _ in range(8)]]
     cached: list[tuple[int, int]] = []  # (cached, prompt) tokens of each prefix-routed request
 

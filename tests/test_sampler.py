@@ -149,3 +149,14 @@ def test_n_samples_from_one_row_use_distinct_seeded_streams():
     again = Sampler(V, frozenset(), seed=1).sample(logits, [SampleRow(0, twin, 4)])
     assert first == again[0]["r"]
     assert len(set(first)) > 1
+
+
+@pytest.mark.parametrize("temperature", [2.36e-181, 1e-12, 9.9e-6])
+def test_a_vanishing_temperature_samples_the_argmax_instead_of_nan(temperature):
+    # Found by the fuzz test: logits / 2.36e-181 overflow to inf, and softmax of inf is NaN.
+    logits = torch.randn(1, V) * 30
+    sampler = Sampler(V, frozenset({2}), seed=0)
+    request = make_request(temperature=temperature, seed=1)
+    assert request.params.greedy
+    assert sampler.sample(logits, [SampleRow(0, request, 1)])[0]["r"] == [int(logits[0].argmax())]
+    assert not make_request(temperature=1e-4).params.greedy  # a small but usable temperature still samples
