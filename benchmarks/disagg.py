@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_peers import MODEL, free_port, server
 from serve import RequestResult, one_request, pct
 
+from gateway import metric_sum  # benchmarks/gateway.py (this folder is first on sys.path)
 from kvharbor.common.embedded_redis import EmbeddedRedis
 from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.gateway.tenants import hash_key
@@ -101,13 +102,6 @@ def summarize(results: list[tuple[str, RequestResult]], wall: float, moved: floa
     return out
 
 
-def moved_bytes(engines: list[str]) -> float:
-    """KV bytes the engines pulled from prefill engines, so far."""
-    name = "kvharbor_kv_handoff_pulled_bytes_total"
-    lines = (line for url in engines for line in httpx.get(url + "/metrics").text.splitlines())
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
-
-
 def decisions_of(gateway: str) -> dict[str, float]:
     text = httpx.get(gateway + "/metrics").text
     found = {}
@@ -143,9 +137,9 @@ def run_setup(name: str, args: argparse.Namespace, arrivals: list[Arrival], logs
         ]
         asyncio.run(drive(gw, warm))
         print(f"{name}: {len(arrivals)} requests over ~{arrivals[-1].at:.0f} s ...", flush=True)
-        moved0, decided0 = moved_bytes(engines), decisions_of(gw)
+        moved0, decided0 = metric_sum(engines, "kvharbor_kv_handoff_pulled_bytes_total"), decisions_of(gw)
         results, wall = asyncio.run(drive(gw, arrivals))
-        moved = moved_bytes(engines) - moved0
+        moved = metric_sum(engines, "kvharbor_kv_handoff_pulled_bytes_total") - moved0
         decided = {k: v - decided0.get(k, 0.0) for k, v in decisions_of(gw).items()}  # past the warm-up
         return summarize(results, wall, moved, decided)
 

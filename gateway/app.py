@@ -153,6 +153,7 @@ class _Call:
     slot: str = field(default_factory=lambda: uuid.uuid4().hex)  # this admission's concurrency slot
     span: Any = None
     block_size: int = DEFAULT_BLOCK_SIZE  # what its prompt's blocks are cut by (set on admission)
+    hashes: list[bytes] = field(default_factory=list)  # its prompt's block hashes (set on admission)
     transfer: dict | None = None  # P/D: the prefill engine's hand-off, for the decode engine
 
     @property
@@ -363,7 +364,7 @@ class _Handler:
     async def _admit(self, call: _Call) -> Route:
         state = self.state
         call.block_size = self._block_size(call.model)
-        hashes = self._hashes(call)
+        hashes = call.hashes = self._hashes(call)  # once: retries and the P/D decision reuse them
         model = call.model
 
         async def try_now() -> Route | None:
@@ -440,7 +441,7 @@ class _Handler:
             if not others:
                 return None
             nxt = await state.router.choose(
-                call.model.name, others, self._hashes(call), len(call.prompts[0]), call.block_size,
+                call.model.name, others, call.hashes, len(call.prompts[0]), call.block_size,
                 call.model.slo_itl_s,
             )  # fmt: skip
             return nxt.engine if nxt else None
@@ -521,7 +522,7 @@ class _Handler:
         pool = prefill_pool([e for e in everyone if e.routable])
         held = dict(route.held)
         if pool and call.pd_supported:  # what the prefill engines hold: their misses cost there
-            found = await state.router.matches(call.model.name, self._hashes(call), pool) or {}
+            found = await state.router.matches(call.model.name, call.hashes, pool) or {}
             held.update({e.url: found.get(e.instance_id or "", 0) for e in pool})
         request = PDRequest(len(call.prompts[0]), held, call.block_size, call.model.slo_ttft_s, call.pd_supported)
         configured = any(e.role == "prefill" for e in everyone)
