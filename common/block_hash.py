@@ -2,7 +2,7 @@
 
 A prompt is cut into full blocks of `block_size` tokens; a partial last block is never hashed.
 
-    namespace = H_ns(len(model) || model || len(salt) || salt)
+    namespace = H_ns(len(model) || model || len(salt) || salt [|| "L" || len(adapter) || adapter])
     hash_0    = H(namespace || tokens_0)
     hash_i    = H(hash_{i-1} || tokens_i)
 
@@ -35,16 +35,21 @@ def _len_prefixed(text: str) -> bytes:
     return struct.pack("<I", len(raw)) + raw
 
 
-def namespace_hash(model: str, cache_salt: str | None = None) -> BlockHash:
-    """The parent of block 0: binds every chain to one model id and one cache salt.
+def namespace_hash(model: str, cache_salt: str | None = None, adapter: str | None = None) -> BlockHash:
+    """The parent of block 0: binds every chain to one model id, one cache salt and one LoRA
+    adapter identity (common/lora.py: `name@digest`; None for the base model).
 
     `None` and "" are the same salt (no isolation); the gateway always passes the tenant's salt.
+    The base model's namespace has no adapter field at all, so its digests are those of
+    HASH_VERSION 1 before adapters existed; the "L" tag keeps the two layouts apart.
     """
     if not isinstance(model, str) or not model:
         raise ValueError("block hashing needs a non-empty model id")
     h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=_NS_PERSON)
     h.update(_len_prefixed(model))
     h.update(_len_prefixed(cache_salt or ""))
+    if adapter:
+        h.update(b"L" + _len_prefixed(adapter))
     return h.digest()
 
 
@@ -71,9 +76,10 @@ def block_hashes(
     block_size: int,
     model: str,
     cache_salt: str | None = None,
+    adapter: str | None = None,
 ) -> list[BlockHash]:
     """Hashes of every full block of `token_ids`, in order. The partial tail is not hashed."""
-    return extend_block_hashes([], token_ids, block_size, namespace_hash(model, cache_salt))
+    return extend_block_hashes([], token_ids, block_size, namespace_hash(model, cache_salt, adapter))
 
 
 def extend_block_hashes(

@@ -116,9 +116,28 @@ def coerce(leaf: Leaf, value: Any, source: str) -> Any:
             return float(value)
         if tp is str:
             return str(value)
+        if _is_str_list(tp):
+            return _str_list(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{leaf.name}={value!r} from {source}: {exc}") from None
     raise TypeError(f"config leaf {leaf.name} has unsupported type {tp!r}")
+
+
+def _is_str_list(tp: Any) -> bool:
+    return typing.get_origin(tp) is tuple and typing.get_args(tp) == (str, Ellipsis)
+
+
+def _str_list(value: Any) -> tuple[str, ...]:
+    """A list leaf: a YAML list, a repeated flag, or comma-separated text (the environment)."""
+    if isinstance(value, str):
+        items = value.split(",")
+    elif isinstance(value, (list, tuple)):
+        items = value
+    else:
+        raise ValueError("must be a list of strings (comma-separated in the environment)")
+    if not all(isinstance(v, str) for v in items):
+        raise ValueError("must be a list of strings")
+    return tuple(v.strip() for v in items if v.strip())
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, ...] = ()) -> None:
@@ -134,6 +153,9 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         help_text = f"{leaf.help}{shown} [env {leaf.env}]".replace("%", "%%")  # argparse formats help with %
         if tp is bool:
             parser.add_argument(leaf.flag, action=argparse.BooleanOptionalAction, help=help_text, **kwargs)
+        elif _is_str_list(tp):
+            parser.add_argument(leaf.flag, action="append", metavar=leaf.name.upper(), help=help_text + " (repeatable)",
+                                **kwargs)  # fmt: skip
         else:
             parser.add_argument(leaf.flag, metavar=leaf.name.upper(), help=help_text, **kwargs)
 

@@ -8,7 +8,7 @@ engine does not send, and ignores fields it does not know.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -42,6 +42,16 @@ class LoadReport:
     kv_transfer_port: int = 0  # where decode engines pull hand-offs from (0: none)
     kv_pinned_blocks: int = 0  # blocks held for hand-offs not yet confirmed
     kv_transfer_bytes_per_s: float = 0.0  # hand-off pulls into this engine, measured (EWMA); 0: none yet
+    # LoRA (issue 18): adapters this engine can serve, name -> identity (common/lora.py); which of
+    # them hold one of its `lora_slots` (adapters one step can run); their bytes in memory.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    lora_active: tuple[str, ...] = ()
+    lora_slots: int = 0  # 0: LoRA off
+    lora_bytes: int = 0
+
+    @property
+    def lora_free_slots(self) -> int:
+        return max(0, self.lora_slots - len(self.lora_active))
 
     @property
     def queue(self) -> int:
@@ -65,6 +75,7 @@ class LoadReport:
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        out["lora_active"] = list(self.lora_active)
         return {k: v for k, v in out.items() if v is not None or k not in _OPTIONAL}
 
     @classmethod
@@ -89,7 +100,12 @@ def _checked(name: str, value: Any, annotation: Any) -> Any:
     kind = str(annotation)
     if value is None and "None" in kind:
         return None
-    if kind.startswith("str"):
+    if kind.startswith("dict"):
+        ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+    elif kind.startswith("tuple"):
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        value = tuple(value) if ok else value
+    elif kind.startswith("str"):
         ok = isinstance(value, str)
     elif kind.startswith("bool"):
         ok = isinstance(value, bool)

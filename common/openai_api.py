@@ -257,3 +257,19 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    """POST /v1/unload_lora_adapter (vLLM's shape; lora_int_id is accepted and ignored)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None

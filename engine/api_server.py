@@ -26,13 +26,15 @@ from kvharbor.common.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRARequest,
     TokenizeRequest,
+    UnloadLoRARequest,
     error_body,
     message_dicts,
 )
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_client import CoreClient, RequestStream
-from kvharbor.engine.core_io import EngineDead, HandoffFailed, NewRequest
+from kvharbor.engine.core_io import AdapterInUse, EngineDead, HandoffFailed, NewRequest, UnknownModel
 from kvharbor.engine.metrics import ServerMetrics
 from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
 from kvharbor.engine.outputs import RequestOutput
@@ -53,6 +55,7 @@ class ServerState:
     draining: bool = False
     ready: bool = True
     shared_store: bool = False  # the core has a shared block store (--redis-url)
+    allow_runtime_lora: bool = False  # serve /v1/load_lora_adapter and /v1/unload_lora_adapter
     slo: SLOWindow = field(default_factory=lambda: SLOWindow(2.0, 0.2))
     tracer: Any = field(default_factory=lambda: setup_tracing("engine"))
 
@@ -97,6 +100,9 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app.post("/v1/chat/completions")(routes.chat)
     app.post("/v1/completions")(routes.completions)
     app.get("/v1/models")(routes.models)
+    if state.allow_runtime_lora:
+        app.post("/v1/load_lora_adapter")(routes.load_lora)
+        app.post("/v1/unload_lora_adapter")(routes.unload_lora)
     app.post("/tokenize")(routes.tokenize)
     app.post("/detokenize")(routes.detokenize)
     app.get("/health")(routes.health)
@@ -117,14 +123,16 @@ class _Routes:
 
     # -- helpers ----------------------------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.state.model:
-            raise APIError(
-                404,
-                f"model {model!r} is not served here; this engine serves {self.state.model!r}",
-                param="model",
-                code="model_not_found",
-            )
+    def _check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter `model` names (None: the base model); 404 for what is not served here."""
+        if model is None or model == self.state.model:
+            return None
+        adapters = self.loop.load.lora_adapters
+        if model in adapters:
+            return model
+        served = ", ".join([repr(self.state.model), *map(repr, sorted(adapters))])
+        message = f"model {model!r} is not served here; this engine serves {served}"
+        raise APIError(404, message, param="model", code="model_not_found")
 
     def _need_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -167,10 +175,14 @@ class _Routes:
                 400, "this engine has role prefill: send continuations to a decode engine", param="kv_transfer_params"
             )
 
-    async def _submit(self, rid: str, ids: list[int], params: SamplingParams, body: Any) -> RequestStream:
+    async def _submit(
+        self, rid: str, ids: list[int], params: SamplingParams, body: Any, lora: str | None
+    ) -> RequestStream:
+        request = NewRequest(rid, ids, params, priority=body.priority, tenant=body.user, cache_salt=body.cache_salt,
+                             lora=lora)  # fmt: skip
         try:
             return await self.loop.add(
-                NewRequest(rid, ids, params, priority=body.priority, tenant=body.user, cache_salt=body.cache_salt),
+                request,
                 kv_prefix_source=body.kv_prefix_source,
                 kv_transfer=body.kv_transfer_params.wire() if body.kv_transfer_params else None,
             )
@@ -178,6 +190,8 @@ class _Routes:
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
         except HandoffFailed as exc:
             raise APIError(502, str(exc), type="kv_transfer_failed", param="kv_transfer_params") from None
+        except UnknownModel as exc:  # unloaded after _check_model looked
+            raise APIError(404, str(exc), param="model", code="model_not_found") from None
         except ValueError as exc:
             param = "max_tokens" if "max_tokens" in str(exc) else None
             raise APIError(400, str(exc), param=param) from None
@@ -185,7 +199,7 @@ class _Routes:
     # -- OpenAI endpoints -------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         if body.prompt_token_ids is not None:
             ids = list(body.prompt_token_ids)
         else:
@@ -195,10 +209,10 @@ class _Routes:
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
         rid = _request_id(body.request_id, request, "chatcmpl")
-        return await self._generate("chat", rid, [ids], [""], body, request)
+        return await self._generate("chat", rid, [ids], [""], body, request, lora)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt must not be empty", param="prompt")
@@ -212,10 +226,17 @@ class _Routes:
                 batch.append(list(p))
                 echo.append(self.tokenizer.decode(p) if body.echo and self.tokenizer else "")
         rid = _request_id(body.request_id, request, "cmpl")
-        return await self._generate("completion", rid, batch, echo, body, request)
+        return await self._generate("completion", rid, batch, echo, body, request, lora)
 
     async def _generate(
-        self, kind: str, rid: str, batch: list[list[int]], echo: list[str], body: Any, request: Request
+        self,
+        kind: str,
+        rid: str,
+        batch: list[list[int]],
+        echo: list[str],
+        body: Any,
+        request: Request,
+        lora: str | None = None,
     ) -> Response:
         self._check_transfer(body, len(batch))
         params = self._params(body)
@@ -224,12 +245,15 @@ class _Routes:
         span = self.state.tracer.start_span(f"engine {request.url.path}", context=extract(request.headers))
         span.set_attribute("kvharbor.request_id", rid)
         span.set_attribute("kvharbor.instance_id", self.state.instance_id)
+        if lora is not None:
+            span.set_attribute("kvharbor.lora", lora)
+            self.state.metrics.lora_requests.labels(lora).inc()
         with request_context(rid):
             streams = []
             try:
                 for k, ids in enumerate(batch):
                     engine_id = rid if len(batch) == 1 else f"{rid}-{k}"
-                    streams.append((engine_id, await self._submit(engine_id, ids, params, body)))
+                    streams.append((engine_id, await self._submit(engine_id, ids, params, body, lora)))
             except BaseException:  # a later prompt failed: nobody will read the earlier ones
                 for engine_id, _ in streams:
                     self.loop.abort(engine_id)
@@ -244,9 +268,10 @@ class _Routes:
                     "n": params.n,
                     "max_tokens": params.max_tokens,
                     "stream": body.stream,
+                    "lora": lora,
                 },
             )
-        builder = ResponseBuilder(kind, rid, self.state.model, self.tokenizer, params.n)
+        builder = ResponseBuilder(kind, rid, lora or self.state.model, self.tokenizer, params.n)
         run = _Run(self.state, streams, arrival, request.url.path, rid, span)
         if body.stream:
             return StreamingResponse(
@@ -270,20 +295,39 @@ class _Routes:
         }
 
     async def models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": self.state.model,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "kvharbor",
-                    "max_model_len": self.engine.max_model_len,
-                }
-            ],
-        }
+        """The base model, and each LoRA adapter with the base as its parent (vLLM's shape)."""
+        now, base = int(time.time()), self.state.model
+        entry = {"object": "model", "created": now, "owned_by": "kvharbor", "max_model_len": self.engine.max_model_len}
+        names = sorted(self.loop.load.lora_adapters)
+        adapters = [{"id": name, **entry, "parent": base, "root": base} for name in names]
+        return {"object": "list", "data": [{"id": base, **entry, "parent": None, "root": base}, *adapters]}
 
-    async def tokenize(self, body: TokenizeRequest) -> dict:
+    async def load_lora(self, body: LoadLoRARequest) -> dict:
+        """Serve another adapter (--allow-runtime-lora); 400 for a bad folder, nothing half-loaded."""
+        await self._lora_op("load", body.lora_name, body.lora_path)
+        return {"object": "lora_adapter", "id": body.lora_name, "parent": self.state.model, "status": "loaded"}
+
+    async def unload_lora(self, body: UnloadLoRARequest) -> dict:
+        await self._lora_op("unload", body.lora_name, None)
+        return {"object": "lora_adapter", "id": body.lora_name, "parent": self.state.model, "status": "unloaded"}
+
+    async def _lora_op(self, action: str, name: str, path: str | None) -> None:
+        if name == self.state.model:
+            raise APIError(400, f"{name!r} is the base model's name: give the adapter another", param="lora_name")
+        try:
+            await self.loop.lora(action, name, path)
+        except EngineDead as exc:
+            raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
+        except UnknownModel as exc:
+            raise APIError(404, str(exc), param="lora_name", code="model_not_found") from None
+        except AdapterInUse as exc:
+            raise APIError(409, str(exc), type="conflict", param="lora_name") from None
+        except ValueError as exc:
+            param = "lora_name" if "name" in str(exc) else "lora_path"
+            raise APIError(400, str(exc), param=param) from None
+        log.info(f"LoRA adapter {action}ed", extra={"adapter": name})
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:  # adapters share the base model's tokenizer
         self._check_model(body.model)
         self._need_tokenizer()
         if body.messages is not None:

@@ -70,11 +70,13 @@ def plan_capacity(
     device: torch.device,
     max_model_len: int | None,
     shadow_bytes_per_token: int = 0,
+    reserved_bytes: int = 0,
 ) -> KVCapacity:
     """Size the pool, and the context it serves. `max_model_len` None means the model's own limit,
     capped to what the pool holds; an explicit one that does not fit raises ValueError with the
     numbers. `shadow_bytes_per_token`: a draft model's KV per token; its pool holds as many tokens
-    as this one and comes out of the same memory budget."""
+    as this one and comes out of the same memory budget. `reserved_bytes` (LoRA adapters) come out of
+    a memory budget before the pool is cut from it; --num-kv-blocks is exact and takes no share."""
     element = torch.empty((), dtype=dtype).element_size()
     row = row_bytes(arch.head_dim, cache.kv_cache_dtype, element)  # one token's K or V row of one head
     per_token = 2 * arch.num_layers * arch.num_kv_heads * row
@@ -89,6 +91,12 @@ def plan_capacity(
             budget = int(available_memory(device) * cache.kv_memory_fraction)
         else:
             budget = min(CPU_DEFAULT_CAP, int(available_memory(device) * CPU_DEFAULT_SHARE))
+        if reserved_bytes >= budget:
+            raise ValueError(
+                f"LoRA adapters reserve {reserved_bytes / GiB:.2f} GiB of the {budget / GiB:.2f} GiB memory budget, "
+                "leaving no KV pool: raise --kv-cache-memory, or lower --max-loras / --max-cpu-loras / --max-lora-rank"
+            )
+        budget -= reserved_bytes
         num_blocks = budget // per_block
     limit = arch.max_position_embeddings
     tokens = num_blocks * cache.block_size

@@ -157,6 +157,45 @@ class DisaggConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA serving (engine/lora.py, engine/lora_slots.py)."""
+
+    lora: tuple[str, ...] = opt(
+        (), "a LoRA adapter to serve, NAME=PATH (a PEFT folder: adapter_config.json + adapter_model.safetensors); "
+        "requests ask for it by NAME in the model field"
+    )
+    enable_lora: bool = opt(False, "serve LoRA adapters (on by itself when --lora is given)")
+    max_loras: int = opt(4, "most adapters one step runs (each takes a slot of max_lora_rank in memory)")
+    max_lora_rank: int = opt(16, "highest adapter rank accepted (slots are sized for it)")
+    max_cpu_loras: int = opt(8, "most adapters kept loaded; beyond max_loras they wait in memory, swapped in LRU")
+
+    def __post_init__(self) -> None:
+        from kvharbor.common.lora import parse_lora_spec
+
+        names = [parse_lora_spec(spec)[0] for spec in self.lora]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora names must be unique, got {names}")
+        if not 1 <= self.max_loras <= 64:
+            raise ValueError(f"max_loras must be in 1..64, got {self.max_loras}")
+        if not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in 1..512, got {self.max_lora_rank}")
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if len(names) > self.max_cpu_loras:
+            raise ValueError(f"{len(names)} adapters given but max_cpu_loras is {self.max_cpu_loras}: raise it")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora)
+
+    @property
+    def adapters(self) -> list[tuple[str, str]]:
+        from kvharbor.common.lora import parse_lora_spec
+
+        return [parse_lora_spec(spec) for spec in self.lora]
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -164,6 +203,7 @@ class EngineConfig:
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
 
 @dataclass(frozen=True)
@@ -185,6 +225,10 @@ class ServerConfig(TracedListenConfig):
     slo_itl_ms: float = opt(200.0, "mean inter-token latency target (ms) for /load's slo_attainment")
     slo_window: float = opt(60.0, "seconds of finished requests that slo_attainment covers")
     max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")
+    allow_runtime_lora: bool = opt(
+        False, "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (they read server paths: keep them "
+        "off a tenant-reachable port)"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -28,7 +28,7 @@ from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.attention_triton import resolve_backend
 from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.capacity import KVCapacity, check_max_model_len, plan_capacity
-from kvharbor.engine.config import EngineConfig
+from kvharbor.engine.config import EngineConfig, LoRAConfig
 from kvharbor.engine.core_io import CoreOutput, SampleDelta
 from kvharbor.engine.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
 from kvharbor.engine.draft import draft_kv_bytes_per_token
@@ -36,6 +36,8 @@ from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv_handoff import HandoffLeases
 from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
 from kvharbor.engine.loader import LoadedModel, load_model
+from kvharbor.engine.lora import AdapterError, LoRAAdapter, load_adapter
+from kvharbor.engine.lora_manager import AdapterBusy, LoRAManager, UnknownAdapter, reserved_bytes
 from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.proposers import AdaptiveK, NgramProposer, Proposal, Proposer
 from kvharbor.engine.quantize import QuantWeight
@@ -189,10 +191,12 @@ class EngineCore:
             say(f"CPU linears: {fast}")
         self.weight_bytes = self.model.weight_bytes()
         self.draft_model = self._load_draft(config, say)
+        self.loras, reserved = self._load_loras(config.lora, say)
         shadow = draft_kv_bytes_per_token(self.draft_model, self.dtype) if self.draft_model is not None else 0
         self.capacity: KVCapacity = plan_capacity(
-            self.arch, config.cache, self.dtype, self.device, config.model.max_model_len, shadow_bytes_per_token=shadow
-        )
+            self.arch, config.cache, self.dtype, self.device, config.model.max_model_len, shadow_bytes_per_token=shadow,
+            reserved_bytes=reserved,
+        )  # fmt: skip
         self.max_model_len = self.capacity.max_model_len
         say(
             f"KV pool: {self.capacity.num_blocks} blocks x {self.capacity.block_size} tokens = "
@@ -211,7 +215,7 @@ class EngineCore:
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | frozenset(
             self.tokenizer.eos_token_ids if self.tokenizer else ()
         )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.eos_token_ids)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.eos_token_ids, self.loras)
         self.sampler = Sampler(self.arch.vocab_size, self.eos_token_ids, config.model.engine_seed)
         self.attention_backend = resolve_backend(
             config.runtime.attention_backend, self.device, self.capacity.block_size, config.cache.kv_cache_dtype
@@ -229,6 +233,7 @@ class EngineCore:
             self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint, kv_dtype, self.arch.head_dim
         )
         self.runner.kv_io = self.kv_io
+        self.runner.lora = self.loras
         self.handoffs = HandoffLeases(self.kv, self.kv_io, config.disagg.kv_handoff_lease)
         self.kv_transfer_port = 0  # set by the core process once its hand-off server listens
         self.stats = EngineStats()
@@ -261,6 +266,24 @@ class EngineCore:
         nbytes = self.model.quantize(gemm, mode)
         path = "AVX2 kernels" if gemm is not None else "torch dequantize + matmul"
         say(f"{mode} weights: {nbytes / 2**20:.0f} MiB ({QUANT_NOTES[mode]}; {path})")
+
+    def _load_loras(self, lora: LoRAConfig, say: Progress) -> tuple[LoRAManager | None, int]:
+        """The adapter slots and the --lora adapters, and the bytes LoRA reserves of the KV budget."""
+        if not lora.enabled:
+            return None, 0
+        manager = LoRAManager(
+            self.arch, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.dtype, self.device
+        )
+        for name, path in lora.adapters:
+            say(f"loading LoRA adapter {name} from {path} ...")
+            manager.add(load_adapter(name, path, self.arch, lora.max_lora_rank))
+        element = torch.empty((), dtype=self.dtype).element_size()
+        reserved = reserved_bytes(self.arch, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, element)
+        say(
+            f"LoRA: {lora.max_loras} slots of rank {lora.max_lora_rank}, up to {lora.max_cpu_loras} adapters "
+            f"loaded ({len(manager.adapters)} now); {reserved / 2**20:.0f} MiB reserved of the KV budget"
+        )
+        return manager, reserved
 
     def _cpu_attention(self, threads: int):
         """The CPU kernels for decode attention, where they run: float32 with the torch backend on a
@@ -342,8 +365,10 @@ class EngineCore:
         arrival_time: float | None = None,
         hand_off: bool = False,
         first_token: int | None = None,
+        lora: str | None = None,
     ) -> None:
-        """Queue a request. Raises ValueError (and queues nothing) for bad input.
+        """Queue a request. Raises ValueError (and queues nothing) for bad input; UnknownAdapter
+        (a ValueError) when `lora` names no adapter this engine serves.
 
         P/D (DESIGN §9): `hand_off` makes it a prefill for a decode engine (n=1): when it ends,
         its prompt's full KV blocks stay pinned under a lease named by `request_id` (self.handoffs).
@@ -375,10 +400,11 @@ class EngineCore:
             ids,
             params,
             params.max_tokens or room,
-            namespace_hash(self.model_name, cache_salt),
+            namespace_hash(self.model_name, cache_salt, self.adapter_identity(lora)),
             priority=priority,
             tenant=tenant,
             arrival_time=arrival_time,
+            lora=lora,
         )
         self.scheduler.add(request)
         group = _Group(request_id, params, hand_off=hand_off)
@@ -388,6 +414,33 @@ class EngineCore:
             request.append_output(first_token)
             self.scheduler.check_stop(request)  # the prefill's token may already end it
             self._touched.add(request_id)
+
+    def adapter_identity(self, lora: str | None) -> str | None:
+        """The KV identity of adapter `lora` (None: the base model); raises UnknownAdapter."""
+        if lora is None:
+            return None
+        if self.loras is None:
+            raise UnknownAdapter(f"adapter {lora!r} asked for, but this engine serves no LoRA adapters (--lora)")
+        return self.loras.get(lora).identity
+
+    # -- adapters (between steps) -------------------------------------------------------------
+
+    def load_lora(self, adapter: LoRAAdapter) -> None:
+        """Serve `adapter` (lora.load_adapter, read off the engine thread); raises AdapterError."""
+        if self.loras is None:
+            raise AdapterError("this engine serves no LoRA adapters: start it with --enable-lora or --lora")
+        self.loras.add(adapter)
+        log.info("LoRA adapter loaded", extra={"adapter": adapter.name, "rank": adapter.rank, "path": adapter.path})
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving `name`. Raises UnknownAdapter, or AdapterError while requests use it."""
+        if self.loras is None:
+            raise UnknownAdapter(f"adapter {name!r} is not loaded: this engine serves no LoRA adapters")
+        users = sum(1 for r in self.scheduler.requests.values() if r.lora == name)
+        if users:
+            raise AdapterBusy(f"adapter {name!r} has {users} requests in flight: retry when they are done")
+        self.loras.remove(name)
+        log.info("LoRA adapter unloaded", extra={"adapter": name})
 
     def _check_handoff(self, params: SamplingParams, hand_off: bool, first_token: int | None) -> None:
         if (hand_off or first_token is not None) and params.n != 1:
@@ -567,7 +620,15 @@ class EngineCore:
             kv_pinned_blocks=self.handoffs.num_blocks,
             kv_transfer_port=self.kv_transfer_port,
             kv_transfer_bytes_per_s=round(stats.kv_transfer_bytes_per_s, 1),
+            **self._lora_report(),
         )
+
+    def _lora_report(self) -> dict:
+        if self.loras is None:
+            return {}
+        adapters = {name: a.identity for name, a in self.loras.adapters.items()}
+        return {"lora_adapters": adapters, "lora_active": self.loras.active, "lora_slots": self.loras.slots.num_slots,
+                "lora_bytes": self.loras.nbytes}  # fmt: skip
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

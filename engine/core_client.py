@@ -28,13 +28,14 @@ from typing import Any
 from kvharbor.common.load_report import LoadReport
 from kvharbor.common.model_files import load_tokenizer
 from kvharbor.common.process_stop import stop_process
-from kvharbor.engine.core_io import CoreOutput, EngineDead, HandoffFailed, NewRequest
+from kvharbor.engine.core_io import AdapterInUse, CoreOutput, EngineDead, HandoffFailed, NewRequest, UnknownModel
 from kvharbor.engine.core_link import LinkClosed, encode, read_message, read_message_sync
 from kvharbor.engine.metrics import CounterBoard
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput
 
 log = logging.getLogger("kvharbor.engine.core_client")
+_ERRORS = {"dead": EngineDead, "handoff": HandoffFailed, "unknown": UnknownModel, "conflict": AdapterInUse}
 
 
 class RequestStream:
@@ -87,6 +88,8 @@ class CoreClient:
         self._writer: asyncio.StreamWriter | None = None
         self._streams: dict[str, RequestStream] = {}
         self._added: dict[str, asyncio.Future] = {}
+        self._lora_ops: dict[int, asyncio.Future] = {}
+        self._ops = 0
         self._reader_task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
         self._stopping = False
@@ -179,7 +182,8 @@ class CoreClient:
         self.processor.add(rid, None, request.prompt_token_ids, request.params)
         params = dataclasses.asdict(request.params)
         self._send(["add", rid, request.prompt_token_ids, params, request.priority, request.tenant,
-                    request.cache_salt, request.arrival_time, kv_prefix_source, kv_transfer])  # fmt: skip
+                    request.cache_salt, request.arrival_time, kv_prefix_source, kv_transfer,
+                    request.lora])  # fmt: skip
         try:
             stream.imported_blocks = await done
         except BaseException:
@@ -189,6 +193,19 @@ class CoreClient:
         finally:
             self._added.pop(rid, None)
         return stream
+
+    async def lora(self, action: str, name: str, path: str | None = None) -> None:
+        """Load (`action` "load", from `path`) or unload a LoRA adapter in the core. Raises
+        UnknownModel, AdapterInUse or ValueError as the core did; the load report is updated first."""
+        self._check_alive()
+        self._ops += 1
+        op, done = self._ops, asyncio.get_running_loop().create_future()
+        self._lora_ops[op] = done
+        self._send(["lora", op, action, name, path])
+        try:
+            await done
+        finally:
+            self._lora_ops.pop(op, None)
 
     def abort(self, request_id: str) -> None:
         """Cancel a request; its blocks are freed before the core's next step. Unknown ids are ignored."""
@@ -226,6 +243,8 @@ class CoreClient:
                     self.load, self.counters, self.board = LoadReport.from_json(message[1]), message[2], message[3]
                 elif kind == "added":
                     self._answer(*message[1:])
+                elif kind == "lora_done":
+                    self._lora_done(*message[1:])
                 elif kind == "dead":
                     self._fail(EngineDead(message[1]))
         except LinkClosed:
@@ -251,10 +270,20 @@ class CoreClient:
         if done is None or done.done():
             return
         if error is not None:
-            errors = {"dead": EngineDead, "handoff": HandoffFailed}
-            done.set_exception(errors.get(kind, ValueError)(error))
+            done.set_exception(_ERRORS.get(kind, ValueError)(error))
         else:
             done.set_result(imported)
+
+    def _lora_done(self, op: int, error: str | None, kind: str | None, report: dict | None) -> None:
+        if report is not None:
+            self.load = LoadReport.from_json(report)
+        done = self._lora_ops.get(op)
+        if done is None or done.done():
+            return
+        if error is not None:
+            done.set_exception(_ERRORS.get(kind, ValueError)(error))
+        else:
+            done.set_result(None)
 
     def _fail(self, exc: EngineDead) -> None:
         if self.error is None:
@@ -263,8 +292,7 @@ class CoreClient:
         for stream in self._streams.values():
             stream.put(exc)
         self._streams.clear()
-        for rid in list(self._added):
-            done = self._added[rid]
+        for done in [*self._added.values(), *self._lora_ops.values()]:
             if not done.done():
                 done.set_exception(exc)
         self.processor.forget_all()

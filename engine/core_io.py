@@ -29,10 +29,19 @@ class NewRequest:
     external_prefix: Any = None  # kv_offload.ExternalPrefix: blocks to load into the cache first
     hand_off: bool = False  # P/D: a prefill whose KV a decode engine will pull (EngineCore.add_request)
     first_token: int | None = None  # P/D: the first token, sampled by the prefill engine
+    lora: str | None = None  # the LoRA adapter to run it on (by name); None: the base model
 
 
 class EngineDead(RuntimeError):
     """The engine core stopped on an unexpected error (or its process died); restart the server."""
+
+
+class UnknownModel(ValueError):
+    """A request for a model or adapter this engine does not serve (the API's 404)."""
+
+
+class AdapterInUse(ValueError):
+    """An adapter cannot be unloaded while requests use it (the API's 409)."""
 
 
 class HandoffFailed(RuntimeError):

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from kvharbor.common.logs import setup_logging
-from kvharbor.engine.core_io import EngineDead, HandoffFailed, NewRequest
+from kvharbor.engine.core_io import AdapterInUse, EngineDead, HandoffFailed, NewRequest, UnknownModel
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
 from kvharbor.engine.engine_loop import EngineLoop
 from kvharbor.engine.metrics import CounterBoard
@@ -164,26 +164,29 @@ class CoreProcess:
             self.loop.stop_sample(*message[1:])
         elif kind == "reuse" and self.kv_store is not None:
             self._spawn(self.kv_store.record_reuse(*message[1:]))
+        elif kind == "lora":
+            self._spawn(self._lora(*message[1:]))
         else:
             log.warning("unknown message on the engine link; ignored", extra={"kind": str(kind)[:40]})
 
     async def _add(self, rid: str, ids: list[int], params: dict, priority: int, tenant: str | None,
-                   salt: str | None, arrival: float, source: str | None, transfer: dict | None) -> None:  # fmt: skip
+                   salt: str | None, arrival: float, source: str | None, transfer: dict | None,
+                   lora: str | None = None) -> None:  # fmt: skip
         try:
             sampling = SamplingParams(**params)
+            adapter = self.core.adapter_identity(lora)  # read-only here; unknown: 404 before any pull
             ext, transfer = None, transfer or {}
             if transfer.get("remote_handle"):
-                ext = await self.handoff_puller.pull(ids, salt, transfer)
+                ext = await self.handoff_puller.pull(ids, salt, transfer, adapter)
             elif source == "shared" and self.kv_store is not None:
-                ext = await self.kv_store.pull(ids, salt)
+                ext = await self.kv_store.pull(ids, salt, adapter)
             request = NewRequest(rid, ids, sampling, priority, tenant, salt, arrival, ext,
                                  hand_off=bool(transfer.get("do_remote_decode")),
-                                 first_token=transfer.get("first_token_id"))  # fmt: skip
+                                 first_token=transfer.get("first_token_id"), lora=lora)  # fmt: skip
             imported = await asyncio.wrap_future(self.loop.add(request))
         except (ValueError, TypeError, EngineDead, HandoffFailed) as exc:
             self._pending.pop(rid, None)
-            kind = {EngineDead: "dead", HandoffFailed: "handoff"}.get(type(exc), "invalid")
-            self._send(["added", rid, None, str(exc), kind])
+            self._send(["added", rid, None, str(exc), _error_kind(exc)])
             return
         if transfer.get("remote_handle"):
             self.board.inc("kv_handoff_pulled_blocks", imported)
@@ -192,6 +195,25 @@ class CoreProcess:
         if self._pending.pop(rid, False):
             self.loop.abort(rid)
         self._send(["added", rid, imported, None, None])
+
+    async def _lora(self, op: int, action: str, name: str, path: str | None) -> None:
+        """Load (read off the engine thread, installed between steps) or unload an adapter."""
+        from kvharbor.engine.lora import load_adapter
+
+        core = self.core
+        try:
+            if action == "load":
+                lora = core.config.lora
+                if core.loras is None:
+                    raise ValueError("this engine serves no LoRA adapters: start it with --enable-lora or --lora")
+                adapter = await asyncio.to_thread(load_adapter, name, path, core.arch, lora.max_lora_rank)
+                report = await asyncio.wrap_future(self.loop.call(lambda c: (c.load_lora(adapter), c.load())[1]))
+            else:
+                report = await asyncio.wrap_future(self.loop.call(lambda c: (c.unload_lora(name), c.load())[1]))
+        except (ValueError, EngineDead) as exc:
+            self._send(["lora_done", op, str(exc), _error_kind(exc), None])
+            return
+        self._send(["lora_done", op, None, None, report.to_json()])  # the reply carries the new adapter list
 
     async def _report_load(self) -> None:
         while True:
@@ -212,6 +234,15 @@ class CoreProcess:
             await self.kv_store.stop()
         with contextlib.suppress(Exception):
             self.writer.close()
+
+
+def _error_kind(exc: BaseException) -> str:
+    """How the API server should answer an error from the core (CoreClient raises it again)."""
+    for kind, cls in (("dead", EngineDead), ("handoff", HandoffFailed), ("unknown", UnknownModel),
+                      ("conflict", AdapterInUse)):  # fmt: skip
+        if isinstance(exc, cls):
+            return kind
+    return "invalid"
 
 
 async def serve_link(sock: socket.socket) -> int:

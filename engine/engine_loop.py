@@ -173,6 +173,7 @@ class EngineLoop:
                 arrival_time=request.arrival_time,
                 hand_off=request.hand_off,
                 first_token=request.first_token,
+                lora=request.lora,
             )
         except Exception as exc:
             done.set_exception(exc)
@@ -203,6 +204,8 @@ class EngineLoop:
             "spec_verifications": stats.spec_verifications,
             "spec_proposed": stats.spec_proposed,
             "spec_accepted": stats.spec_accepted,
+            "lora_swaps": loras.swaps if (loras := self.engine.loras) is not None else 0,
+            "lora_swap_seconds": loras.swap_seconds if loras is not None else 0.0,
         }
         self.load = self.engine.load()
 

@@ -186,7 +186,9 @@ class HandoffPuller:
         self.policy = policy  # recompute | fail
         self.timeout = timeout
 
-    async def pull(self, prompt_ids: list[int], cache_salt: str | None, params: dict) -> Any:
+    async def pull(
+        self, prompt_ids: list[int], cache_salt: str | None, params: dict, adapter: str | None = None
+    ) -> Any:
         """The prompt's blocks that are not cached here, from the prefill engine named in `params`.
         None when nothing is needed or nothing could be had (then the prefill is recomputed here);
         raises HandoffFailed instead when the policy is `fail`."""
@@ -194,7 +196,7 @@ class HandoffPuller:
         from kvharbor.engine.kv_offload import ExternalPrefix
 
         core = self.core
-        hashes = block_hashes(prompt_ids, core.capacity.block_size, core.model_name, cache_salt)
+        hashes = block_hashes(prompt_ids, core.capacity.block_size, core.model_name, cache_salt, adapter)
         k = await self._ask(lambda c: c.kv.cached_run(hashes))
         host, port, handle = params["remote_host"], int(params["remote_port"]), str(params["remote_handle"])
         try:

@@ -184,7 +184,9 @@ class KVStoreClient:
         await asyncio.sleep(0)
         await self.store.close()
 
-    async def pull(self, prompt_ids: list[int], cache_salt: str | None) -> ExternalPrefix | None:
+    async def pull(
+        self, prompt_ids: list[int], cache_salt: str | None, adapter: str | None = None
+    ) -> ExternalPrefix | None:
         """The longest run of the prompt's blocks, after those cached here, that the store holds.
 
         Only blocks before the prompt's last token count (that token is always computed). Never
@@ -195,7 +197,7 @@ class KVStoreClient:
             return None  # the engine refuses it anyway; do not move bytes for it
         bs = engine.capacity.block_size
         try:
-            hashes = block_hashes(prompt_ids[:-1], bs, engine.model_name, cache_salt)
+            hashes = block_hashes(prompt_ids[:-1], bs, engine.model_name, cache_salt, adapter)
         except ValueError:
             return None  # token ids out of range: the engine answers 400 with its own message
         k, free = await self._ask(lambda core: (core.kv.cached_run(hashes), core.pool.num_free))

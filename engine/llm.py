@@ -36,7 +36,8 @@ class LLM:
     """`LLM(model=None | path, dtype='auto' | 'float32' | 'bfloat16', **engine_options)`.
 
     `engine_options` are EngineConfig leaves by name (block_size=16, num_kv_blocks=64, ...);
-    `speculative={"method": "ngram" | "draft", "k": 3, "ngram_n": 3, "draft_model": path}` too.
+    `speculative={"method": "ngram" | "draft", "k": 3, "ngram_n": 3, "draft_model": path}` too;
+    LoRA adapters as `lora=["NAME=PATH", ...]` (and max_loras=, max_lora_rank=, ...).
     The Python API reads no environment or file: what you pass is what runs.
     """
 
@@ -65,18 +66,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         priority: Sequence[int] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished RequestOutput per prompt, in order. A prompt is text, a list of token ids,
-        or {"prompt_token_ids": [...]}. If any prompt is invalid, ValueError is raised and
+        or {"prompt_token_ids": [...]}. `lora`: the adapter (by name) for every prompt, or one per
+        prompt (None: the base model). If any prompt is invalid, ValueError is raised and
         nothing runs."""
         batch = _as_batch(prompts)
         params = _per_prompt(sampling_params or SamplingParams(), len(batch), "sampling_params")
         prios = _per_prompt(list(priority) if priority is not None else 0, len(batch), "priority")
+        adapters = _per_prompt(list(lora) if isinstance(lora, (list, tuple)) else lora, len(batch), "lora")
         ids = [f"gen-{next(self._ids)}" for _ in batch]
         added: list[str] = []
         try:
-            for rid, prompt, p, prio in zip(ids, batch, params, prios, strict=True):
-                self._add(rid, prompt, p, prio)
+            for rid, prompt, p, prio, adapter in zip(ids, batch, params, prios, adapters, strict=True):
+                self._add(rid, prompt, p, prio, adapter)
                 added.append(rid)
         except ValueError:
             self.engine.abort(added)
@@ -98,15 +102,27 @@ class LLM:
         prompts = [{"prompt_token_ids": tokenizer.encode_chat(c)} for c in convs]
         return self.generate(prompts, sampling_params)
 
-    def _add(self, rid: str, prompt: PromptInput, params: SamplingParams, priority: int) -> None:
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` (the engine must have LoRA on: enable_lora=True
+        or lora=[...]). Raises lora.AdapterError (a ValueError) and loads nothing on bad input."""
+        from kvharbor.engine.lora import load_adapter
+
+        lora = self.engine.config.lora
+        self.engine.load_lora(load_adapter(name, path, self.engine.arch, lora.max_lora_rank))
+
+    def unload_lora(self, name: str) -> None:
+        self.engine.unload_lora(name)
+
+    def _add(self, rid: str, prompt: PromptInput, params: SamplingParams, priority: int, lora: str | None) -> None:
         if isinstance(prompt, str):
-            self.engine.add_request(rid, prompt, params, priority=priority)
+            self.engine.add_request(rid, prompt, params, priority=priority, lora=lora)
         elif isinstance(prompt, dict):
             self.engine.add_request(
-                rid, prompt.get("prompt"), params, priority=priority, prompt_token_ids=prompt.get("prompt_token_ids")
-            )
+                rid, prompt.get("prompt"), params, priority=priority, prompt_token_ids=prompt.get("prompt_token_ids"),
+                lora=lora,
+            )  # fmt: skip
         else:
-            self.engine.add_request(rid, None, params, priority=priority, prompt_token_ids=list(prompt))
+            self.engine.add_request(rid, None, params, priority=priority, prompt_token_ids=list(prompt), lora=lora)
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

@@ -36,9 +36,11 @@ class LLMEngine(EngineCore):
         arrival_time: float | None = None,
         hand_off: bool = False,
         first_token: int | None = None,
+        lora: str | None = None,
     ) -> None:
         """Queue a request given as text (tokenized here) or token ids. Raises ValueError (and
-        queues nothing) for bad input. `hand_off` and `first_token`: P/D, as EngineCore's."""
+        queues nothing) for bad input. `hand_off` and `first_token`: P/D, and `lora` (an adapter's
+        name), as EngineCore's."""
         params = params or SamplingParams()
         if prompt_token_ids is None and prompt is not None:
             if self.tokenizer is None:
@@ -46,7 +48,7 @@ class LLMEngine(EngineCore):
             prompt_token_ids = self.tokenizer.encode(prompt)
         super().add_request(
             request_id, prompt_token_ids, params, priority=priority, tenant=tenant, cache_salt=cache_salt,
-            arrival_time=arrival_time, hand_off=hand_off, first_token=first_token,
+            arrival_time=arrival_time, hand_off=hand_off, first_token=first_token, lora=lora,
         )  # fmt: skip
         self.processor.add(request_id, prompt, list(prompt_token_ids), params)
 

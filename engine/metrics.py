@@ -110,6 +110,7 @@ class _LoadCollector:
                     load.kv_pinned_blocks)  # fmt: skip
         yield gauge("kv_transfer_bytes_per_second", "P/D: measured pull rate from prefill engines (EWMA)",
                     load.kv_transfer_bytes_per_s)  # fmt: skip
+        yield from self._lora(load, counters, names, values, gauge, counter)
         queries, hits = counters["prefix_queries"], counters["prefix_hits"]
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
@@ -131,6 +132,22 @@ class _LoadCollector:
             "Accepted speculated tokens per verification (the target adds one of its own)",
             accepted / checks if checks else 0.0,
         )
+
+
+    @staticmethod
+    def _lora(load, counters, names, values, gauge, counter):
+        if not load.lora_slots:
+            return
+        yield gauge("lora_slots", "LoRA adapters one step can run (--max-loras)", load.lora_slots)
+        yield gauge("lora_bytes", "Memory the LoRA slots and loaded adapters take", load.lora_bytes)
+        loaded = GaugeMetricFamily("kvharbor_lora_adapter_loaded", "A loaded LoRA adapter (active: holds a slot)",
+                                   labels=[*names, "adapter", "active"])  # fmt: skip
+        for name in sorted(load.lora_adapters):
+            loaded.add_metric([*values, name, str(name in load.lora_active).lower()], 1)
+        yield loaded
+        yield counter("lora_swaps", "Adapters copied into a slot", counters.get("lora_swaps", 0))
+        swap_s = counters.get("lora_swap_seconds", 0)
+        yield counter("lora_swap_seconds", "Time spent copying adapters into slots", swap_s)
 
 
 class ServerMetrics:
@@ -160,6 +177,9 @@ class ServerMetrics:
         )
         self.prompt_tokens = Histogram(
             "kvharbor_request_prompt_tokens", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=self.registry
+        )
+        self.lora_requests = Counter(
+            "kvharbor_lora_requests", "Requests admitted per LoRA adapter", ["adapter"], registry=self.registry
         )
         self.output_tokens = Histogram(
             "kvharbor_request_generation_tokens",

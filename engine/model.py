@@ -16,6 +16,7 @@ from torch import nn
 from kvharbor.engine import cpu_linear
 from kvharbor.engine.attention import AttentionMetadata, paged_attention
 from kvharbor.engine.layer_ops import CpuOps, TorchOps
+from kvharbor.engine.lora_slots import LoRAStep
 from kvharbor.engine.model_arch import ModelArch
 from kvharbor.engine.quantize import QuantWeight, concat
 
@@ -59,8 +60,9 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, index: int = 0) -> None:
         super().__init__()
+        self.index = index
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
         self.eps = arch.rms_norm_eps
@@ -89,18 +91,30 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,  # [2, kv_heads, slots, dim]
         meta: AttentionMetadata,
         ops: TorchOps,
+        lora: LoRAStep | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = ops.add_rms_norm(x, residual, self.input_norm, self.eps)
         qkv = _linear(h, self.qkv, self.fast["qkv"], self.qkv_bias)
+        if lora is not None:
+            lora.apply(self.index, "qkv", h, qkv)
         t = qkv.shape[0]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k = ops.rope(qkv, nq, nkv, d, cos, sin)
         v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
         attn = paged_attention(q, k, v, kv_cache, meta)
-        o = _linear(attn.reshape(t, nq * d), self.o_proj, self.fast["o_proj"])
+        attn = attn.reshape(t, nq * d)
+        o = _linear(attn, self.o_proj, self.fast["o_proj"])
+        if lora is not None:
+            lora.apply(self.index, "o_proj", attn, o)
         h, residual = ops.add_rms_norm(o, residual, self.post_norm, self.eps)
-        act = ops.silu_mul(_linear(h, self.gate_up, self.fast["gate_up"]))
-        return _linear(act, self.down, self.fast["down"]), residual
+        gate_up = _linear(h, self.gate_up, self.fast["gate_up"])
+        if lora is not None:
+            lora.apply(self.index, "gate_up", h, gate_up)
+        act = ops.silu_mul(gate_up)
+        out = _linear(act, self.down, self.fast["down"])
+        if lora is not None:
+            lora.apply(self.index, "down", act, out)
+        return out, residual
 
 
 class LlamaModel(nn.Module):
@@ -108,7 +122,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, i) for i in range(arch.num_layers))
         self.norm = _param(arch.hidden_size, dtype=dtype, device=device)
         self.lm_head = (
             self.embed
@@ -211,13 +225,15 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: torch.Tensor,  # [layers, 2, kv_heads, slots, dim]
         meta: AttentionMetadata,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] before the final norm; K/V written into `kv_caches`."""
+        """Hidden states [T, hidden] before the final norm; K/V written into `kv_caches`. `lora`:
+        the step's adapter rows (engine/lora_slots.py), None when every row is the base model's."""
         x = self._embed(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops)
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops, lora)
         return x + residual
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

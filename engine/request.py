@@ -69,8 +69,10 @@ class Request:
         arrival_time: float | None = None,
         group_id: str | None = None,
         index: int = 0,
+        lora: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.lora = lora  # the LoRA adapter it runs on (engine/lora_manager.py); None: the base model
         self.group_id = group_id if group_id is not None else request_id
         self.index = index
         self.prompt_token_ids = prompt_token_ids
@@ -131,6 +133,7 @@ class Request:
             arrival_time=self.arrival_time,
             group_id=self.group_id,
             index=index,
+            lora=self.lora,
         )
         child.block_hashes = list(self.block_hashes)
         child.num_computed_tokens = self.num_computed_tokens

@@ -57,6 +57,7 @@ class ModelRunner:
         )
         self.kv_io: Any = None  # kv_transfer.KVBlockIO over kv_caches (its owner sets it)
         self.save: SaveSink | None = None
+        self.lora: Any = None  # lora_manager.LoRAManager: the requests' adapters (its owner sets it)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         # Copy-on-write: a sibling's shared partial block is duplicated before anyone appends.
@@ -104,8 +105,8 @@ class ModelRunner:
     def _forward(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """One forward pass over the chunks; returns them in the order they ran, and the hidden states."""
         # Decodes (one new token) go first, shortest context first: attention batches them in
-        # groups of similar length.
-        chunks = sorted(chunks, key=lambda c: (c.num_tokens != 1, c.start if c.num_tokens == 1 else 0))
+        # groups of similar length. Longer chunks follow grouped by adapter: one LoRA segment each.
+        chunks = sorted(chunks, key=_batch_order)
         num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
         input_ids, positions = self._inputs(chunks)
         meta = build_metadata(
@@ -121,7 +122,10 @@ class ModelRunner:
             self.cpu_kernels,
             self.kv_dtype,
         )
-        return chunks, self.model(input_ids, positions, self.kv_caches, meta)
+        lora = None
+        if self.lora is not None:
+            lora = self.lora.step([(c.num_tokens, c.request.lora) for c in chunks], num_decodes)
+        return chunks, self.model(input_ids, positions, self.kv_caches, meta, lora)
 
     def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> StepOutput:
         rows, last, spec = [], [], []
@@ -157,3 +161,8 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long, device=self.device),
             torch.tensor(pos, dtype=torch.long, device=self.device),
         )
+
+
+def _batch_order(chunk: ScheduledChunk) -> tuple:
+    decode = chunk.num_tokens == 1
+    return (not decode, chunk.start if decode else chunk.request.lora or "")

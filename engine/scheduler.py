@@ -88,9 +88,11 @@ class Scheduler:
         kv: KVCacheManager,
         max_model_len: int,
         eos_token_ids: frozenset[int],
+        loras: Any = None,  # lora_manager.LoRAManager: slots for requests on adapters
     ) -> None:
         self.config = config
         self.kv = kv
+        self.loras = loras
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.waiting: list[Request] = []
@@ -112,6 +114,7 @@ class Scheduler:
             return
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+            self._release_adapter(request)
         else:
             self.waiting.remove(request)
         self.kv.free(request)
@@ -146,8 +149,17 @@ class Scheduler:
     def _sort_running(self) -> None:
         self.running.sort(key=lambda r: (-r.priority, r.arrival_time))
 
+    def _release_adapter(self, request: Request) -> None:
+        if request.lora is not None and self.loras is not None:
+            self.loras.release(request.lora)
+
+    def _adapter_blocked(self, request: Request) -> bool:
+        """Whether `request`'s adapter can get no slot this step (every slot serves running requests)."""
+        return request.lora is not None and self.loras is not None and not self.loras.can_run(request.lora)
+
     def _preempt(self, victim: Request, plan: SchedulerPlan) -> None:
         self.running.remove(victim)
+        self._release_adapter(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.PREEMPTED
@@ -180,6 +192,8 @@ class Scheduler:
         if not self.waiting or not self.running:
             return
         best = min(self.waiting, key=self._rank())
+        if self._adapter_blocked(best):
+            return
         hit = self.kv.get_computed_blocks(best)
         while self.running and self.running[-1].priority < best.priority:
             others = self.running[:-1]
@@ -254,12 +268,17 @@ class Scheduler:
         order = _AdmissionOrder(self.waiting, self.running)
         taken: set[str] = set()
         while budget > 0 and len(self.running) < self.config.max_num_seqs and (request := order.head()) is not None:
+            if self._adapter_blocked(request):
+                order.skip(request)  # NOTE: passed over, not refused: it runs once a slot frees
+                continue
             hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             copies = self.kv.allocate_slots(request, num_new, hit)
             if copies is None:
                 break  # NOTE: head-of-line blocking keeps priority order strict
             order.take(request)
+            if request.lora is not None and self.loras is not None:
+                self.loras.acquire(request.lora)
             taken.add(request.request_id)
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens < 0:
@@ -326,6 +345,8 @@ class Scheduler:
             self.kv.fork(parent, child)
             self.requests[child.request_id] = child
             self.running.append(child)
+            if child.lora is not None and self.loras is not None:
+                self.loras.acquire(child.lora)  # the parent's slot: always there
             child.append_output(token, logprob)
             children.append(child)
         self._sort_running()
@@ -377,4 +398,8 @@ class _AdmissionOrder:
     def take(self, request: Request) -> None:
         self.queues[request.tenant].popleft()
         self.running[request.tenant] += 1
+
+    def skip(self, request: Request) -> None:
+        """Leave `request` waiting and look past it this step."""
+        self.queues[request.tenant].popleft()
 

@@ -68,6 +68,9 @@ class EngineServer:
         srv = config.server
         self.instance_id = srv.instance_id or f"{socket.gethostname()}-{srv.port}"
         config = dataclasses.replace(config, server=dataclasses.replace(srv, instance_id=self.instance_id))
+        if srv.allow_runtime_lora and not config.engine.lora.enabled:  # adapters loaded later need the slots
+            lora = dataclasses.replace(config.engine.lora, enable_lora=True)
+            config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, lora=lora))
         self.core = CoreClient(config)
         self.core.start_sync()
         self.metrics = ServerMetrics(
@@ -79,6 +82,7 @@ class EngineServer:
             self.instance_id,
             srv.max_body_bytes,
             shared_store=bool(srv.redis_url),
+            allow_runtime_lora=srv.allow_runtime_lora,
             slo=SLOWindow(srv.slo_ttft_ms / 1000, srv.slo_itl_ms / 1000, srv.slo_window),
             tracer=setup_tracing("engine", srv.otlp_endpoint),
         )

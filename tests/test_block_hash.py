@@ -23,7 +23,11 @@ PINNED = {
     "ns_model_salt": "732266966979bcb2b41d09ce094bb409",
     "chain_0_40_bs16_salt": ["a98c149c371a3a1fe051cc4971220bfd", "75f2eaa2f1ee0c620894cdfecfc8c9de"],
     "chain_1234_bs4": ["d1b97c902c267647b4338333c04a4ac6"],
+    # With a LoRA adapter's identity (common/lora.py) in the namespace (issue 18).
+    "ns_model_salt_adapter": "44f66d944f2aca7b23b1404d9c61e3e0",
+    "chain_0_40_bs16_salt_adapter": ["826a76ec29437429dffc704e35b81fe3", "ba489d8e152ee7b9a6fe12f93dba5e74"],
 }
+ADAPTER = "sql@0123456789abcdef"
 
 
 def test_pinned_reference_vectors():
@@ -32,6 +36,23 @@ def test_pinned_reference_vectors():
     got = [h.hex() for h in block_hashes(list(range(40)), 16, MODEL, "tenant-a")]
     assert got == PINNED["chain_0_40_bs16_salt"]
     assert [h.hex() for h in block_hashes([1, 2, 3, 4], 4, "m")] == PINNED["chain_1234_bs4"]
+    assert namespace_hash(MODEL, "tenant-a", ADAPTER).hex() == PINNED["ns_model_salt_adapter"]
+    got = [h.hex() for h in block_hashes(list(range(40)), 16, MODEL, "tenant-a", ADAPTER)]
+    assert got == PINNED["chain_0_40_bs16_salt_adapter"]
+
+
+def test_adapter_layout_matches_the_documented_definition():
+    raw = [s.encode() for s in (MODEL, "salt", ADAPTER)]
+    model, salt, adapter = (struct.pack("<I", len(r)) + r for r in raw)
+    want = hashlib.blake2b(model + salt + b"L" + adapter, digest_size=16, person=b"kvharbor-ns-v1").digest()
+    assert namespace_hash(MODEL, "salt", ADAPTER) == want
+
+
+def test_an_adapter_never_shares_blocks_with_the_base_or_another_adapter():
+    tokens = list(range(32))
+    chains = [block_hashes(tokens, 16, MODEL, "t", a) for a in (None, "a@1", "b@1", "a@2")]
+    assert len({h for chain in chains for h in chain}) == 8
+    assert block_hashes(tokens, 16, MODEL, "t", "") == chains[0]  # no adapter: the base namespace
 
 
 def test_byte_layout_matches_the_documented_definition():

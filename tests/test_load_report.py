@@ -14,6 +14,7 @@ FULL = LoadReport(
     model="m", instance_id="a", running=3, waiting=2, waiting_prefill_tokens=900, kv_blocks_total=100,
     kv_blocks_free=40, kv_blocks_cached=10, prefill_tokens_per_s=1234.5, decode_step_ms=45.25,
     spec_acceptance_rate=0.5, draining=True, in_flight=5, slo_requests=7, slo_attainment=0.875,
+    lora_adapters={"sql": "sql@ab12", "chat": "chat@cd34"}, lora_active=("sql",), lora_slots=2, lora_bytes=4096,
 )  # fmt: skip
 
 
@@ -28,12 +29,15 @@ def test_readers_get_defaults_for_missing_fields_and_ignore_unknown_ones():
     report = LoadReport.from_json({"running": 2, "waiting": 1, "a_field_from_the_future": [1, 2]})
     assert (report.queue, report.kv_free_fraction, report.slo_attainment) == (3, 1.0, None)
     assert LoadReport.from_json({"prefill_tokens_per_s": 7}).prefill_tokens_per_s == 7.0
+    assert (report.lora_adapters, report.lora_active, report.lora_free_slots) == ({}, (), 0)
+    assert FULL.lora_free_slots == 1
 
 
 @pytest.mark.parametrize(
     "bad",
     [[], "x", {"running": "3"}, {"running": -1}, {"running": 1.5}, {"draining": "yes"}, {"model": 3},
-     {"decode_step_ms": True}, {"slo_attainment": "high"}],
+     {"decode_step_ms": True}, {"slo_attainment": "high"}, {"lora_adapters": ["sql"]},
+     {"lora_adapters": {"sql": 1}}, {"lora_active": "sql"}, {"lora_active": [1]}],
 )  # fmt: skip
 def test_a_malformed_report_is_refused_naming_the_field(bad):
     with pytest.raises(LoadReportError, match="/load"):

@@ -13,6 +13,8 @@ import time
 import httpx
 import openai
 import pytest
+from conftest import hf_greedy
+from lora_adapters import make_adapter
 from servers import EngineServerProcess, metric, wait_for
 
 from kvharbor.common.load_report import LoadReport
@@ -26,9 +28,21 @@ SERVE_ARGS = ("--dtype", "float32", "--num-kv-blocks", "180", "--max-model-len",
 QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?", "Say hello in Spanish."]
 
 
+ADAPTER = "smol-lora"
+
+
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with EngineServerProcess(tmp_path_factory.mktemp("serve"), *SERVE_ARGS) as proc:
+def smol_adapter(smollm_case, tmp_path_factory):
+    """A random rank-8 LoRA adapter on SmolLM2 (attention and MLP), with its peft reference."""
+    folder = tmp_path_factory.mktemp(ADAPTER)
+    targets = ["q_proj", "v_proj", "o_proj", "down_proj"]
+    return str(folder), make_adapter(smollm_case.hf, folder, 8, 16, targets, seed=3, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, smol_adapter):
+    lora = ("--lora", f"{ADAPTER}={smol_adapter[0]}", "--allow-runtime-lora")
+    with EngineServerProcess(tmp_path_factory.mktemp("serve"), *SERVE_ARGS, *lora) as proc:
         yield proc
 
 
@@ -48,9 +62,59 @@ def chat(client, content, **kw):
     return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}], **kw)
 
 
-def test_models_lists_the_served_model(client):
+def test_models_lists_the_served_model_and_its_adapters(client):
     models = client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL, ADAPTER]
+    assert models.data[1].model_extra["parent"] == MODEL and models.data[0].model_extra["parent"] is None
+
+
+def test_an_adapter_request_answers_as_peft_does_beside_the_base_model(server, client, smol_adapter, smollm_case):
+    tok = smollm_case.loaded.tokenizer
+    prompts = ["Once upon a time", "The three primary colors are"]
+
+    def complete(model, prompt):
+        return client.completions.create(model=model, prompt=tok.encode(prompt), max_tokens=16, temperature=0)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:  # the base and the adapter in the same steps
+        runs = list(pool.map(lambda job: complete(*job), [(m, p) for p in prompts for m in (MODEL, ADAPTER)]))
+    for prompt, base, adapted in zip(prompts, runs[::2], runs[1::2], strict=True):
+        want = tok.decode(hf_greedy(smol_adapter[1], tok.encode(prompt), 16)[0])
+        assert adapted.model == ADAPTER and adapted.choices[0].text == want
+        assert base.choices[0].text != want
+    again = complete(ADAPTER, prompts[0])
+    assert again.choices[0].text == runs[1].choices[0].text
+    text = httpx.get(server.url + "/metrics").text
+    assert metric(text, "kvharbor_lora_requests_total", f'adapter="{ADAPTER}"') >= 3
+    assert metric(text, "kvharbor_lora_adapter_loaded", f'active="true",adapter="{ADAPTER}"') == 1
+    assert metric(text, "kvharbor_lora_swaps_total") >= 1
+
+
+def test_runtime_load_and_unload_of_adapters(server, client, smol_adapter):
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60)  # noqa: E731
+    loaded = post("/v1/load_lora_adapter", {"lora_name": "second", "lora_path": smol_adapter[0]})
+    assert loaded.status_code == 200, loaded.text
+    assert "second" in [m.id for m in client.models.list().data]
+    assert LoadReport.from_json(httpx.get(server.url + "/load").json()).lora_adapters.keys() == {ADAPTER, "second"}
+    reply = client.chat.completions.create(model="second", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+    assert reply.model == "second"
+    again = post("/v1/load_lora_adapter", {"lora_name": "second", "lora_path": smol_adapter[0]})
+    assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
+    bad = post("/v1/load_lora_adapter", {"lora_name": "third", "lora_path": "/nowhere"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    assert "third" not in [m.id for m in client.models.list().data]  # nothing half-loaded
+    assert post("/v1/unload_lora_adapter", {"lora_name": "second"}).status_code == 200
+    assert post("/v1/unload_lora_adapter", {"lora_name": "second"}).status_code == 404
+    for gone in ("second", "nope"):
+        with pytest.raises(openai.NotFoundError, match="not served here"):
+            client.chat.completions.create(model=gone, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+
+
+def test_a_prompt_cached_for_the_base_model_misses_for_an_adapter(server):
+    body = {"prompt": "hello world " * 30, "max_tokens": 1, "temperature": 0}
+    post = lambda model: httpx.post(server.url + "/v1/completions", json={**body, "model": model}, timeout=60)  # noqa: E731
+    cached = lambda r: (r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # noqa: E731
+    assert cached(post(MODEL)) == 0 and cached(post(MODEL)) > 0
+    assert cached(post(ADAPTER)) == 0 and cached(post(ADAPTER)) > 0
 
 
 def test_the_printed_curl_line_answers_the_question(server):
