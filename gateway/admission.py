@@ -40,15 +40,20 @@ class QueueTimeout(Exception):
 
 
 def fit_route(
-    route: Route, engines: Sequence[Engine], prompt_tokens: int, block_size: int, slo_ttft_s: float
+    route: Route,
+    engines: Sequence[Engine],
+    prompt_tokens: int,
+    block_size: int,
+    slo_ttft_s: float,
+    adapter: str | None = None,
 ) -> Route | None:
     """The router's choice if its engine is predicted to meet the TTFT SLO; else the engine that
     does with the lowest predicted TTFT (reason "slo"); None when none does (queue or shed). An
     engine with nothing to prefill fits whatever the request's length: waiting cannot make its
-    own prefill shorter."""
+    own prefill shorter. For a LoRA `adapter` the TTFT counts its slot cost (predict.py)."""
 
     def ttft(e: Engine) -> float:  # with the blocks the route's index answer says e holds
-        return predict(e, prompt_tokens, route.held.get(e.url, 0), block_size).ttft_s
+        return predict(e, prompt_tokens, route.held.get(e.url, 0), block_size, adapter).ttft_s
 
     fits = [e for e in engines if e.waiting_prefill_tokens == 0 or ttft(e) <= slo_ttft_s]
     if route.engine in fits:

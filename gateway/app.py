@@ -5,6 +5,10 @@ to it, tokenize once (chat template included), take the rate limits, hash the pr
 the tenant's cache salt, wait for admission (SLO), route, and relay the engine's answer. The
 engine gets `prompt_token_ids`, `cache_salt`, `priority`, `request_id` and, when another engine
 holds more of the prefix, `kv_prefix_source=shared`.
+
+A `model` that names a LoRA adapter (gateway/catalog.py) runs on its base model's entry, on the
+engines that serve the adapter, hashed under the adapter's identity; the engine gets the request's
+`model` unchanged.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -32,12 +36,13 @@ from kvharbor.common.openai_api import APIError, ChatCompletionRequest, Completi
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.common.tracing import inject
 from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, fit_route
+from kvharbor.gateway.catalog import Resolved, adapter_engines, handoff_peers, listed_models, resolve
 from kvharbor.gateway.disagg import Decision, decide, decode_candidates, prefill_pool
 from kvharbor.gateway.disagg import Request as PDRequest
 from kvharbor.gateway.engines import Engine, EnginePool, Sent
 from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
-from kvharbor.gateway.metrics import GatewayMetrics
-from kvharbor.gateway.predict import uncached_tokens
+from kvharbor.gateway.metrics import GatewayMetrics, adapter_label
+from kvharbor.gateway.predict import adapter_slot, uncached_tokens
 from kvharbor.gateway.proxy import EngineCaller, EngineFailed, with_retries
 from kvharbor.gateway.relay import EngineStream, StreamRelay, StreamStats
 from kvharbor.gateway.router import Route, Router, block_size_for
@@ -149,12 +154,22 @@ class _Call:
     raw: dict
     prompts: list[list[int]]
     rid: str
+    resolved: Resolved  # its base model and LoRA adapter
     arrival: float = field(default_factory=time.monotonic)
     slot: str = field(default_factory=lambda: uuid.uuid4().hex)  # this admission's concurrency slot
     span: Any = None
     block_size: int = DEFAULT_BLOCK_SIZE  # what its prompt's blocks are cut by (set on admission)
     hashes: list[bytes] = field(default_factory=list)  # its prompt's block hashes (set on admission)
     transfer: dict | None = None  # P/D: the prefill engine's hand-off, for the decode engine
+
+    @property
+    def adapter(self) -> str | None:
+        """Its LoRA adapter's name; None for the base model."""
+        return self.resolved.adapter
+
+    @property
+    def adapter_label(self) -> str:
+        return adapter_label(self.resolved.adapter)
 
     @property
     def pd_supported(self) -> bool:
@@ -200,26 +215,14 @@ class _Handler:
                 400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
             ) from None
 
-    def _model(self, tenant: Tenant, name: str) -> ModelEntry:
-        entry = self.state.models.get(name)
-        if entry is None:
-            known = ", ".join(sorted(m for m in self.state.models if tenant.may_use(m))) or "none"
-            raise APIError(
-                404,
-                f"model {name!r} does not exist; models you may use: {known}",
-                type="not_found_error",
-                param="model",
-                code="model_not_found",
-            )
-        if not tenant.may_use(name):
-            raise APIError(
-                403,
-                f"tenant {tenant.name!r} may not use model {name!r}",
-                type="permission_error",
-                param="model",
-                code="model_not_allowed",
-            )
-        return entry
+    def _engines_by_model(self) -> dict[str, list[Engine]]:
+        return {m: self.state.pool.routable(m) for m in self.state.models}
+
+    def _candidates(self, call: _Call, exclude: Collection[str] = ()) -> list[Engine]:
+        """The routable engines that may take the whole request: of its base model, serving its
+        adapter, not prefill-only (unless nothing else runs), not in `exclude` (urls)."""
+        engines = adapter_engines(self.state.pool.routable(call.model.name), call.adapter)
+        return [e for e in decode_candidates(engines) if e.url not in exclude]
 
     def _tokenize(self, kind: str, body: Any, model: ModelEntry) -> list[list[int]]:
         tok = model.tokenizer
@@ -240,7 +243,8 @@ class _Handler:
     async def _call(self, request: Request, kind: str) -> _Call:
         tenant = self._tenant(request)
         body, raw = await self._parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
-        model = self._model(tenant, body.model)
+        resolved = resolve(body.model, tenant, self._engines_by_model())
+        model = self.state.models[resolved.base]
         prompts = self._tokenize(kind, body, model)
         longest = max(map(len, prompts))
         if longest > self.state.max_prompt_tokens:
@@ -255,7 +259,7 @@ class _Handler:
         rid = body.request_id or request.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}"
         if not rid.isprintable() or len(rid) > 256:
             raise APIError(400, "request id must be printable and at most 256 characters", param="request_id")
-        return _Call(kind, tenant, model, body, raw, prompts, rid)
+        return _Call(kind, tenant, model, body, raw, prompts, rid, resolved)
 
     # -- endpoints ------------------------------------------------------------------------------------
 
@@ -267,12 +271,7 @@ class _Handler:
 
     async def models(self, request: Request) -> dict:
         tenant = self._tenant(request)
-        data = [
-            {"id": m, "object": "model", "created": 0, "owned_by": "kvharbor"}
-            for m in sorted(self.state.models)
-            if tenant.may_use(m)
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": listed_models(tenant, self._engines_by_model())}
 
     async def health(self) -> dict:
         return {"status": "ok"}
@@ -298,6 +297,8 @@ class _Handler:
         span = call.span = state.tracer.start_span(f"gateway {call.path}")
         span.set_attribute("kvharbor.tenant", call.tenant.name)
         span.set_attribute("kvharbor.model", call.model.name)
+        if call.adapter:
+            span.set_attribute("kvharbor.adapter", call.adapter)
         span.set_attribute("kvharbor.request_id", call.rid)
         streaming = False
         with request_context(call.rid), trace.use_span(span, end_on_exit=False):
@@ -340,15 +341,21 @@ class _Handler:
                 headers={**decision.headers, "Retry-After": retry},
             )
         self.state.metrics.tokens.labels(call.tenant.name, "prompt").inc(tokens)
+        self.state.metrics.adapter_tokens.labels(call.model.name, call.adapter_label, "prompt").inc(tokens)
         return decision.headers
 
     def _reject(self, call: _Call, reason: str) -> None:
         self.state.metrics.rejections.labels(call.tenant.name, reason).inc()
         self.state.metrics.requests.labels(call.tenant.name, call.model.name, "rejected").inc()
+        self.state.metrics.adapter_requests.labels(call.model.name, call.adapter_label, "rejected").inc()
         log.info("rejected", extra={"tenant": call.tenant.name, "reason": reason})
 
     def _hashes(self, call: _Call) -> list[bytes]:
-        return block_hashes(call.prompts[0], call.block_size, call.model.name, call.tenant.cache_salt)
+        """Under the base model, the tenant's salt and the adapter's identity (not its name): what
+        the engines publish, so the KV index lookups match (common/block_hash.py)."""
+        return block_hashes(
+            call.prompts[0], call.block_size, call.model.name, call.tenant.cache_salt, call.resolved.identity
+        )
 
     def _block_size(self, model: ModelEntry) -> int:
         """The engines' block size (a mismatch is logged when it starts, and counted per request)."""
@@ -368,14 +375,16 @@ class _Handler:
         model = call.model
 
         async def try_now() -> Route | None:
-            engines = decode_candidates(state.pool.routable(model.name))
+            engines = self._candidates(call)
             if not engines:
                 return None
             prompt = len(call.prompts[0])
-            route = await state.router.choose(model.name, engines, hashes, prompt, call.block_size, model.slo_itl_s)
+            route = await state.router.choose(
+                model.name, engines, hashes, prompt, call.block_size, model.slo_itl_s, call.adapter
+            )
             if route is None:
                 return None
-            return fit_route(route, engines, prompt, call.block_size, model.slo_ttft_s)
+            return fit_route(route, engines, prompt, call.block_size, model.slo_ttft_s, call.adapter)
 
         try:
             route, queued = await state.admission.admit(
@@ -405,6 +414,9 @@ class _Handler:
         state.metrics.routes.labels(model.name, route.reason).inc()
         state.metrics.prompt_blocks.labels(model.name).inc(route.prompt_blocks)
         state.metrics.matched_blocks.labels(model.name).inc(route.matched_blocks)
+        if call.adapter:  # before the request is sent: then it makes its adapter active there
+            slot = adapter_slot(route.engine, call.adapter).value
+            state.metrics.adapter_routes.labels(model.name, call.adapter, slot).inc()
         return route
 
     def _payload(self, call: _Call, route: Route, engine: Engine) -> dict:
@@ -437,12 +449,12 @@ class _Handler:
 
         async def pick_next(tried: set[str]) -> Engine | None:
             state.metrics.retries.labels(call.model.name).inc()
-            others = [e for e in decode_candidates(state.pool.routable(call.model.name)) if e.url not in tried]
+            others = self._candidates(call, exclude=tried)
             if not others:
                 return None
             nxt = await state.router.choose(
                 call.model.name, others, call.hashes, len(call.prompts[0]), call.block_size,
-                call.model.slo_itl_s,
+                call.model.slo_itl_s, call.adapter,
             )  # fmt: skip
             return nxt.engine if nxt else None
 
@@ -457,7 +469,7 @@ class _Handler:
         if not call.body.stream:
 
             async def run(engine: Engine) -> tuple[bytes, dict]:
-                sent = engine.send(uncached(engine))
+                sent = engine.send(uncached(engine), call.adapter)
                 try:
                     return await state.caller.call(engine, call.path, self._payload(call, route, engine), headers)
                 finally:
@@ -472,7 +484,7 @@ class _Handler:
             return Response(content, media_type="application/json", headers=headers_out)
 
         async def open_stream(engine: Engine) -> tuple[EngineStream, Sent]:
-            sent = engine.send(uncached(engine))
+            sent = engine.send(uncached(engine), call.adapter)
             try:
                 stream = await state.caller.open_stream(engine, call.path, self._payload(call, route, engine), headers)
             except BaseException:
@@ -518,7 +530,7 @@ class _Handler:
         state = self.state
         if state.router.config.disaggregation == "off":
             return Decision(None, "off")
-        everyone = state.pool.all(call.model.name)
+        everyone = handoff_peers(state.pool.all(call.model.name), route.engine, call.adapter)
         pool = prefill_pool([e for e in everyone if e.routable])
         held = dict(route.held)
         if pool and call.pd_supported:  # what the prefill engines hold: their misses cost there
@@ -535,7 +547,7 @@ class _Handler:
                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
         payload.pop("stream_options", None)
         payload.pop("kv_prefix_source", None)
-        sent = engine.send(uncached_tokens(len(call.prompts[0]), 0, call.block_size))
+        sent = engine.send(uncached_tokens(len(call.prompts[0]), 0, call.block_size), call.adapter)
         with state.tracer.start_as_current_span("gateway prefill") as span:
             span.set_attribute("kvharbor.engine", engine.url)
             try:
@@ -554,18 +566,23 @@ class _Handler:
 
     def _finished(self, call: _Call, usage: dict, stats: StreamStats | None) -> None:
         m = self.state.metrics
-        tenant, model = call.tenant.name, call.model.name
+        tenant, model, adapter = call.tenant.name, call.model.name, call.adapter_label
         completion = int(usage.get("completion_tokens", 0))
         m.tokens.labels(tenant, "completion").inc(completion)
+        m.adapter_tokens.labels(model, adapter, "completion").inc(completion)
         error = stats.error if stats else None
         m.requests.labels(tenant, model, "error" if error else "ok").inc()
+        m.adapter_requests.labels(model, adapter, "error" if error else "ok").inc()
         now = time.monotonic()
         if stats is not None and stats.first_token is not None:
             ttft = stats.first_token - call.arrival
             m.ttft.labels(tenant).observe(ttft)
+            m.adapter_ttft.labels(model, adapter).observe(ttft)
             gaps = [b - a for a, b in zip([stats.first_token, *stats.chunk_times], stats.chunk_times, strict=False)]
+            adapter_itl = m.adapter_itl.labels(model, adapter)
             for gap in gaps:
                 m.itl.labels(tenant).observe(gap)
+                adapter_itl.observe(gap)
             itl_p95 = sorted(gaps)[int(0.95 * (len(gaps) - 1))] if gaps else 0.0
             good = ttft <= call.model.slo_ttft_s and itl_p95 <= call.model.slo_itl_s and not error
         else:
@@ -577,6 +594,7 @@ class _Handler:
             extra={
                 "tenant": tenant,
                 "model": model,
+                "adapter": call.adapter,
                 "completion_tokens": completion,
                 "e2e_ms": round((now - call.arrival) * 1000, 1),
                 "error": error,

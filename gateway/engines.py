@@ -32,6 +32,7 @@ class Sent:
     engine: Engine
     at: float
     prefill: int  # prompt tokens still to prefill; 0 once the first token came
+    adapter: str | None = None  # the LoRA adapter it runs on (its name); None: the base model
 
     def first_token(self) -> None:
         self.prefill = 0
@@ -58,12 +59,30 @@ class Engine:
     def routable(self) -> bool:
         return self.polled and not self.ejected and not self.draining
 
-    def send(self, prefill_tokens: int) -> Sent:
-        """Count a request this gateway sends now (with the prompt tokens it must prefill) until
-        `done`: the load polled before it cannot show it, so the router adds it itself."""
-        sent = Sent(self, time.monotonic(), prefill_tokens)
+    def send(self, prefill_tokens: int, adapter: str | None = None) -> Sent:
+        """Count a request this gateway sends now (with the prompt tokens it must prefill, and its
+        LoRA adapter) until `done`: the load polled before it cannot show it, so the router adds it itself."""
+        sent = Sent(self, time.monotonic(), prefill_tokens, adapter)
         self.sent.add(sent)
         return sent
+
+    def serves_adapter(self, adapter: str) -> bool:
+        """Its /load lists this LoRA adapter (by name) among those it can serve."""
+        return adapter in self.load.lora_adapters
+
+    @property
+    def active_adapters(self) -> frozenset[str]:
+        """Adapters in its slots: the polled `lora_active`, plus those of the requests this gateway
+        has open there. NOTE: every open request, not only the unseen ones: a request the engine
+        queues for a slot is not in `lora_active` yet, but it will swap its adapter in, and the
+        next request for that adapter rides on that swap instead of paying another elsewhere."""
+        pending = {s.adapter for s in self.sent if s.adapter}
+        return frozenset(self.load.lora_active).union(pending)
+
+    @property
+    def lora_free_slots(self) -> int:
+        """Slots no adapter holds, counting those the open requests of this gateway will take."""
+        return max(0, self.load.lora_slots - len(self.active_adapters))
 
     def _unseen(self) -> list[Sent]:
         """Open requests sent after the last poll (less the time a request takes to reach the

@@ -1,10 +1,19 @@
-"""Prometheus metrics of the gateway (prefix `kvharbor_gateway_`), in a registry of its own."""
+"""Prometheus metrics of the gateway (prefix `kvharbor_gateway_`), in a registry of its own.
+
+The `kvharbor_gateway_adapter_*` series count per LoRA adapter: `model` is the base model and
+`adapter` the adapter's name, BASE_ADAPTER ("") for requests on the base model itself.
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+BASE_ADAPTER = ""  # the `adapter` label of requests on the base model
+
+
+def adapter_label(adapter: str | None) -> str:
+    return adapter or BASE_ADAPTER
 
 
 class GatewayMetrics:
@@ -74,6 +83,38 @@ class GatewayMetrics:
             "kvharbor_gateway_block_size_mismatches",
             "Requests hashed while the engines (or the models file) disagreed on the KV block size",
             ["model"],
+            registry=r,
+        )
+        self.adapter_requests = Counter(
+            "kvharbor_gateway_adapter_requests",
+            'Requests by base model, LoRA adapter ("": the base model) and status',
+            ["model", "adapter", "status"],
+            registry=r,
+        )
+        self.adapter_tokens = Counter(
+            "kvharbor_gateway_adapter_tokens",
+            "Tokens by base model, LoRA adapter and kind (prompt, completion)",
+            ["model", "adapter", "kind"],
+            registry=r,
+        )
+        self.adapter_ttft = Histogram(
+            "kvharbor_gateway_adapter_time_to_first_token_seconds",
+            "Arrival to first token, by base model and LoRA adapter",
+            ["model", "adapter"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.adapter_itl = Histogram(
+            "kvharbor_gateway_adapter_inter_token_latency_seconds",
+            "Between streamed chunks, by base model and LoRA adapter",
+            ["model", "adapter"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.adapter_routes = Counter(
+            "kvharbor_gateway_adapter_routes",
+            "Adapter requests routed, by where the adapter stood on the chosen engine (active, free_slot, swap)",
+            ["model", "adapter", "slot"],
             registry=r,
         )
         self.engines_up = Gauge("kvharbor_gateway_engines_routable", "Engines in rotation", ["model"], registry=r)

@@ -7,13 +7,48 @@ has sent it since (gateway/engines.py): what admission and routing decide on.
   along the per-sequence growth the engine fits (engine/core.py's EngineStats).
 
 Both are 0 while the engine has measured nothing: no evidence against it.
+
+- LoRA: a request on an adapter also waits for its adapter to be in one of the engine's slots
+  (`adapter_cost_s`): nothing when it is active there, one swap into a free slot, two when every
+  slot is taken. That cost is added to the TTFT, so it trades against queues and cache misses in
+  the same seconds.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from kvharbor.gateway.engines import Engine
+
+# Seconds an engine takes to bring a LoRA adapter from memory into one of its slots, as measured
+# by benchmarks/lora.py. NOTE: 0.02 is a placeholder: the benchmark's measured figure goes here.
+LORA_SWAP_S = 0.02
+
+
+class AdapterSlot(enum.Enum):
+    """Where a request's adapter stands on an engine, best first (the router prefers in this order)."""
+
+    ACTIVE = "active"  # in one of its slots (or a request this gateway sent there will put it in one)
+    FREE_SLOT = "free_slot"  # not loaded, but a slot is free: one swap in
+    SWAP = "swap"  # every slot taken: another adapter must make room
+
+
+def adapter_slot(engine: Engine, adapter: str) -> AdapterSlot:
+    if adapter in engine.active_adapters:
+        return AdapterSlot.ACTIVE
+    return AdapterSlot.FREE_SLOT if engine.lora_free_slots > 0 else AdapterSlot.SWAP
+
+
+def adapter_cost_s(engine: Engine, adapter: str | None) -> float:
+    """Predicted seconds before `adapter` can run on `engine` (0 for the base model or an active
+    adapter): one swap into a free slot; two when every slot is taken, since the adapter it evicts
+    (LRU: in use lately) is swapped back in for its next request, and its queued requests wait
+    for a slot meanwhile."""
+    if adapter is None:
+        return 0.0
+    slot = adapter_slot(engine, adapter)
+    return {AdapterSlot.ACTIVE: 0.0, AdapterSlot.FREE_SLOT: LORA_SWAP_S, AdapterSlot.SWAP: 2 * LORA_SWAP_S}[slot]
 
 
 def predict_ttft_s(waiting_prefill_tokens: int, uncached_tokens: int, prefill_tokens_per_s: float) -> float:
@@ -41,7 +76,10 @@ class Prediction:
         return self.itl_s < other.itl_s and self.ttft_s <= other.ttft_s
 
 
-def predict(engine: Engine, prompt_tokens: int, held_blocks: int, block_size: int) -> Prediction:
+def predict(
+    engine: Engine, prompt_tokens: int, held_blocks: int, block_size: int, adapter: str | None = None
+) -> Prediction:
+    """TTFT and ITL of a request on `engine` (`adapter`: its LoRA adapter's name, None for the base)."""
     uncached = uncached_tokens(prompt_tokens, held_blocks, block_size)
     ttft = predict_ttft_s(engine.waiting_prefill_tokens, uncached, engine.prefill_tokens_per_s)
-    return Prediction(ttft, engine.predicted_itl_s())
+    return Prediction(ttft + adapter_cost_s(engine, adapter), engine.predicted_itl_s())

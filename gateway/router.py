@@ -8,6 +8,12 @@
   Then predictions decide (`faster_elsewhere`): another engine predicted better on TTFT (with
   its cache miss counted) and no worse on ITL or within the ITL SLO, or better on ITL and no
   worse on TTFT, takes the request instead.
+  LoRA (the request names an adapter; every candidate serves it): the predicted TTFT adds the
+  adapter's slot cost (predict.py's `adapter_cost_s`: 0 where it is active, one LORA_SWAP_S into
+  a free slot, two where it must evict another), so engines are preferred active > free slot >
+  swap, traded in seconds against their queues and cache misses. Requests this gateway has open on
+  an engine make their adapter active there, so a burst for one adapter follows its first request
+  instead of swapping it into every engine. When load alone decides, the slot breaks queue ties.
 - `least_loaded`: the shortest queue, then the most free KV.
 - `round_robin`: in turn.
 """
@@ -24,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from kvharbor.common.block_hash import DEFAULT_BLOCK_SIZE, BlockHash
 from kvharbor.gateway.config import RoutingConfig
 from kvharbor.gateway.engines import Engine
-from kvharbor.gateway.predict import predict
+from kvharbor.gateway.predict import adapter_cost_s, predict
 from kvharbor.kvcache_service.index import IndexUnavailable
 
 log = logging.getLogger("kvharbor.gateway.router")
@@ -76,7 +82,10 @@ class Router:
         prompt_tokens: int = 0,
         block_size: int = DEFAULT_BLOCK_SIZE,
         slo_itl_s: float = 0.0,
+        adapter: str | None = None,
     ) -> Route | None:
+        """The engine for a request among `engines` (for a LoRA `adapter`, by name: only engines
+        that serve it); `model` is the base model, whose KV index the hashes are looked up in."""
         if not engines:
             return None
         strategy = self.config.routing
@@ -86,20 +95,24 @@ class Router:
         if strategy == "least_loaded":
             return Route(_least_loaded(engines), "least_loaded", prompt_blocks=len(hashes))
         matches = await self.matches(model, hashes, engines)
-        route = self.by_prefix(engines, hashes, matches)
-        return faster_elsewhere(route, engines, prompt_tokens, block_size, slo_itl_s)
+        route = self.by_prefix(engines, hashes, matches, adapter)
+        return faster_elsewhere(route, engines, prompt_tokens, block_size, slo_itl_s, adapter)
 
     def by_prefix(
-        self, engines: Sequence[Engine], hashes: Sequence[BlockHash], matches: dict[str, int] | None
+        self,
+        engines: Sequence[Engine],
+        hashes: Sequence[BlockHash],
+        matches: dict[str, int] | None,
+        adapter: str | None = None,
     ) -> Route:
         blocks = len(hashes)
         held = {e.url: (matches or {}).get(e.instance_id or "", 0) for e in engines}
         best = max(held.values(), default=0)
         queues = [e.queue for e in engines]
         if matches is None:
-            reason, chosen = "index_unavailable", _least_loaded(engines)
+            reason, chosen = "index_unavailable", _least_loaded(engines, adapter)
         elif max(queues) - min(queues) > self.config.imbalance_threshold:
-            reason, chosen = "imbalance", _least_loaded(engines)
+            reason, chosen = "imbalance", _least_loaded(engines, adapter)
         else:
             chosen = max(engines, key=lambda e: (self._score(e, held[e.url], blocks, max(queues)), -e.queue))
             reason = "prefix" if held[chosen.url] else "load"
@@ -113,17 +126,22 @@ class Router:
 
 
 def faster_elsewhere(
-    route: Route, engines: Sequence[Engine], prompt_tokens: int, block_size: int, slo_itl_s: float
+    route: Route,
+    engines: Sequence[Engine],
+    prompt_tokens: int,
+    block_size: int,
+    slo_itl_s: float,
+    adapter: str | None = None,
 ) -> Route:
     """The route, or the engine predicted faster for this request (reason "latency"): better on
-    TTFT (a cache miss counted in its prefill) with an ITL no worse or within the SLO, or better on
-    ITL with a TTFT no worse (gateway/predict.py's better_than).
+    TTFT (a cache miss counted in its prefill, and for a LoRA `adapter` its slot cost) with an ITL
+    no worse or within the SLO, or better on ITL with a TTFT no worse (gateway/predict.py's better_than).
     The score's prefix term is bounded, so on its own it keeps sending a burst of one prefix to its
     holder; predictions count what this gateway sent since the last poll, so the burst spreads as
     soon as the holder's queue costs more than the other's miss."""
     if route.reason not in ("prefix", "load"):
         return route  # imbalance and a silent index route by load alone (DESIGN §5)
-    predicted = {e.url: predict(e, prompt_tokens, route.held.get(e.url, 0), block_size) for e in engines}
+    predicted = {e.url: predict(e, prompt_tokens, route.held.get(e.url, 0), block_size, adapter) for e in engines}
     mine = predicted[route.engine.url]
     better = [e for e in engines if predicted[e.url].better_than(mine, slo_itl_s)]
     if not better:
@@ -148,5 +166,5 @@ def block_size_for(configured: int | None, engines: Sequence[Engine]) -> tuple[i
     return size, None
 
 
-def _least_loaded(engines: Sequence[Engine]) -> Engine:
-    return min(engines, key=lambda e: (e.queue, -e.kv_free))
+def _least_loaded(engines: Sequence[Engine], adapter: str | None = None) -> Engine:
+    return min(engines, key=lambda e: (e.queue, adapter_cost_s(e, adapter), -e.kv_free))

@@ -6,6 +6,7 @@
         priority: 0                                  # below 0: sheddable
         limits: {rpm: 600, tpm: 200000, max_concurrent: 32}
         models: ["*"]                                # or a list of model ids
+        adapters: []                                 # LoRA adapters it may ask for by name, or ["*"]; default none
         cache_sharing_group: null                    # tenants of one group share cached prefixes
 
 `TenantRegistry` re-reads the file when it changes; a file that fails to parse keeps the last good
@@ -24,6 +25,7 @@ from typing import Any
 import yaml
 
 from kvharbor.common.api_keys import hash_key
+from kvharbor.common.lora import check_adapter_name
 
 log = logging.getLogger("kvharbor.gateway.tenants")
 _KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -49,6 +51,8 @@ class Tenant:
     limits: Limits = field(default_factory=Limits)
     models: tuple[str, ...] = ("*",)
     cache_sharing_group: str | None = None
+    # NOTE: none by default, unlike models: adapters are tenants' own fine-tunes, not shared.
+    adapters: tuple[str, ...] = ()
 
     @property
     def cache_salt(self) -> str:
@@ -61,6 +65,10 @@ class Tenant:
 
     def may_use(self, model: str) -> bool:
         return "*" in self.models or model in self.models
+
+    def may_use_adapter(self, adapter: str) -> bool:
+        """Granted this LoRA adapter (by name); it must also be on a base model the tenant may use."""
+        return "*" in self.adapters or adapter in self.adapters
 
 
 def parse_tenants(data: Any) -> dict[str, Tenant]:
@@ -85,7 +93,7 @@ def _parse_tenant(i: int, raw: Any) -> Tenant:
     where = f"tenants[{i}]"
     if not isinstance(raw, dict):
         raise TenantsError(f"{where} must be a mapping")
-    unknown = set(raw) - {"name", "api_keys", "priority", "limits", "models", "cache_sharing_group"}
+    unknown = set(raw) - {"name", "api_keys", "priority", "limits", "models", "adapters", "cache_sharing_group"}
     if unknown:
         raise TenantsError(f"{where}: unknown fields {sorted(unknown)}")
     name = raw.get("name")
@@ -107,7 +115,24 @@ def _parse_tenant(i: int, raw: Any) -> Tenant:
     group = raw.get("cache_sharing_group")
     if group is not None and (not isinstance(group, str) or not _NAME.match(group)):
         raise TenantsError(f"{where}: cache_sharing_group must be a name or null, got {group!r}")
-    return Tenant(name, frozenset(keys), priority, _parse_limits(where, raw.get("limits") or {}), tuple(models), group)
+    limits = _parse_limits(where, raw.get("limits") or {})
+    return Tenant(name, frozenset(keys), priority, limits, tuple(models), group, adapters=_parse_adapters(where, raw))
+
+
+def _parse_adapters(where: str, raw: dict) -> tuple[str, ...]:
+    adapters = raw.get("adapters")
+    if adapters is None:
+        return ()
+    if not isinstance(adapters, list):
+        raise TenantsError(f"{where}: adapters must be a list of LoRA adapter names or ['*'], got {adapters!r}")
+    for name in adapters:
+        if name == "*":
+            continue
+        try:
+            check_adapter_name(name)
+        except ValueError as exc:
+            raise TenantsError(f"{where}: adapters: {exc}") from None
+    return tuple(adapters)
 
 
 def _parse_limits(where: str, raw: Any) -> Limits:
