@@ -30,6 +30,10 @@ class ModelProfile:
     kv_heads: int
     head_dim: int
     linear_parameters: int = 0  # of the projections, which quantization shrinks; 0: not known
+    # The projections' shapes, for sizing LoRA adapters; 0: not known.
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    attention_heads: int = 0
 
     def weight_bytes(self, dtype: str, quantization: str = "none", gguf_bits: int = 8) -> int:
         """The weights as the engine holds them: all at `dtype`, or the projections quantized
@@ -59,6 +63,28 @@ class ModelProfile:
             raise ValueError(f"unknown kvCacheDtype {kv_cache_dtype!r}; one of auto, {', '.join(KV_8BIT)}")
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes(dtype)
 
+    def lora_parameters_per_rank(self) -> int:
+        """Parameters of one LoRA adapter per unit of rank at the worst case, every projection
+        targeted (q, k, v, o, gate, up, down): each an A (rank x in) and a B (out x rank), so
+        in + out a projection, per layer."""
+        h, inter, heads, kv = self.hidden_size, self.intermediate_size, self.attention_heads, self.kv_heads
+        if not (h > 0 and inter > 0 and heads > 0):
+            raise ValueError(
+                f"model {self.name!r} needs model.profile.hiddenSize, intermediateSize and attentionHeads "
+                "to size its LoRA adapters"
+            )
+        q, kv_out = heads * self.head_dim, kv * self.head_dim
+        #           q        k, v             o        gate, up         down
+        per_layer = (h + q) + 2 * (h + kv_out) + (q + h) + 2 * (h + inter) + (inter + h)
+        return per_layer * self.layers
+
+    def lora_bytes(self, slots: int, rank: int, loaded: int, dtype: str) -> int:
+        """What an engine reserves for LoRA out of its memory (engine/lora_manager.py
+        `reserved_bytes`): `slots` (--max-loras) adapter slots of `rank` (--max-lora-rank) on
+        every projection at the model's dtype, plus `loaded` (--max-cpu-loras) adapters counted
+        at that rank in float32 (their loaded copies). Smaller adapters take less of it."""
+        return self.lora_parameters_per_rank() * rank * (slots * dtype_bytes(dtype) + loaded * 4)
+
 
 def dtype_bytes(dtype: str) -> int:
     try:
@@ -71,19 +97,21 @@ KNOWN = {
     p.name: p
     for p in (
         # linear_parameters: layers x (q, k, v, o, gate, up, down), from each model's config.json
-        # (the rest is the embedding, an untied LM head, norms and biases).
-        ModelProfile("SmolLM2-135M-Instruct", 134_515_008, 30, 3, 64, 106_168_320),
-        ModelProfile("Llama-3.1-8B-Instruct", 8_030_261_248, 32, 8, 128, 6_979_321_856),
-        ModelProfile("Llama-3.1-70B-Instruct", 70_553_706_496, 80, 8, 128, 68_451_041_280),
-        ModelProfile("Qwen2.5-7B-Instruct", 7_615_616_512, 28, 4, 128, 6_525_288_448),
-        ModelProfile("Mistral-7B-Instruct-v0.3", 7_248_023_552, 32, 8, 128, 6_979_321_856),
+        # (the rest is the embedding, an untied LM head, norms and biases); then hidden_size,
+        # intermediate_size and num_attention_heads from the same file.
+        ModelProfile("SmolLM2-135M-Instruct", 134_515_008, 30, 3, 64, 106_168_320, 576, 1536, 9),
+        ModelProfile("Llama-3.1-8B-Instruct", 8_030_261_248, 32, 8, 128, 6_979_321_856, 4096, 14336, 32),
+        ModelProfile("Llama-3.1-70B-Instruct", 70_553_706_496, 80, 8, 128, 68_451_041_280, 8192, 28672, 64),
+        ModelProfile("Qwen2.5-7B-Instruct", 7_615_616_512, 28, 4, 128, 6_525_288_448, 3584, 18944, 28),
+        ModelProfile("Mistral-7B-Instruct-v0.3", 7_248_023_552, 32, 8, 128, 6_979_321_856, 4096, 14336, 32),
     )
 }
 
 
 def profile_for(name: str, override: dict | None = None) -> ModelProfile:
     """The profile of a known model, or one built from `override` (parameters, layers, kvHeads,
-    headDim, and linearParameters for quantized placement)."""
+    headDim; linearParameters for quantized placement; hiddenSize, intermediateSize and
+    attentionHeads for LoRA adapters)."""
     if override:
         try:
             return ModelProfile(
@@ -93,6 +121,9 @@ def profile_for(name: str, override: dict | None = None) -> ModelProfile:
                 int(override["kvHeads"]),
                 int(override["headDim"]),
                 int(override.get("linearParameters", 0)),
+                int(override.get("hiddenSize", 0)),
+                int(override.get("intermediateSize", 0)),
+                int(override.get("attentionHeads", 0)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(

@@ -19,6 +19,9 @@ rolls the Deployment.
 A colocated service's objects carry no role label: in its pod template one would roll every
 engine on upgrade, and a Deployment's selector cannot change. Its Service says
 `kvharbor.io/roles: both`, a disaggregated one's `prefill-decode`.
+
+LoRA adapters (`spec.adapters`, operator/adapters.py) go to every role alike: the engine config's
+`lora` list and limits, and read-only mounts of the ConfigMaps and PVCs they come from.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 import yaml
 
 from kvharbor.common.endpoint_slices import DISCOVERY_LABEL, MODEL_ANNOTATION, MODEL_LABEL
+from kvharbor.operator.adapters import LoraSpec, lora_spec
 from kvharbor.operator.placement import POOL_LABEL, PlacementPlan
 from kvharbor.operator.roles import COLOCATED, RoleSpec, role_specs
 
@@ -105,6 +109,7 @@ def engine_config(spec: dict, redis_url: str | None, role: str = COLOCATED) -> d
         config["role"] = role
     if role == "prefill":
         config["kv_transfer_port"] = KV_TRANSFER_PORT  # fixed: a pod declares its ports
+    config.update(lora_spec(spec).engine_config())  # nothing without adapters
     return config
 
 
@@ -160,10 +165,12 @@ def role_objects(
     selector = engine_selector(name, role.role)
     names = object_names(name, role.role)
     config = engine_config(spec, redis_url, role.role)
+    lora = lora_spec(spec)
     config_yaml = yaml.safe_dump(config, sort_keys=True)
-    rollout = hashlib.sha256(
-        json.dumps([config_yaml, placement.__dict__, role.placement], sort_keys=True).encode()
-    ).hexdigest()[:16]
+    # NOTE: adapter_bytes stays out of the hash: adapters change the engine config already, and a
+    # plan field that came with issue 18 must not roll every engine when the operator is upgraded.
+    plan = {k: v for k, v in placement.__dict__.items() if k != "adapter_bytes"}
+    rollout = hashlib.sha256(json.dumps([config_yaml, plan, role.placement], sort_keys=True).encode()).hexdigest()[:16]
     drain = int(config["drain_timeout"])
     meta = {"namespace": namespace, "labels": labels, "ownerReferences": owner}
     configmap = {
@@ -188,8 +195,11 @@ def role_objects(
                     "nodeSelector": {pool_label: placement.pool},
                     "tolerations": tolerations,
                     "terminationGracePeriodSeconds": drain + PRESTOP_PAUSE_S + 15,
-                    "containers": [engine_container(image, placement, role.role)],
-                    "volumes": [{"name": "config", "configMap": {"name": configmap["metadata"]["name"]}}],
+                    "containers": [engine_container(image, placement, role.role, lora)],
+                    "volumes": [
+                        {"name": "config", "configMap": {"name": configmap["metadata"]["name"]}},
+                        *lora.volumes(),
+                    ],
                     "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
                 },
             },
@@ -204,7 +214,7 @@ def role_objects(
     return [configmap, deployment, pdb]
 
 
-def engine_container(image: str, placement: PlacementPlan, role: str) -> dict[str, Any]:
+def engine_container(image: str, placement: PlacementPlan, role: str, lora: LoraSpec | None = None) -> dict[str, Any]:
     ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
     if role == "prefill":
         ports.append({"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
@@ -227,7 +237,10 @@ def engine_container(image: str, placement: PlacementPlan, role: str) -> dict[st
         },
         "startupProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "failureThreshold": 120},
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_PAUSE_S}}},
-        "volumeMounts": [{"name": "config", "mountPath": "/etc/kvharbor", "readOnly": True}],
+        "volumeMounts": [
+            {"name": "config", "mountPath": "/etc/kvharbor", "readOnly": True},
+            *(lora.volume_mounts() if lora else []),
+        ],
         "securityContext": {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
 

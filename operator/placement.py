@@ -5,10 +5,12 @@ GPU product (`nvidia.com/gpu.product`) and memory per GPU (`nvidia.com/gpu.memor
 allocatable `nvidia.com/gpu` how many GPUs a node offers. A replica runs on one node, its GPUs
 splitting the weights and the KV cache (tensor parallel, a power of two that divides the KV heads).
 
-A replica fits when weights + KV for maxNumSeqs x maxModelLen tokens fit in the GPUs' memory less
-a workspace headroom (activations, CUDA context, allocator slack). Among the fits the smallest is
-chosen: the least GPU memory per replica, then the fewest GPUs. When nothing fits, the reasons
-say, per pool, how much was needed and how much there was.
+A replica fits when weights + KV for maxNumSeqs x maxModelLen tokens + its LoRA adapters fit in the
+GPUs' memory less a workspace headroom (activations, CUDA context, allocator slack). LoRA
+adapters count as the engine reserves them (ModelProfile.lora_bytes): maxLoras slots and
+maxCpuLoras loaded adapters, each at maxLoraRank on every projection (q, k, v, o, gate, up, down).
+Among the fits the smallest is chosen: the least GPU memory per replica, then the fewest GPUs.
+When nothing fits, the reasons say, per pool, how much was needed and how much there was.
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class EngineShape:
     quantization: str = "none"  # the engine's --quantization: weights at their quantized size
     kv_cache_dtype: str = "auto"  # the engine's --kv-cache-dtype: int8 / fp8 rows are head_dim + 2 bytes
     gguf_bits: int = 8  # gguf: the file's blocks are 4-bit (Q4_0/Q4_1) or 8-bit (Q8_0)
+    lora_slots: int = 0  # the engine's --max-loras (0: LoRA off)
+    lora_rank: int = 0  # --max-lora-rank
+    lora_loaded: int = 0  # --max-cpu-loras
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class PlacementPlan:
     bytes_per_token: int
     weight_bytes: int
     gpu_product: str | None
+    adapter_bytes: int = 0  # what the engine reserves for LoRA (see the module docstring)
 
 
 def pools_from_nodes(nodes: Sequence[Mapping[str, Any]], pool_label: str = POOL_LABEL) -> list[Pool]:
@@ -97,7 +103,10 @@ def place(
     weights = model.weight_bytes(engine.dtype, engine.quantization, engine.gguf_bits)
     per_token = model.kv_bytes_per_token(engine.dtype, engine.kv_cache_dtype)
     kv_needed = engine.max_num_seqs * engine.max_model_len * per_token
-    need = weights + kv_needed
+    adapters = 0
+    if engine.lora_slots:
+        adapters = model.lora_bytes(engine.lora_slots, engine.lora_rank, engine.lora_loaded, engine.dtype)
+    need = weights + kv_needed + adapters
     fits: list[tuple[int, int, str, PlacementPlan]] = []
     reasons: list[str] = []
     candidates = [p for p in pools if node_pool is None or p.name == node_pool]
@@ -115,16 +124,22 @@ def place(
         for g in counts:
             room = usable_bytes(pool, g)
             if need <= room:
-                kv_tokens = int((room - weights) * engine.kv_memory_fraction) // per_token
-                plan = PlacementPlan(pool.name, g, kv_tokens, per_token, weights, pool.gpu_product)
+                kv_tokens = int((room - weights - adapters) * engine.kv_memory_fraction) // per_token
+                plan = PlacementPlan(pool.name, g, kv_tokens, per_token, weights, pool.gpu_product, adapters)
                 fits.append((g * pool.gpu_memory_bytes, g, pool.name, plan))
                 break
         if plan is None:
             most = max(counts, default=0)
             room = usable_bytes(pool, most) if most else 0
+            lora = (
+                f" + LoRA {adapters / GiB:.1f} for {engine.lora_slots} slots and {engine.lora_loaded} adapters "
+                f"at rank {engine.lora_rank}"
+                if adapters
+                else ""
+            )
             reasons.append(
                 f"pool {pool.name}: needs {need / GiB:.1f} GiB (weights {weights / GiB:.1f} + KV {kv_needed / GiB:.1f} "
-                f"for {engine.max_num_seqs} x {engine.max_model_len} tokens) but {most or 'no'} GPU(s) of "
+                f"for {engine.max_num_seqs} x {engine.max_model_len} tokens{lora}) but {most or 'no'} GPU(s) of "
                 f"{pool.gpu_memory_bytes / GiB:.0f} GiB give {room / GiB:.1f} GiB usable"
             )
     if fits:

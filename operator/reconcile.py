@@ -7,8 +7,9 @@ from operator/handlers.py; nothing here imports kopf).
   or the reverse); when nothing fits, deploy nothing and say why.
 - `observe_service` (on a timer): readiness from each role's Deployment, engine URLs from the
   Service's EndpointSlices, load from each engine's /load, then `scale_decision` per role on the
-  reports of that role's engines only, so scaling one role never moves the other; it re-runs
-  placement while the service is unplaced, since new nodes may have joined.
+  reports of that role's engines only, so scaling one role never moves the other, and
+  `status.adapters` from the LoRA adapters the engines report; it re-runs placement while the
+  service is unplaced, since new nodes may have joined.
 - `finalize_service` (the finalizer): scale to zero, wait until the engine pods are gone (they
   drain), then remove their instances from the KV index so no router sends anyone there.
 
@@ -28,6 +29,7 @@ import httpx
 from kvharbor.common.endpoint_slices import SERVICE_NAME_LABEL, service_urls
 from kvharbor.common.kube import Kube, NotOwned, path
 from kvharbor.common.load_report import LoadReport
+from kvharbor.operator.adapters import adapters_status, lora_spec
 from kvharbor.operator.config import OperatorConfig
 from kvharbor.operator.model_profiles import profile_for
 from kvharbor.operator.objects import deployment_name, desired_objects, engine_selector, object_names
@@ -125,7 +127,8 @@ def mode_status(res: Resource, per_role: dict[str, dict]) -> dict:
 
 
 def engine_shape(res: Resource) -> EngineShape:
-    model, engine = res.section("model"), res.section("engine")
+    """What placement sizes; raises ValueError on a bad spec.adapters or spec.lora."""
+    model, engine, lora = res.section("model"), res.section("engine"), lora_spec(res.spec)
     return EngineShape(
         dtype=model.get("dtype", "bfloat16"),
         max_model_len=int(model.get("maxModelLen", 4096)),
@@ -134,6 +137,7 @@ def engine_shape(res: Resource) -> EngineShape:
         quantization=res.spec.get("quantization", "none"),
         kv_cache_dtype=res.spec.get("kvCacheDtype", "auto"),
         gguf_bits=int(res.spec.get("ggufBits", 8)),
+        **lora.shape(),
     )
 
 
@@ -146,6 +150,8 @@ async def plan_placement(ctx: OperatorContext, res: Resource) -> dict[str, Place
         shape = engine_shape(res)
         profile.weight_bytes(shape.dtype, shape.quantization, shape.gguf_bits)  # what it cannot size is a bad spec
         profile.kv_bytes_per_token(shape.dtype, shape.kv_cache_dtype)
+        if shape.lora_slots:
+            profile.lora_parameters_per_rank()
     except (KeyError, ValueError) as exc:
         return f"invalid spec: {exc}"
     pools = pools_from_nodes(await ctx.kube.list(path("v1", "Node")), ctx.config.watch.pool_label)
@@ -167,13 +173,16 @@ async def plan_placement(ctx: OperatorContext, res: Resource) -> dict[str, Place
 
 
 def placement_status(plan: PlacementPlan) -> dict:
-    return {
+    status = {
         "pool": plan.pool,
         "gpusPerReplica": plan.gpus_per_replica,
         "kvCapacityTokens": plan.kv_capacity_tokens,
         "bytesPerToken": plan.bytes_per_token,
         "weightBytes": plan.weight_bytes,
     }
+    if plan.adapter_bytes:  # only with adapters: a service without them keeps its status as it was
+        status["adapterBytes"] = plan.adapter_bytes
+    return status
 
 
 async def reconcile_service(ctx: OperatorContext, body: dict) -> Outcome:
@@ -213,7 +222,7 @@ async def reconcile_service(ctx: OperatorContext, body: dict) -> Outcome:
         conds = set_condition(conds, "Progressing", True, "ObjectsApplied", "applied " + ", ".join(changed), now)
     if conflicts:  # rename the InferenceService, or remove the other object
         conds = set_condition(conds, "Degraded", True, "NameConflict", "; ".join(conflicts), now)
-    per_role = {role: {"placement": placement_status(plan), "desiredReplicas": replicas[role]}
+    per_role = {role: {"placement": placement_fields(res, role, plan), "desiredReplicas": replicas[role]}
                 for role, plan in plans.items()}  # fmt: skip
     status = {
         "conditions": conds,
@@ -249,11 +258,20 @@ async def remove_former_roles(ctx: OperatorContext, res: Resource, roles: set[st
     return gone
 
 
+def placement_fields(res: Resource, role: str, plan: PlacementPlan) -> dict:
+    """placement_status for a merge patch: it clears adapterBytes once the adapters are gone."""
+    fields = placement_status(plan)
+    if "adapterBytes" not in fields and "adapterBytes" in (res.role_status(role).get("placement") or {}):
+        fields["adapterBytes"] = None
+    return fields
+
+
 def placement_message(role: str, plan: PlacementPlan) -> str:
     text = (
         f"pool {plan.pool} ({plan.gpu_product or 'GPU'}), {plan.gpus_per_replica} GPU(s) per replica, "
         f"weights {plan.weight_bytes / 2**30:.1f} GiB, "
-        f"KV capacity {plan.kv_capacity_tokens} tokens at {plan.bytes_per_token} bytes/token"
+        + (f"adapters {plan.adapter_bytes / 2**30:.2f} GiB, " if plan.adapter_bytes else "")
+        + f"KV capacity {plan.kv_capacity_tokens} tokens at {plan.bytes_per_token} bytes/token"
     )
     return text if role == COLOCATED else f"{role} engines: {text}"
 
@@ -301,7 +319,7 @@ async def observe_service(ctx: OperatorContext, body: dict, now: float | None = 
     res = Resource.of(body)
     conds = list(res.status.get("conditions") or [])
     try:
-        roles = role_specs(res.spec)
+        roles, lora = role_specs(res.spec), lora_spec(res.spec)
     except ValueError:
         return await reconcile_service(ctx, body)  # it says what is wrong with the spec
     deployments = {role.role: await ctx.kube.get(res.deployment_path(role.role)) for role in roles}
@@ -320,6 +338,9 @@ async def observe_service(ctx: OperatorContext, body: dict, now: float | None = 
         per_role[role.role] = {**fields, "readyReplicas": ready, "desiredReplicas": wanted[role.role]}
     new = readiness(conds, roles, deployments, wanted, silent)
     outcome.status.update(conditions=new, phase=phase(new), endpoints=urls, **mode_status(res, per_role))
+    adapters = adapters_status(lora, loads)
+    if adapters or "adapters" in res.status:
+        outcome.status["adapters"] = adapters or None  # a merge patch removes a null
     outcome.events += transition_events(conds, new)
     return outcome
 

@@ -3,6 +3,9 @@
 The gateway reads tenants from a YAML file it re-reads on change; in Kubernetes that file is a
 key of a Secret the operator writes from every Tenant and the Secrets their `apiKeySecretRef`
 names. API keys never leave a Secret in clear: the gateway's file holds only their sha256.
+
+`spec.adapters` (LoRA adapter names, or ["*"] for every adapter) becomes the entry's `adapters`
+list; without it the entry has no such key, which the gateway reads as no adapter granted.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 import yaml
 
 from kvharbor.common.api_keys import hash_key
+from kvharbor.common.lora import check_adapter_name
 
 TENANTS_KEY = "tenants.yaml"
 
@@ -50,7 +54,26 @@ def gateway_tenant(tenant: Mapping[str, Any], secret: Mapping[str, Any]) -> dict
         "models": list(spec.get("models") or ["*"]),
         "cache_sharing_group": spec.get("cacheSharingGroup"),
     }
+    adapters = granted_adapters(spec.get("adapters"))
+    if adapters:  # NOTE: absent, not [], when none: files of tenants without adapters stay byte for byte
+        entry["adapters"] = adapters
     return entry
+
+
+def granted_adapters(raw: Any) -> list[str]:
+    """The adapter names a Tenant's spec.adapters grants, sorted and unique, or ["*"] (all)."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise TenantError(f"spec.adapters must be a list of adapter names or ['*'], got {raw!r}")
+    if "*" in raw:
+        if raw != ["*"]:
+            raise TenantError(f"spec.adapters grants every adapter with ['*'] alone, got {raw!r}")
+        return ["*"]
+    try:
+        return sorted({check_adapter_name(name) for name in raw})
+    except ValueError as exc:
+        raise TenantError(f"spec.adapters: {exc}") from None
 
 
 def gateway_tenants_secret(name: str, namespace: str, entries: Iterable[dict]) -> dict:

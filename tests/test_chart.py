@@ -125,3 +125,21 @@ def test_inference_services_in_values_render_and_satisfy_the_crd():
     assert (routing.disaggregation, routing.pd_min_gain_ms) == ("off", 20.0)
     assert _config_of(_container(render({}), "gateway"), GatewayConfig).routing.disaggregation == "auto"
     assert not [d for d in render({}) if d["kind"] == "InferenceService"]  # none unless asked
+
+
+def test_a_lora_inference_service_in_values_renders_and_satisfies_the_crd():
+    """The LoRA example (spec.adapters of each source kind, spec.lora) given as a value renders
+    as is and satisfies the CRD; so does the Tenant example that grants one of its adapters."""
+    import jsonschema
+    from test_operator_manifests import spec_schema
+
+    example = yaml.safe_load((CHART / "examples" / "inferenceservice-lora.yaml").read_text())
+    docs = render({"inferenceServices": [{"name": example["metadata"]["name"], "spec": example["spec"]}]})
+    (service,) = [d for d in docs if d["kind"] == "InferenceService"]
+    assert service["spec"] == example["spec"]
+    assert [a["name"] for a in service["spec"]["adapters"]] == ["sql", "support-chat", "summarize"]
+    assert {next(iter(a["source"])) for a in service["spec"]["adapters"]} == {"path", "configMap", "pvc"}
+    jsonschema.validate(service, spec_schema("inferenceservices"))
+    tenant = yaml.safe_load((CHART / "examples" / "tenant-lora.yaml").read_text())
+    jsonschema.validate(tenant, spec_schema("tenants"))
+    assert set(tenant["spec"]["adapters"]) <= {a["name"] for a in example["spec"]["adapters"]}

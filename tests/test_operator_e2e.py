@@ -28,6 +28,7 @@ from kvharbor.common.kube import Kube
 from kvharbor.common.kv_events import BlockStored, EventEnvelope
 from kvharbor.kvcache_service.redis_index import RedisIndex
 from kvharbor.operator.config import EngineDefaults, OperatorConfig
+from kvharbor.operator.model_profiles import KNOWN
 from kvharbor.operator.reconcile import OperatorContext, reconcile_service
 
 pytestmark = pytest.mark.slow  # the real kopf operator and redis-server
@@ -283,6 +284,42 @@ def test_disaggregation_runs_a_deployment_per_role_each_scaled_on_its_own_load(c
     finally:
         prefill.close()
         decode.close()
+
+
+def test_adapters_are_mounted_configured_placed_and_reported_then_a_bad_one_refused(cluster):
+    api, _, _, _ = cluster
+    smol = {"source": "/m", "name": "SmolLM2-135M-Instruct"}
+    adapters = [{"name": "sql", "source": {"configMap": "sql-adapter"}},
+                {"name": "chat", "source": {"pvc": {"claimName": "loras", "subPath": "chat"}}}]  # fmt: skip
+    api.create(inference_service("lora", model=smol, adapters=adapters, lora={"maxLoras": 2}))
+    wait_for(lambda: condition(api, "lora", "Placed").get("status") == "True", 30, "Placed=True")
+    pod = api.get("apps/v1", "Deployment", "lora-engine", NS)["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["/var/lib/kvharbor/adapters/sql"]["configMap"]["name"] == "sql-adapter"
+    assert mounts["/var/lib/kvharbor/adapters/chat"]["persistentVolumeClaim"]["claimName"] == "loras"
+    config = yaml.safe_load(api.get("v1", "ConfigMap", "lora-engine-config", NS)["data"]["engine.yaml"])
+    assert config["lora"] == ["sql=/var/lib/kvharbor/adapters/sql", "chat=/var/lib/kvharbor/adapters/chat"]
+    assert (config["max_loras"], config["max_lora_rank"], config["max_cpu_loras"]) == (2, 16, 8)
+    placement = status_of(api, "lora")["placement"]
+    assert placement["adapterBytes"] == KNOWN["SmolLM2-135M-Instruct"].lora_bytes(2, 16, 8, "bfloat16")
+    engine = LoadStandIn()  # one engine, serving one of the two adapters so far
+    try:
+        engine.load = {**engine.load, "lora_adapters": {"sql": "sql@ab12"}, "lora_slots": 2}
+        api.create(_endpoint_slice("lora", "lora-abcde", engine.port))
+        api.patch_status("apps/v1", "Deployment", "lora-engine", NS, {"readyReplicas": 1, "updatedReplicas": 1})
+        want = [{"name": "sql", "engines": 1, "configured": True, "identities": ["sql@ab12"]},
+                {"name": "chat", "engines": 0, "configured": True}]  # fmt: skip
+        wait_for(lambda: status_of(api, "lora").get("adapters") == want, 30, "status.adapters")
+        # A second adapter named sql: refused with the field named; the running engines stay.
+        svc = api.get(API, "InferenceService", "lora", NS)
+        svc["spec"]["adapters"].append({"name": "sql", "source": {"path": "/models/sql"}})
+        api.apply(svc)
+        wait_for(lambda: condition(api, "lora", "Placed").get("reason") == "InvalidSpec", 30, "Placed=InvalidSpec")
+        assert "adapters[2].name 'sql' appears twice" in condition(api, "lora", "Placed")["message"]
+        assert api.get("apps/v1", "Deployment", "lora-engine", NS) is not None
+    finally:
+        engine.close()
 
 
 def _index_entries(redis_url: str, instances: list[tuple[str, str]]) -> dict[str, int]:

@@ -21,7 +21,7 @@ CHART = Path(__file__).resolve().parent.parent / "charts" / "kvharbor"
 VERSIONS = ("1.30", "1.37")
 L4 = Pool("l4", "NVIDIA-L4", 23034 << 20, 4, 3)
 H100 = Pool("h100", "NVIDIA-H100-80GB-HBM3", 81559 << 20, 8, 2)
-EXAMPLES = ["inferenceservice", "inferenceservice-disaggregated", "tenant"]
+EXAMPLES = ["inferenceservice", "inferenceservice-disaggregated", "inferenceservice-lora", "tenant", "tenant-lora"]
 
 
 def example(kind: str) -> dict:
@@ -193,7 +193,7 @@ def spec_schema(plural: str) -> dict:
 
 
 def plural_of(kind: str) -> str:
-    return "tenants" if kind == "tenant" else "inferenceservices"
+    return "tenants" if kind.startswith("tenant") else "inferenceservices"
 
 
 @pytest.mark.parametrize("kind", EXAMPLES)
@@ -201,7 +201,7 @@ def test_examples_satisfy_our_crds(kind):
     schema = spec_schema(plural_of(kind))
     jsonschema.validate(example(kind), schema)
     broken = copy.deepcopy(example(kind))
-    if kind == "tenant":
+    if kind.startswith("tenant"):
         broken["spec"]["priority"] = "high"
     else:
         broken["spec"]["engine"]["blockSize"] = 12
