@@ -1,6 +1,6 @@
 """The KV cache service's HTTP API: prefix lookups, instances, stats, metrics, health.
 
-    POST /lookup     {model, block_hashes | token_ids [+ cache_salt, block_size], instances?, tier?}
+    POST /lookup     {model, block_hashes | token_ids [+ cache_salt, adapter, block_size], instances?, tier?}
                      -> {model, blocks, matches: {instance: matched_blocks}}
     GET  /instances  every instance in the index, alive or waiting to be swept
     GET  /stats      index, intake, shared store and reuse figures
@@ -46,6 +46,7 @@ class LookupRequest(BaseModel):
     block_hashes: list[str] | None = None
     token_ids: list[int] | None = None
     cache_salt: str | None = None
+    adapter: str | None = None  # a LoRA adapter's identity (name@digest, from the engines' /load)
     block_size: int | None = Field(default=None, ge=1, le=4096)
     instances: list[str] | None = None
     tier: Literal["device", "shared"] = "device"
@@ -54,8 +55,8 @@ class LookupRequest(BaseModel):
     def _one_input(self) -> LookupRequest:
         if (self.block_hashes is None) == (self.token_ids is None):
             raise ValueError("give exactly one of block_hashes (hex digests) or token_ids (+ cache_salt)")
-        if self.block_hashes is not None and (self.cache_salt is not None or self.block_size is not None):
-            raise ValueError("cache_salt and block_size apply to token_ids only; block hashes already carry them")
+        if self.block_hashes is not None and (self.cache_salt, self.adapter, self.block_size) != (None, None, None):
+            raise ValueError("cache_salt, adapter and block_size apply to token_ids only; block hashes carry them")
         bad = next((h for h in self.block_hashes or () if not _HEX32.match(h)), None)
         if bad is not None:
             raise ValueError(f"block hash {bad[:40]!r} is not 32 lowercase hex digits")
@@ -132,7 +133,7 @@ class _Routes:
             )
         if len(body.token_ids) // block_size > limit:
             raise APIError(400, f"at most {limit} blocks ({limit * block_size} tokens) per lookup", param="token_ids")
-        return block_hashes(body.token_ids, block_size, body.model, body.cache_salt)
+        return block_hashes(body.token_ids, block_size, body.model, body.cache_salt, body.adapter)
 
     async def instances(self) -> dict:
         try:

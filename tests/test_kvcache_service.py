@@ -67,6 +67,8 @@ def test_lookup_instances_stats_and_leases(redis_fresh, tmp_path):
         assert by_tokens["matches"] == {"a": 4, "b": 2} and by_tokens["blocks"] == 4
         other_tenant = httpx.post(svc.url + "/lookup", json={"model": MODEL, "token_ids": tokens, "cache_salt": "t2"})
         assert other_tenant.json()["matches"] == {"a": 0, "b": 0}
+        adapter = {"model": MODEL, "token_ids": tokens, "cache_salt": "tenant-1", "adapter": "sql@0123"}
+        assert httpx.post(svc.url + "/lookup", json=adapter).json()["matches"] == {"a": 0, "b": 0}
         stats = httpx.get(svc.url + "/stats").json()
         assert stats["intake"]["malformed"] == {"invalid": 1} and stats["intake"]["leader"]
         assert stats["index"] == {"instances": 2, "alive": 2, "blocks": 6}
@@ -83,6 +85,8 @@ def test_lookup_instances_stats_and_leases(redis_fresh, tmp_path):
             lambda: [i["instance"] for i in httpx.get(svc.url + "/instances").json()["instances"]] == ["a"],
             what="sweep",
         )
+        a.publish(a.stored(block_hashes(tokens, 16, MODEL, "tenant-1", "sql@0123")))  # a LoRA adapter's chain
+        wait_for(lambda: httpx.post(svc.url + "/lookup", json=adapter).json()["matches"] == {"a": 4}, what="intake")
 
 
 @pytest.mark.parametrize(
