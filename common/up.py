@@ -59,6 +59,8 @@ class UpConfig(TracedListenConfig):
     kv_cache_memory: str = opt("512MiB", "KV pool of each engine, in bytes (float32 takes twice bfloat16's)")
     num_kv_blocks: int | None = opt(None, "KV pool of each engine in blocks of 16 tokens; overrides kv_cache_memory")
     max_model_len: int | None = opt(None, "context length of each engine (default: the model's, capped to the pool)")
+    lora: tuple[str, ...] = opt((), "a LoRA adapter every engine serves, NAME=PATH (the demo tenant is granted it)")
+    max_loras: int = opt(4, "adapters one engine step runs (each engine's --max-loras)")
     routing: Literal["prefix", "round_robin", "least_loaded"] = opt("prefix", "the gateway's routing strategy")
     slo_ttft_ms: float = opt(2000.0, "TTFT p95 target (ms) the gateway admits against")
     slo_itl_ms: float = opt(200.0, "inter-token latency p95 target (ms)")
@@ -191,6 +193,8 @@ class Platform:
         else:
             self.demo_key = "sk-demo-" + secrets.token_urlsafe(18)
             rows = [{"name": "demo", "api_keys": [hash_key(self.demo_key)], "priority": 0}]
+            if c.lora:
+                rows[0]["adapters"] = ["*"]
         if c.loadtest_tenants:
             names = {row.get("name") for row in rows}
             rows += [row for row in loadtest_tenant_rows() if row["name"] not in names]
@@ -226,6 +230,10 @@ class Platform:
                 cmd += ["--max-model-len", str(c.max_model_len)]
             if c.model:
                 cmd += ["--model", c.model]
+            for spec in c.lora:
+                cmd += ["--lora", spec]
+            if c.lora:
+                cmd += ["--max-loras", str(c.max_loras)]
             engines.append(Child(f"engine-{i}", cmd, f"http://127.0.0.1:{port}", "/ready",
                                  self.log_dir / f"engine-{i}.log", "model load and warm-up"))  # fmt: skip
         gateway = Child(

@@ -191,7 +191,7 @@ class EngineCore:
             say(f"CPU linears: {fast}")
         self.weight_bytes = self.model.weight_bytes()
         self.draft_model = self._load_draft(config, say)
-        self.loras, reserved = self._load_loras(config.lora, say)
+        self.loras, reserved = self._load_loras(config.lora, say, threads)
         shadow = draft_kv_bytes_per_token(self.draft_model, self.dtype) if self.draft_model is not None else 0
         self.capacity: KVCapacity = plan_capacity(
             self.arch, config.cache, self.dtype, self.device, config.model.max_model_len, shadow_bytes_per_token=shadow,
@@ -267,13 +267,19 @@ class EngineCore:
         path = "AVX2 kernels" if gemm is not None else "torch dequantize + matmul"
         say(f"{mode} weights: {nbytes / 2**20:.0f} MiB ({QUANT_NOTES[mode]}; {path})")
 
-    def _load_loras(self, lora: LoRAConfig, say: Progress) -> tuple[LoRAManager | None, int]:
+    def _load_loras(self, lora: LoRAConfig, say: Progress, threads: int) -> tuple[LoRAManager | None, int]:
         """The adapter slots and the --lora adapters, and the bytes LoRA reserves of the KV budget."""
         if not lora.enabled:
             return None, 0
+        gemm = None
+        if self.device.type == "cpu" and self.dtype == torch.float32 and self.config.runtime.cpu_kernels:
+            from kvharbor.engine import cpu_kernels
+
+            gemm = cpu_kernels.load(threads)
         manager = LoRAManager(
-            self.arch, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.dtype, self.device
-        )
+            self.arch, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.dtype, self.device,
+            gemm.linear if gemm is not None else None,
+        )  # fmt: skip
         for name, path in lora.adapters:
             say(f"loading LoRA adapter {name} from {path} ...")
             manager.add(load_adapter(name, path, self.arch, lora.max_lora_rank))

@@ -16,7 +16,7 @@ import torch
 
 from kvharbor.engine.core_io import AdapterInUse, UnknownModel
 from kvharbor.engine.lora import AdapterError, LoRAAdapter, sub_shapes
-from kvharbor.engine.lora_slots import LoRASlots, LoRAStep
+from kvharbor.engine.lora_slots import Linear, LoRASlots, LoRAStep
 from kvharbor.engine.model_arch import ModelArch
 
 
@@ -30,11 +30,18 @@ class AdapterBusy(AdapterError, AdapterInUse):
 
 class LoRAManager:
     def __init__(
-        self, arch: ModelArch, num_slots: int, max_rank: int, max_loaded: int, dtype: torch.dtype, device: torch.device
+        self,
+        arch: ModelArch,
+        num_slots: int,
+        max_rank: int,
+        max_loaded: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        linear: Linear | None = None,  # the CPU kernel's float32 linear, where it runs
     ) -> None:
         self.arch = arch
         self.max_rank, self.max_loaded = max_rank, max_loaded
-        self.slots = LoRASlots(arch, num_slots, max_rank, dtype, device)
+        self.slots = LoRASlots(arch, num_slots, max_rank, dtype, device, linear)
         self.adapters: dict[str, LoRAAdapter] = {}
         self.holder: list[str | None] = [None] * num_slots
         self.refs = [0] * num_slots

@@ -25,3 +25,29 @@ def make_adapter(base: torch.nn.Module, folder, rank: int, alpha: int, targets: 
                     p.mul_(scale)
     model.save_pretrained(folder)
     return model
+
+
+def write_random_adapter(folder, arch, rank: int, seed: int = 0) -> str:
+    """A random LoRA adapter in PEFT's file format on q_proj and v_proj, written without peft or a
+    transformers model (for tests where the adapter's weights are not the point); returns its path."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from kvharbor.engine.lora import sub_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    shapes = sub_shapes(arch)
+    tensors = {}
+    for layer in range(arch.num_layers):
+        for module in ("q_proj", "v_proj"):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, shapes[module].d_in, generator=gen) * 0.05
+            tensors[f"{key}.lora_B.weight"] = torch.randn(shapes[module].d_out, rank, generator=gen) * 0.05
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": ["q_proj", "v_proj"]}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return str(folder)

@@ -14,6 +14,7 @@ import openai
 import pytest
 import redis
 from kube_api_double import KubeAPIDouble
+from lora_adapters import write_random_adapter
 from servers import (
     EngineServerProcess,
     GatewayProcess,
@@ -49,16 +50,20 @@ TENANTS = [
     {"name": "batch", "key": "sk-batch", "priority": -1},
     {"name": "vip", "key": "sk-vip", "priority": 5},
     {"name": "solo", "key": "sk-solo", "limits": {"max_concurrent": 1, "tpm": 100000}},
+    {"name": "tuned", "key": "sk-tuned", "adapters": ["lora-a", "lora-b"]},
 ]
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, smollm):
     logs = tmp_path_factory.mktemp("gateway")
     tenants_file = logs / "tenants.yaml"
     write_tenants(tenants_file, TENANTS)
+    lora = []  # two random rank-8 adapters on every engine (the adapter isolation test)
+    for i, name in enumerate(("lora-a", "lora-b")):
+        lora += ["--lora", f"{name}={write_random_adapter(logs / name, smollm.arch, 8, seed=i)}"]
     with OTLPCollector() as otlp, RedisProcess(logs / "redis") as rds:
-        common = ("--redis-url", rds.url, "--otlp-endpoint", otlp.url, *ENGINE_ARGS)
+        common = ("--redis-url", rds.url, "--otlp-endpoint", otlp.url, *ENGINE_ARGS, *lora)
         a = EngineServerProcess(logs, "--instance-id", "A", *common, env=FAST_SPANS)
         b = EngineServerProcess(logs, "--instance-id", "B", *common, env=FAST_SPANS)
         svc = KVCacheServiceProcess(logs, rds.url, "--lease-sweep-interval", "0.5")
@@ -286,6 +291,30 @@ def test_tenants_never_share_cached_blocks_unless_grouped(cluster):
     assert chat(g1, "sk-g1a", text).usage.prompt_tokens_details.cached_tokens == 0
     time.sleep(0.5)
     assert chat(g1, "sk-g1b", text).usage.prompt_tokens_details.cached_tokens > 0  # same sharing group
+
+
+def test_a_prompt_cached_under_one_adapter_never_hits_under_another_or_the_base(cluster):
+    g1 = cluster["g1"]
+    tuned = client(g1, "sk-tuned")
+    listed = {m.id: m.model_extra.get("parent") for m in tuned.models.list()}
+    assert listed == {MODEL: None, "lora-a": MODEL, "lora-b": MODEL}
+    text = "Describe the water cycle for a class of ten year olds, step by step. " * 6
+
+    def cached(model: str) -> int:
+        reply = tuned.chat.completions.create(model=model, messages=[{"role": "user", "content": text}], max_tokens=2)
+        time.sleep(0.5)  # the KV events reach the index before the next routing decision
+        return reply.usage.prompt_tokens_details.cached_tokens
+
+    assert cached("lora-a") == 0
+    assert cached("lora-a") > 0  # its own blocks, on the engine the router sent it back to
+    assert cached("lora-b") == 0 and cached(MODEL) == 0  # another adapter's, and the base's: misses
+    assert cached(MODEL) > 0 and cached("lora-b") > 0
+    with pytest.raises(openai.NotFoundError, match="does not exist"):  # not granted: as an unknown model
+        client(g1, "sk-acme").chat.completions.create(
+            model="lora-a", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+    text = httpx.get(g1.url + "/metrics").text
+    assert metric(text, "kvharbor_gateway_adapter_requests_total", 'adapter="lora-a"') >= 2
 
 
 def hit_rate_delta(cluster, run) -> float:

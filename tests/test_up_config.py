@@ -52,6 +52,17 @@ def test_engines_get_the_platforms_quantization(platform_for):
     assert cmd[cmd.index("--quantization") + 1] == "int8" and cmd[cmd.index("--kv-cache-dtype") + 1] == "int8"
 
 
+def test_every_engine_serves_the_platforms_lora_adapters_and_the_demo_tenant_may_use_them(platform_for):
+    cmds = engine_cmds(platform_for(engines=2, lora=["sql=/a/sql", "chat=/a/chat"], max_loras=2))
+    for cmd in cmds:
+        assert [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--lora"] == ["sql=/a/sql", "chat=/a/chat"]
+        assert cmd[cmd.index("--max-loras") + 1] == "2"
+    platform = platform_for(lora=["sql=/a/sql"])
+    assert tenants_of(platform._tenants())["demo"]["adapters"] == ["*"]
+    assert "adapters" not in tenants_of(platform_for()._tenants())["demo"]
+    assert all("--lora" not in cmd for cmd in engine_cmds(platform_for()))
+
+
 def test_without_a_tenants_file_a_demo_tenant_gets_a_fresh_key(platform_for):
     platform = platform_for()
     rows = tenants_of(platform._tenants())
