@@ -214,8 +214,9 @@ def test_queue_depth_scales_the_deployment_up_and_status_follows(cluster):
     replicas = lambda: api.get("apps/v1", "Deployment", "scaled-engine", NS)["spec"]["replicas"]  # noqa: E731
     wait_for(lambda: replicas() == 3, 30, "3 replicas (the max)")
     assert status_of(api, "scaled")["desiredReplicas"] == 3
-    scaled = [e for e in events_for(api, "scaled") if e["reason"] == "Scaled"]
-    assert scaled and "1 -> 3 replicas: queue 12.00" in scaled[0]["message"]
+    scaled = lambda: [e for e in events_for(api, "scaled") if e["reason"] == "Scaled"]  # noqa: E731
+    wait_for(scaled, 10, "the Scaled event")  # kopf posts events in the background, after the patch
+    assert "1 -> 3 replicas: queue 12.00" in scaled()[0]["message"]
 
 
 def _endpoint_slice(service: str, name: str, port: int) -> dict:
