@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 from conftest import hf_greedy
-from lora_adapters import make_adapter
+from lora_adapters import make_adapter, write_random_adapter
 from servers import EngineServerProcess, metric, wait_for
 
 from kvharbor.common.load_report import LoadReport
@@ -89,7 +89,7 @@ def test_an_adapter_request_answers_as_peft_does_beside_the_base_model(server, c
     assert metric(text, "kvharbor_lora_swaps_total") >= 1
 
 
-def test_runtime_load_and_unload_of_adapters(server, client, smol_adapter):
+def test_runtime_load_and_unload_of_adapters(server, client, smol_adapter, smollm, tmp_path):
     post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60)  # noqa: E731
     loaded = post("/v1/load_lora_adapter", {"lora_name": "second", "lora_path": smol_adapter[0]})
     assert loaded.status_code == 200, loaded.text
@@ -101,6 +101,9 @@ def test_runtime_load_and_unload_of_adapters(server, client, smol_adapter):
     assert again.status_code == 400 and "already loaded" in again.json()["error"]["message"]
     bad = post("/v1/load_lora_adapter", {"lora_name": "third", "lora_path": "/nowhere"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    wide = write_random_adapter(tmp_path / "wide", smollm.arch, 32)
+    too_wide = post("/v1/load_lora_adapter", {"lora_name": "third", "lora_path": wide})
+    assert too_wide.status_code == 400 and "--max-lora-rank 16" in too_wide.json()["error"]["message"]
     assert "third" not in [m.id for m in client.models.list().data]  # nothing half-loaded
     assert post("/v1/unload_lora_adapter", {"lora_name": "second"}).status_code == 200
     assert post("/v1/unload_lora_adapter", {"lora_name": "second"}).status_code == 404
