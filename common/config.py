@@ -146,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, skip: tuple[str, .
         if leaf.name in skip:
             continue
         tp, _ = _unwrap_optional(leaf.type)
-        shown = "" if leaf.default is None else f" (default: {leaf.default})"
+        shown = "" if leaf.default in (None, ()) else f" (default: {leaf.default})"
         kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "dest": leaf.name}
         if typing.get_origin(tp) is Literal:
             kwargs["choices"] = typing.get_args(tp)

@@ -5,7 +5,8 @@ those hold a slot (engine/lora_slots.py). The scheduler asks `can_run` before it
 request on an adapter and `acquire`s its slot when it does; a slot's adapter stays while any
 running request uses it, and a slot nobody uses is taken over least recently used first (the
 swap copies the adapter's weights into it). A waiting request whose adapter cannot get a slot is
-passed over this step, not refused.
+passed over this step, not refused; the scheduler then holds new requests off the slot that will
+free first (`first_to_free`), so that slot drains for it.
 """
 
 from __future__ import annotations
@@ -111,6 +112,14 @@ class LoRAManager:
         slot = self._slot_of(name)
         if slot is not None and self.refs[slot]:
             self.refs[slot] -= 1
+
+    def first_to_free(self) -> str | None:
+        """The adapter whose slot the fewest running requests use (least recently used among
+        equals): the one to drain for a request that waits for a slot."""
+        held = [i for i, h in enumerate(self.holder) if h is not None]
+        if not held:
+            return None
+        return self.holder[min(held, key=lambda i: (self.refs[i], self.last_used[i]))]
 
     def slot(self, name: str | None) -> int:
         """The slot a running request's adapter holds; -1 for the base model."""

@@ -267,9 +267,16 @@ class Scheduler:
             return budget
         order = _AdmissionOrder(self.waiting, self.running)
         taken: set[str] = set()
+        draining: str | None = None  # the adapter whose slot drains for a request waiting for one
         while budget > 0 and len(self.running) < self.config.max_num_seqs and (request := order.head()) is not None:
-            if self._adapter_blocked(request):
-                order.skip(request)  # NOTE: passed over, not refused: it runs once a slot frees
+            # NOTE: a request whose adapter gets no slot is passed over, not refused. The slot that
+            # will free first takes no new request behind it, so it drains and the waiting request
+            # gets it: a steady stream on the resident adapters cannot starve it, and the other
+            # slots keep running theirs.
+            if request.lora is not None and (request.lora == draining or self._adapter_blocked(request)):
+                if draining is None:
+                    draining = self.loras.first_to_free()
+                order.skip(request)
                 continue
             hit = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - hit.num_tokens, budget)

@@ -208,3 +208,42 @@ def test_bad_names_and_a_missing_folder(tiny_llama, tmp_path):
 def _config(folder, **changes) -> None:
     path = folder / "adapter_config.json"
     path.write_text(json.dumps(json.loads(path.read_text()) | changes))
+
+
+def test_a_request_waiting_for_a_slot_is_not_starved_by_the_resident_adapter(make_llm, tiny_llama, adapters):
+    # One slot: a request on mlp8 arrives while attn4 runs, then more attn4 requests keep coming.
+    # They queue behind mlp8's (in arrival order) instead of keeping attn4's slot busy forever.
+    llm = make_llm(tiny_llama.loaded, lora=[f"{n}={adapters[n][0]}" for n in ("attn4", "mlp8")], max_loras=1)
+    engine, prompt = llm.engine, tiny_llama.prompts[0]
+    first_token_step: dict[str, int] = {}
+    engine.add_request("a0", None, GREEDY, prompt_token_ids=prompt, lora="attn4")
+    engine.add_request("b", None, GREEDY, prompt_token_ids=prompt, lora="mlp8")
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        if step <= 6:  # attn4 keeps arriving while b waits
+            engine.add_request(f"a{step}", None, GREEDY, prompt_token_ids=prompt, lora="attn4")
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                first_token_step.setdefault(out.request_id, step)
+    assert first_token_step["b"] < first_token_step["a1"] and engine.loras.swaps >= 2
+
+
+def test_only_the_slot_that_frees_first_is_held_for_a_waiting_request(make_llm, tiny_llama, adapters):
+    # Two slots: attn4 (1 request) and mlp8 (2). all16 waits; attn4's slot frees first, so a new
+    # attn4 request waits behind all16, while a new mlp8 request still runs at once.
+    llm = make_llm(tiny_llama.loaded, lora=[f"{n}={folder}" for n, (folder, _) in adapters.items()], max_loras=2)
+    engine, prompt = llm.engine, tiny_llama.prompts[0]
+    for rid, name in (("a0", "attn4"), ("m0", "mlp8"), ("m1", "mlp8"), ("c", "all16"), ("a1", "attn4"),
+                      ("m2", "mlp8")):  # fmt: skip
+        long = SamplingParams(max_tokens=3 * STEPS, temperature=0.0, ignore_eos=True)  # mlp8's slot stays busy
+        engine.add_request(rid, None, long if name == "mlp8" else GREEDY, prompt_token_ids=prompt, lora=name)
+    first: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        step += 1
+        for out in engine.step():
+            if out.outputs[0].token_ids:
+                first.setdefault(out.request_id, step)
+    assert first["m2"] == first["m0"] == 1  # the other slot kept taking its adapter's requests
+    assert first["c"] < first["a1"]
