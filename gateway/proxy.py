@@ -1,7 +1,8 @@
 """Calling engines: retries before the first token, and OpenAI-shaped failures.
 
 A call is retried on another engine when the engine cannot be reached, answers 5xx (draining
-included), or its stream sends an error or ends before the first token. Once a token has reached
+included), answers 404 `model_not_found` (it unloaded a LoRA adapter after its last /load said
+it had it), or its stream sends an error or ends before the first token. Once a token has reached
 the client the request is bound to its engine (gateway/relay.py relays the rest: if that stream
 breaks, the client gets an OpenAI error event and `data: [DONE]`, never a hang; every read has a
 timeout).
@@ -40,6 +41,15 @@ def _engine_error(resp_status: int, text: str) -> APIError:
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         return APIError(resp_status, text[:500] or f"engine answered {resp_status}")
+
+
+def _lost_model(engine: Engine, error: APIError) -> Exception:
+    """The error to raise for an engine's 4xx: EngineFailed (retry elsewhere) when the engine no
+    longer serves the model it was routed for, which the gateway checked, so not the client's fault."""
+    if error.status == 404 and error.code == "model_not_found":
+        log.warning("engine no longer serves the model; trying another", extra={"engine": engine.url})
+        return EngineFailed(f"{engine.url}: {error.message}")
+    return error
 
 
 class EngineCaller:
@@ -84,7 +94,7 @@ class EngineCaller:
             self._server_error(engine, resp.status_code)
             raise EngineFailed(f"{engine.url} answered {resp.status_code}")
         if resp.status_code != 200:
-            raise _engine_error(resp.status_code, resp.text)
+            raise _lost_model(engine, _engine_error(resp.status_code, resp.text))
         self.pool.succeeded(engine)
         try:
             usage = resp.json().get("usage") or {}
@@ -119,7 +129,7 @@ class EngineCaller:
                 if resp.status_code >= 500:
                     self._server_error(engine, resp.status_code)
                     raise EngineFailed(f"{engine.url} answered {resp.status_code}")
-                raise _engine_error(resp.status_code, text)
+                raise _lost_model(engine, _engine_error(resp.status_code, text))
             lines = resp.aiter_lines()
             head, first_token = await self._head(engine, lines)
         except httpx.HTTPError as exc:

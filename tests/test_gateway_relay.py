@@ -127,3 +127,33 @@ def test_an_engine_error_event_after_the_first_token_is_relayed_and_recorded():
     out, _, settled = _relay_run([token("a"), error, "data: [DONE]"], include_usage=False)
     assert out[1] == error + "\n\n" and settled[0].error == "KV pool exhausted"
 
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_engine_that_lost_the_model_is_retried_elsewhere_but_a_clients_404_is_not(stream):
+    """An engine answering 404 model_not_found was routed to because its /load listed the model
+    (a LoRA adapter it has since unloaded): EngineFailed, so another engine is tried. Other 4xx
+    stay the client's error."""
+    from kvharbor.common.openai_api import APIError
+    from kvharbor.gateway.proxy import EngineFailed
+
+    def answer(code):
+        body = {"error": {"message": "model 'sql' is not served here", "type": "invalid_request_error",
+                          "param": "model", "code": code}}  # fmt: skip
+        return httpx.MockTransport(lambda r: httpx.Response(404 if code else 400, json=body))
+
+    async def call(code):
+        http = httpx.AsyncClient(transport=answer(code))
+        caller = EngineCaller(http, EnginePool(http), 1.0, 5.0, 10.0)
+        try:
+            if stream:
+                return await caller.open_stream(Engine("http://e", "m"), "/v1/chat/completions", {}, {})
+            return await caller.call(Engine("http://e", "m"), "/v1/chat/completions", {}, {})
+        finally:
+            await http.aclose()
+
+    with pytest.raises(EngineFailed, match="not served here"):
+        asyncio.run(call("model_not_found"))
+    with pytest.raises(APIError) as bad:
+        asyncio.run(call(None))
+    assert bad.value.status == 400
