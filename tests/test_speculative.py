@@ -186,14 +186,14 @@ def test_greedy_smollm2_is_identical_with_speculation(make_llm, smollm):
     ]
     prompts = [{"prompt_token_ids": tok.encode_chat([{"role": "user", "content": c}])} for c in chats]
     params = SamplingParams(max_tokens=24, temperature=0.0)
-    _, off = generate(make_llm, smollm, prompts, params)
+    base, off = generate(make_llm, smollm, prompts, params)
     llm, on = generate(make_llm, smollm, prompts, params, speculative_method="ngram", speculative_k=3)
     assert on == off
     assert llm.engine.stats.spec_accepted > 0
     # A stop string inside a run of accepted tokens ends the answer where one at a time would.
     stop = SamplingParams(max_tokens=24, temperature=0.0, stop=["annual"])
-    plain = make_llm(smollm).generate(prompts[:1], stop)[0].outputs[0]
-    spec = make_llm(smollm, speculative_method="ngram", speculative_k=5).generate(prompts[:1], stop)[0].outputs[0]
+    plain = base.generate(prompts[:1], stop)[0].outputs[0]
+    spec = llm.generate(prompts[:1], stop)[0].outputs[0]
     assert (spec.text, spec.token_ids, spec.finish_reason) == (plain.text, plain.token_ids, "stop")
 
 
