@@ -119,6 +119,11 @@ def events_for(api: KubeAPIDouble, name: str) -> list[dict]:
     return [e for e in api.list("v1", "Event", NS) if e.get("involvedObject", {}).get("name") == name]
 
 
+def wait_for_event(api: KubeAPIDouble, name: str, match, what: str) -> None:
+    """kopf posts events in the background, after the patches a test waits for: wait for them too."""
+    wait_for(lambda: any(match(e) for e in events_for(api, name)), 10, what)
+
+
 def test_an_inference_service_is_placed_and_deployed_with_owned_objects(cluster):
     api, _, _, _ = cluster
     svc = api.create(inference_service("llama"))
@@ -143,8 +148,8 @@ def test_an_inference_service_is_placed_and_deployed_with_owned_objects(cluster)
     assert pod["nodeSelector"] == {"kvharbor.io/pool": "l4"}
     assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
     assert owned["Deployment"]["spec"]["replicas"] == 1
-    reasons = {e["reason"] for e in events_for(api, "llama")}
-    assert {"Placed", "Created"} <= reasons, reasons
+    for reason in ("Placed", "Created"):
+        wait_for_event(api, "llama", lambda e, r=reason: e["reason"] == r, f"the {reason} event")
 
 
 def test_reconciling_again_writes_nothing(cluster, redis_server):
@@ -194,7 +199,7 @@ def test_a_service_no_pool_fits_is_never_deployed_and_says_why(cluster):
     assert "pool cpu: no GPUs" in placed["message"]
     assert status_of(api, "huge")["phase"] == "Unplaceable"
     assert api.get("apps/v1", "Deployment", "huge-engine", NS) is None
-    assert any(e["reason"] == "NoFit" and e["type"] == "Warning" for e in events_for(api, "huge"))
+    wait_for_event(api, "huge", lambda e: e["reason"] == "NoFit" and e["type"] == "Warning", "the NoFit event")
 
 
 def test_queue_depth_scales_the_deployment_up_and_status_follows(cluster):
@@ -214,9 +219,8 @@ def test_queue_depth_scales_the_deployment_up_and_status_follows(cluster):
     replicas = lambda: api.get("apps/v1", "Deployment", "scaled-engine", NS)["spec"]["replicas"]  # noqa: E731
     wait_for(lambda: replicas() == 3, 30, "3 replicas (the max)")
     assert status_of(api, "scaled")["desiredReplicas"] == 3
-    scaled = lambda: [e for e in events_for(api, "scaled") if e["reason"] == "Scaled"]  # noqa: E731
-    wait_for(scaled, 10, "the Scaled event")  # kopf posts events in the background, after the patch
-    assert "1 -> 3 replicas: queue 12.00" in scaled()[0]["message"]
+    wait_for_event(api, "scaled", lambda e: e["reason"] == "Scaled" and "1 -> 3 replicas: queue 12.00" in e["message"],
+                   "the Scaled event")  # fmt: skip
 
 
 def _endpoint_slice(service: str, name: str, port: int) -> dict:
@@ -364,7 +368,7 @@ def test_deletion_drains_then_clears_the_kv_index_and_the_object_goes(cluster, r
     left = _index_entries(redis_server.url, [])
     assert ours not in left and left[other] == 1
     assert api.get("apps/v1", "Deployment", "gone-engine", NS) is None  # owned objects are collected
-    assert any(e["reason"] == "IndexCleared" and "removed 1" in e["message"] for e in events_for(api, "gone"))
+    wait_for_event(api, "gone", lambda e: e["reason"] == "IndexCleared" and "removed 1" in e["message"], "IndexCleared")
 
 
 def _secret(name: str, namespace: str, data: dict[str, str]) -> dict:
@@ -404,7 +408,7 @@ def test_tenants_become_the_gateways_tenants_secret(cluster):
     wait_for(lambda: ready("broken").get("status") == "False", 30, "broken tenant Ready=False")
     assert "missing-key not found" in ready("broken")["message"]
     assert ready("acme")["status"] == "True"
-    assert any(e["type"] == "Warning" and e["reason"] == "Invalid" for e in events_for(api, "broken"))
+    wait_for_event(api, "broken", lambda e: e["type"] == "Warning" and e["reason"] == "Invalid", "the Invalid event")
     # The key Secret appears: the next pass takes the tenant in. Deleting a tenant takes it out.
     api.create(_secret("missing-key", NS, {"api-key": "sk-late"}))
     wait_for(lambda: "broken" in gateway_tenants(), 30, "the late tenant")
