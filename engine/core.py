@@ -250,11 +250,7 @@ class EngineCore:
         """Quantize (or adopt GGUF blocks), through the AVX2 kernels where they run (CPU, float32),
         else through torch's dequantize-and-matmul, which saves the memory but not the time."""
         mode = self.config.model.quantization
-        gemm = None
-        if self.device.type == "cpu" and self.dtype == torch.float32 and self.config.runtime.cpu_kernels:
-            from kvharbor.engine import cpu_kernels
-
-            gemm = cpu_kernels.load(threads)
+        gemm = self._cpu_gemm(threads)
         if gemm is None:
             here = f"{str(self.dtype).removeprefix('torch.')} on {self.device}"
             log.warning(
@@ -271,11 +267,7 @@ class EngineCore:
         """The adapter slots and the --lora adapters, and the bytes LoRA reserves of the KV budget."""
         if not lora.enabled:
             return None, 0
-        gemm = None
-        if self.device.type == "cpu" and self.dtype == torch.float32 and self.config.runtime.cpu_kernels:
-            from kvharbor.engine import cpu_kernels
-
-            gemm = cpu_kernels.load(threads)
+        gemm = self._cpu_gemm(threads)
         manager = LoRAManager(
             self.arch, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.dtype, self.device,
             gemm.linear if gemm is not None else None,
@@ -291,12 +283,19 @@ class EngineCore:
         )
         return manager, reserved
 
-    def _cpu_attention(self, threads: int):
-        """The CPU kernels for decode attention, where they run: float32 with the torch backend on a
-        CPU they were built for, with this model's head shape and a float32 or int8 cache. None elsewhere."""
-        a = self.arch
+    def _cpu_gemm(self, threads: int):
+        """The AVX2 kernels (cpu_kernels.CpuKernels) where they run: float32 on the CPU, with
+        --cpu-kernels, on a CPU they were built for. None elsewhere."""
         if not (self.config.runtime.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32):
             return None
+        from kvharbor.engine import cpu_kernels
+
+        return cpu_kernels.load(threads)
+
+    def _cpu_attention(self, threads: int):
+        """The CPU kernels for decode attention, where they run (_cpu_gemm) with the torch backend,
+        this model's head shape and a float32 or int8 cache. None elsewhere."""
+        a = self.arch
         if self.config.cache.kv_cache_dtype == "fp8":
             return None  # the kernel reads float32 and int8 rows; fp8 rows go through torch
         from kvharbor.engine import cpu_kernels
@@ -305,7 +304,7 @@ class EngineCore:
             a.num_heads, a.num_kv_heads, a.head_dim
         ):
             return None
-        return cpu_kernels.load(threads)
+        return self._cpu_gemm(threads)
 
     def _load_draft(self, config: EngineConfig, say: Progress) -> LlamaModel | None:
         spec = config.speculative

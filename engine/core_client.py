@@ -28,14 +28,13 @@ from typing import Any
 from kvharbor.common.load_report import LoadReport
 from kvharbor.common.model_files import load_tokenizer
 from kvharbor.common.process_stop import stop_process
-from kvharbor.engine.core_io import AdapterInUse, CoreOutput, EngineDead, HandoffFailed, NewRequest, UnknownModel
+from kvharbor.engine.core_io import ERROR_KINDS, CoreOutput, EngineDead, NewRequest
 from kvharbor.engine.core_link import LinkClosed, encode, read_message, read_message_sync
 from kvharbor.engine.metrics import CounterBoard
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput
 
 log = logging.getLogger("kvharbor.engine.core_client")
-_ERRORS = {"dead": EngineDead, "handoff": HandoffFailed, "unknown": UnknownModel, "conflict": AdapterInUse}
 
 
 class RequestStream:
@@ -266,24 +265,12 @@ class CoreClient:
                 del self._streams[out.request_id]
 
     def _answer(self, rid: str, imported: int | None, error: str | None, kind: str | None) -> None:
-        done = self._added.get(rid)
-        if done is None or done.done():
-            return
-        if error is not None:
-            done.set_exception(_ERRORS.get(kind, ValueError)(error))
-        else:
-            done.set_result(imported)
+        _settle(self._added.get(rid), imported, error, kind)
 
     def _lora_done(self, op: int, error: str | None, kind: str | None, report: dict | None) -> None:
         if report is not None:
             self.load = LoadReport.from_json(report)
-        done = self._lora_ops.get(op)
-        if done is None or done.done():
-            return
-        if error is not None:
-            done.set_exception(_ERRORS.get(kind, ValueError)(error))
-        else:
-            done.set_result(None)
+        _settle(self._lora_ops.get(op), None, error, kind)
 
     def _fail(self, exc: EngineDead) -> None:
         if self.error is None:
@@ -296,3 +283,13 @@ class CoreClient:
             if not done.done():
                 done.set_exception(exc)
         self.processor.forget_all()
+
+
+def _settle(done: asyncio.Future | None, result: Any, error: str | None, kind: str | None) -> None:
+    """Answer a waiting add or adapter operation: its result, or the core's error raised again."""
+    if done is None or done.done():
+        return
+    if error is not None:
+        done.set_exception(ERROR_KINDS.get(kind, ValueError)(error))
+    else:
+        done.set_result(result)

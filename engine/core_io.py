@@ -48,6 +48,17 @@ class HandoffFailed(RuntimeError):
     """P/D: a hand-off's KV could not be loaded and --kv-load-failure-policy is fail; says why."""
 
 
+# How the core process names an error to the API server (engine/core_process.py sends the kind,
+# engine/core_client.py raises the class again); anything else is a ValueError (a 400).
+ERROR_KINDS: dict[str, type[Exception]] = {
+    "dead": EngineDead, "handoff": HandoffFailed, "unknown": UnknownModel, "conflict": AdapterInUse,
+}  # fmt: skip
+
+
+def error_kind(exc: BaseException) -> str:
+    return next((kind for kind, cls in ERROR_KINDS.items() if isinstance(exc, cls)), "invalid")
+
+
 @dataclass
 class SampleDelta:
     """One sample's progress since its last report."""

@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from kvharbor.common.logs import setup_logging
-from kvharbor.engine.core_io import AdapterInUse, EngineDead, HandoffFailed, NewRequest, UnknownModel
+from kvharbor.engine.core_io import EngineDead, HandoffFailed, NewRequest, error_kind
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
 from kvharbor.engine.engine_loop import EngineLoop
 from kvharbor.engine.metrics import CounterBoard
@@ -186,7 +186,7 @@ class CoreProcess:
             imported = await asyncio.wrap_future(self.loop.add(request))
         except (ValueError, TypeError, EngineDead, HandoffFailed) as exc:
             self._pending.pop(rid, None)
-            self._send(["added", rid, None, str(exc), _error_kind(exc)])
+            self._send(["added", rid, None, str(exc), error_kind(exc)])
             return
         if transfer.get("remote_handle"):
             self.board.inc("kv_handoff_pulled_blocks", imported)
@@ -211,7 +211,7 @@ class CoreProcess:
             else:
                 report = await asyncio.wrap_future(self.loop.call(lambda c: (c.unload_lora(name), c.load())[1]))
         except (ValueError, EngineDead) as exc:
-            self._send(["lora_done", op, str(exc), _error_kind(exc), None])
+            self._send(["lora_done", op, str(exc), error_kind(exc), None])
             return
         self._send(["lora_done", op, None, None, report.to_json()])  # the reply carries the new adapter list
 
@@ -234,15 +234,6 @@ class CoreProcess:
             await self.kv_store.stop()
         with contextlib.suppress(Exception):
             self.writer.close()
-
-
-def _error_kind(exc: BaseException) -> str:
-    """How the API server should answer an error from the core (CoreClient raises it again)."""
-    for kind, cls in (("dead", EngineDead), ("handoff", HandoffFailed), ("unknown", UnknownModel),
-                      ("conflict", AdapterInUse)):  # fmt: skip
-        if isinstance(exc, cls):
-            return kind
-    return "invalid"
 
 
 async def serve_link(sock: socket.socket) -> int:
