@@ -35,6 +35,7 @@ from typing import Any
 
 from kvharbor.common.load_report import LoadReport
 from kvharbor.common.lora import check_adapter_name
+from kvharbor.operator.spec_fields import known_fields, whole_number
 
 ADAPTERS_DIR = "/var/lib/kvharbor/adapters"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what the engine reads (PEFT)
@@ -133,7 +134,7 @@ def lora_spec(spec: Mapping[str, Any]) -> LoraSpec:
     lora = spec.get("lora") or {}
     if not isinstance(lora, Mapping):
         raise ValueError("lora must be an object (maxLoras, maxLoraRank, maxCpuLoras)")
-    _known(lora, set(LIMITS), "lora")
+    known_fields(lora, set(LIMITS), "lora")
     max_loras = _count(lora.get("maxLoras", DEFAULT_MAX_LORAS), "lora.maxLoras")
     rank = _count(lora.get("maxLoraRank", DEFAULT_MAX_LORA_RANK), "lora.maxLoraRank")
     if "maxCpuLoras" not in lora:
@@ -152,7 +153,7 @@ def _adapter(i: int, item: Any) -> Adapter:
     where = f"adapters[{i}]"
     if not isinstance(item, Mapping):
         raise ValueError(f"{where} must be an object with name and source")
-    _known(item, {"name", "source"}, where)
+    known_fields(item, {"name", "source"}, where)
     try:
         name = check_adapter_name(item.get("name"))
     except ValueError as exc:
@@ -172,7 +173,7 @@ def _adapter(i: int, item: Any) -> Adapter:
         return Adapter(name, kind, mounted, _object_name(value, f"{where}.source.configMap"))
     if not isinstance(value, Mapping):
         raise ValueError(f"{where}.source.pvc must be an object with claimName (and subPath)")
-    _known(value, {"claimName", "subPath"}, f"{where}.source.pvc")
+    known_fields(value, {"claimName", "subPath"}, f"{where}.source.pvc")
     claim = _object_name(value.get("claimName"), f"{where}.source.pvc.claimName")
     sub_path = value.get("subPath") or None
     if sub_path is not None and (
@@ -189,17 +190,8 @@ def _object_name(value: Any, where: str) -> str:
 
 
 def _count(value: Any, where: str) -> int:
-    # NOTE: bool is an int in Python; `maxLoras: true` is a typo, not 1.
-    limit = LIMITS[where.rsplit(".", 1)[-1]]
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-        raise ValueError(f"{where} must be a whole number in 1..{limit}, got {value!r}")
-    return value
+    return whole_number(value, where, 1, LIMITS[where.rsplit(".", 1)[-1]])
 
-
-def _known(section: Mapping[str, Any], known: set[str], where: str) -> None:
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ValueError(f"{where} has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
 def adapters_status(lora: LoraSpec, loads: Sequence[LoadReport]) -> list[dict[str, Any]]:

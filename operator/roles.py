@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvharbor.operator.spec_fields import known_fields, whole_number
+
 COLOCATED = "both"
 ROLES = ("prefill", "decode")
 ALL_ROLES = (COLOCATED, *ROLES)
@@ -85,14 +87,14 @@ def disaggregated_role(spec: Mapping[str, Any], role: str, raw: Any) -> RoleSpec
     where = f"disaggregation.{role}"
     if not isinstance(raw, Mapping):
         raise ValueError(f"{where} must be an object with replicas (and autoscaling, resources, placement)")
-    _known(raw, ROLE_FIELDS, where)
+    known_fields(raw, ROLE_FIELDS, where)
     if "replicas" not in raw:
         raise ValueError(f"{where}.replicas is required")
     replicas = _count(raw["replicas"], f"{where}.replicas", LOWEST[role])
     auto = raw.get("autoscaling") or {}
     if not isinstance(auto, Mapping):
         raise ValueError(f"{where}.autoscaling must be an object (min, max, target)")
-    _known(auto, AUTOSCALING_FIELDS[role], f"{where}.autoscaling")
+    known_fields(auto, AUTOSCALING_FIELDS[role], f"{where}.autoscaling")
     low = _count(auto.get("min", replicas), f"{where}.autoscaling.min", LOWEST[role])
     high = _count(auto.get("max", replicas), f"{where}.autoscaling.max", LOWEST[role])
     if not low <= replicas <= high:
@@ -122,16 +124,8 @@ def _target(spec: Mapping[str, Any], where: str, metric: str, given: Any) -> flo
 
 
 def _count(value: Any, where: str, lowest: int) -> int:
-    # NOTE: bool is an int in Python; `replicas: true` is a typo, not 1.
-    if not isinstance(value, int) or isinstance(value, bool) or not lowest <= value <= MAX_REPLICAS:
-        raise ValueError(f"{where} must be a whole number in {lowest}..{MAX_REPLICAS}, got {value!r}")
-    return value
+    return whole_number(value, where, lowest, MAX_REPLICAS)
 
-
-def _known(section: Mapping[str, Any], known: set[str], where: str) -> None:
-    unknown = sorted(set(section) - known)
-    if unknown:
-        raise ValueError(f"{where} has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
 
 
 def _section(spec: Mapping[str, Any], key: str) -> dict:
