@@ -75,6 +75,13 @@ class EmbeddedRedis:
         finally:
             client.close()
 
+    def flush(self) -> None:
+        """Delete every key (tests that share one server start clean)."""
+        import redis
+
+        with redis.Redis.from_url(self.url, socket_timeout=2) as client:
+            client.flushall()
+
     def stop(self) -> None:
         if self.proc is not None:
             stop_process(self.proc)
@@ -83,6 +90,152 @@ class EmbeddedRedis:
             self.workdir = None
 
     def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+CLUSTER_SLOTS = 16384
+CLUSTER_BUS_OFFSET = 10000  # Redis < 7 puts a node's cluster bus on its port + 10000, fixed
+
+
+def free_cluster_port(tries: int = 200) -> int:
+    """A loopback port that is free with its cluster-bus port (port + 10000): Redis 6 refuses
+    ports above 55535 for that reason, so ephemeral ports do not do."""
+    import random
+
+    for _ in range(tries):
+        port = random.randint(20000, 55535 - 1)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + CLUSTER_BUS_OFFSET))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair (port, port + 10000) for a Redis Cluster node on 127.0.0.1")
+
+
+class EmbeddedRedisCluster:
+    """A real Redis Cluster of `masters` redis-server processes on loopback ports (no replicas,
+    no persistence): slots split evenly, nodes introduced with CLUSTER MEET. `url` is
+    redis+cluster://127.0.0.1:<first port> (common/redis_client.py). `kill(i)` and `restart(i)`
+    take one master away and bring it back on its port, with its slots and no data."""
+
+    def __init__(self, masters: int = 3, workdir: Path | None = None, node_timeout_ms: int = 1000) -> None:
+        if masters < 1:
+            raise ValueError("a cluster needs at least one master")
+        self.binary = find_redis_server()
+        self.ports = [free_cluster_port() for _ in range(masters)]
+        self.url = f"redis+cluster://127.0.0.1:{self.ports[0]}/0"
+        self.urls = [f"redis://127.0.0.1:{port}/0" for port in self.ports]
+        self.node_timeout_ms = node_timeout_ms
+        self._own_dir = workdir is None
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen | None] = [None] * masters
+
+    def _spawn(self, i: int) -> None:
+        port = self.ports[i]
+        node_dir = self.workdir / f"node-{port}"
+        node_dir.mkdir(parents=True, exist_ok=True)
+        args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        # The other masters keep serving their slots while one is away: a node outage costs its
+        # slots only, as a Redis outage costs everything.
+        args += ["--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no"]
+        self.procs[i] = subprocess.Popen(
+            [self.binary, *args, "--dir", str(node_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+
+    def start(self, timeout: float = 30.0) -> EmbeddedRedisCluster:
+        import redis
+
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="kvharbor-redis-cluster-"))
+        try:
+            for i in range(len(self.ports)):
+                self._spawn(i)
+            clients = [self._wait_up(i, timeout) for i in range(len(self.ports))]
+            share = -(-CLUSTER_SLOTS // len(clients))
+            for i, client in enumerate(clients):
+                client.execute_command("CLUSTER ADDSLOTS", *range(i * share, min(CLUSTER_SLOTS, (i + 1) * share)))
+            for client in clients[1:]:
+                client.execute_command("CLUSTER MEET", "127.0.0.1", self.ports[0])
+            self._wait_ok(timeout)
+            for client in clients:
+                client.close()
+            return self
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_up(self, i: int, timeout: float):
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.ports[i], socket_timeout=1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.procs[i].poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.procs[i].returncode} (port {self.ports[i]})")
+            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+                if client.ping():
+                    return client
+            time.sleep(0.05)
+        raise TimeoutError(f"redis-server did not answer on port {self.ports[i]} within {timeout}s")
+
+    def _wait_ok(self, timeout: float) -> None:
+        """Until every running node says cluster_state:ok and knows every master."""
+        import redis
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(self._node_ok(i) for i in range(len(self.ports)) if self.procs[i] is not None):
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"the Redis Cluster on ports {self.ports} did not settle within {timeout}s")
+
+    def _node_ok(self, i: int) -> bool:
+        import redis
+
+        with contextlib.suppress(redis.RedisError), redis.Redis(port=self.ports[i], socket_timeout=1) as client:
+            info = client.cluster("INFO")
+            return info.get("cluster_state") == "ok" and int(info.get("cluster_known_nodes", 0)) == len(self.ports)
+        return False
+
+    def flush(self) -> None:
+        """Delete every key on every running master."""
+        import redis
+
+        for i, port in enumerate(self.ports):
+            if self.procs[i] is not None:
+                with redis.Redis(port=port, socket_timeout=2) as client:
+                    client.flushall()
+
+    def kill(self, i: int) -> None:
+        """SIGKILL master `i`: its slots stop answering; the other masters go on."""
+        proc = self.procs[i]
+        if proc is not None:
+            proc.kill()
+            proc.wait(10)
+            self.procs[i] = None
+
+    def restart(self, i: int, timeout: float = 30.0) -> None:
+        """Master `i` back on its port with its nodes.conf (so its slots), and no data."""
+        self._spawn(i)
+        self._wait_up(i, timeout).close()
+        self._wait_ok(timeout)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc is not None:
+                stop_process(proc)
+        self.procs = [None] * len(self.ports)
+        if self._own_dir and self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    def __enter__(self) -> EmbeddedRedisCluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -220,3 +220,22 @@ def redis_server(tmp_path_factory):
 
     with RedisProcess(tmp_path_factory.mktemp("redis-session")) as server:
         yield server
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """One real Redis Cluster for the session: 3 masters on loopback ports, from the same
+    redis-server binary as `redis_server` (common/embedded_redis.py). Tests flush it first."""
+    from kvharbor.common.embedded_redis import EmbeddedRedisCluster
+
+    with EmbeddedRedisCluster(3, tmp_path_factory.mktemp("redis-cluster")) as cluster:
+        yield cluster
+
+
+@pytest.fixture(params=[pytest.param("single", marks=pytest.mark.slow), pytest.param("cluster", marks=pytest.mark.slow)])
+def any_redis(request):
+    """The same test on one redis-server and on the 3-master Redis Cluster, flushed: `.url`
+    picks the client (common/redis_client.py), `.flush()`, and for the cluster `.kill(i)`."""
+    server = request.getfixturevalue("redis_server" if request.param == "single" else "redis_cluster")
+    server.flush()
+    return server
