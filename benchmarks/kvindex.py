@@ -29,7 +29,7 @@ from kvharbor.common.block_hash import block_hashes
 from kvharbor.common.embedded_redis import EmbeddedRedis
 from kvharbor.common.kv_events import BlockStored, EventEnvelope, to_fields
 from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
-from kvharbor.common.redis_keys import lease_key, stream_key
+from kvharbor.common.redis_keys import lease_key, registry_value, stream_key, stream_registry_key
 from kvharbor.kvcache_service.consumer import EventConsumer
 from kvharbor.kvcache_service.memory_index import MemoryIndex
 from kvharbor.kvcache_service.redis_index import RedisIndex
@@ -104,9 +104,11 @@ async def bench_intake(redis_url: str, events: int) -> dict:
         envelopes.append(EventEnvelope(event, f"engine-{seq % 8}", BENCH_MODEL, "lease", seq))
     for i in range(8):
         sync.set(lease_key(BENCH_MODEL, f"engine-{i}"), "lease", px=600_000)
+        inst = f"engine-{i}"
+        sync.hset(stream_registry_key(), stream_key(BENCH_MODEL, inst), registry_value(BENCH_MODEL, inst))
     pipe = sync.pipeline(transaction=False)
     for env in envelopes:
-        pipe.xadd(stream_key(BENCH_MODEL), to_fields(env))
+        pipe.xadd(stream_key(BENCH_MODEL, env.instance), to_fields(env))
     pipe.execute()
 
     memory = MemoryIndex()
@@ -116,7 +118,7 @@ async def bench_intake(redis_url: str, events: int) -> dict:
 
     client = aredis.from_url(redis_url)
     index = RedisIndex(aredis.from_url(redis_url))
-    consumer = EventConsumer(client, index, block_ms=10)
+    consumer = EventConsumer(client, index, poll_ms=10)
     t0 = time.perf_counter()
     while consumer.stats.applied < events and time.perf_counter() - t0 < 300:
         await consumer.step()

@@ -149,7 +149,6 @@ class EmbeddedRedisCluster:
         )
 
     def start(self, timeout: float = 30.0) -> EmbeddedRedisCluster:
-        import redis
 
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="kvharbor-redis-cluster-"))
@@ -186,7 +185,6 @@ class EmbeddedRedisCluster:
 
     def _wait_ok(self, timeout: float) -> None:
         """Until every running node says cluster_state:ok and knows every master."""
-        import redis
 
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

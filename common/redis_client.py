@@ -127,22 +127,24 @@ class SlotPipelines:
         self._nodes: dict[str, object] = {}
         self._loaded: dict[int, set[str]] = {}  # id(node client) -> scripts it was given
 
-    async def run(self, calls: Sequence[Call]) -> list:
+    async def run(self, calls: Sequence[Call], raise_on_error: bool = True) -> list:
+        """Results in call order. `raise_on_error=False`: a command's error reply comes back in
+        its place (a node that cannot be reached still raises)."""
         if not calls:
             return []
         if not self.cluster:
-            return await self._run_on(self.client, list(calls))
+            return await self._run_on(self.client, list(calls), raise_on_error)
         await self.client.initialize()
         groups: dict[str, list[int]] = {}
         for i, call in enumerate(calls):
             groups.setdefault(self._node_for(call.key), []).append(i)
         results: list = [None] * len(calls)
         replies = await asyncio.gather(
-            *(self._run_on(self._nodes[name], [calls[i] for i in idx]) for name, idx in groups.items()),
+            *(self._run_on(self._nodes[name], [calls[i] for i in idx], raise_on_error) for name, idx in groups.items()),
             return_exceptions=True,
         )
         moved: list[int] = []
-        for (name, idx), reply in zip(groups.items(), replies, strict=True):
+        for idx, reply in zip(groups.values(), replies, strict=True):
             if isinstance(reply, _Moved):
                 moved += idx
                 continue
@@ -152,7 +154,7 @@ class SlotPipelines:
                 results[i] = value
         if moved:
             await self.client.nodes_manager.initialize()  # the slots moved: read the map again
-            for i, value in zip(moved, await self.run([calls[i] for i in moved]), strict=True):
+            for i, value in zip(moved, await self.run([calls[i] for i in moved], raise_on_error), strict=True):
                 results[i] = value
         return results
 
@@ -165,7 +167,7 @@ class SlotPipelines:
             self._nodes[node.name] = redis.Redis(host=node.host, port=node.port, **options)
         return node.name
 
-    async def _run_on(self, client, calls: list[Call]) -> list:
+    async def _run_on(self, client, calls: list[Call], raise_on_error: bool = True) -> list:
         from redis.exceptions import NoScriptError, ResponseError
 
         # Load scripts first, so a pipeline's calls run in their order (a NOSCRIPT retry would
@@ -184,7 +186,7 @@ class SlotPipelines:
         for reply in replies:
             if isinstance(reply, ResponseError) and str(reply).startswith(("MOVED", "ASK")):
                 raise _Moved(str(reply))
-            if isinstance(reply, BaseException):
+            if isinstance(reply, BaseException) and raise_on_error:
                 raise reply
         return replies
 

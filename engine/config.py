@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvharbor.common.config import opt, parse_bytes
+from kvharbor.common.redis_client import check_url
 from kvharbor.common.redis_keys import STREAM_PREFIX
 from kvharbor.common.server_config import TracedListenConfig
 
@@ -209,8 +210,12 @@ class EngineConfig:
 @dataclass(frozen=True)
 class ServerConfig(TracedListenConfig):
     instance_id: str | None = opt(None, "this engine's id in KV events, /load and metrics (default: host-port)")
-    redis_url: str | None = opt(None, "publish KV events to this Redis (redis://host:port/db)")
-    kv_events_stream_prefix: str = opt(STREAM_PREFIX, "Redis key prefix of the per-model KV event streams")
+    redis_url: str | None = opt(
+        None, "publish KV events to this Redis (redis://host:port/db, or redis+cluster://host:port for a cluster)"
+    )
+    kv_events_stream_prefix: str = opt(
+        STREAM_PREFIX, "Redis key prefix of the per-instance KV event streams (and of their registry)"
+    )
     lease_ttl: float = opt(10.0, "seconds an instance lease lives without a heartbeat")
     kv_store_push: Literal["all", "hot", "evict", "off"] = opt(
         "hot",
@@ -242,8 +247,8 @@ class ServerConfig(TracedListenConfig):
             raise ValueError("slo_ttft_ms, slo_itl_ms and slo_window must be > 0")
         if self.lease_ttl <= 1:
             raise ValueError(f"lease_ttl must be > 1 second, got {self.lease_ttl}")
-        if self.redis_url is not None and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        if self.redis_url is not None:
+            check_url(self.redis_url)  # a ValueError that says which URLs are accepted
 
 
 @dataclass(frozen=True)

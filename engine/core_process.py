@@ -67,7 +67,7 @@ class CoreProcess:
 
         model = self.core.model_name
         return KVEventPublisher(
-            srv.redis_url, model, self.instance_id, srv.kv_events_stream_prefix + model, srv.lease_ttl,
+            srv.redis_url, model, self.instance_id, srv.kv_events_stream_prefix, srv.lease_ttl,
             on_published=lambda n: self.board.inc("kv_events_published", n),
             on_dropped=lambda n: self.board.inc("kv_events_dropped", n),
         )  # fmt: skip

@@ -1,9 +1,11 @@
-"""KVEventPublisher: the engine's block pool events, written to the model's Redis Stream.
+"""KVEventPublisher: the engine's block pool events, written to this instance's Redis Stream.
 
-    stream  <prefix><model>                       XADD, one entry per event (kvharbor.common.kv_events)
-    lease   kvharbor:lease:<model>:<instance>     the lease id, refreshed every ttl/3 (PX ttl)
+    stream    <prefix>{<model>:<instance>}        XADD, one entry per event (kvharbor.common.kv_events)
+    registry  <prefix>streams                     HSET stream -> model, instance (on every re-sync)
+    lease     kvharbor:lease:{<model>:<instance>} the lease id, refreshed every ttl/3 (PX ttl)
 
-Key names come from kvharbor.common.redis_keys.
+Key names come from kvharbor.common.redis_keys; a redis+cluster:// URL writes to a Redis Cluster.
+One stream per instance lets several KV cache service replicas share the intake.
 
 On every (re)connect it writes `cleared` and then everything the pool holds, so an index that lost
 its state, or missed events while Redis was away, is rebuilt. While Redis is down the engine keeps
@@ -21,7 +23,8 @@ import uuid
 from collections.abc import Callable
 
 from kvharbor.common.kv_events import AllCleared, BlockStored, EventEnvelope, KVEvent, to_fields
-from kvharbor.common.redis_keys import lease_key
+from kvharbor.common.redis_client import connect
+from kvharbor.common.redis_keys import lease_key, registry_value, stream_key, stream_registry_key
 from kvharbor.engine.core import EngineCore
 from kvharbor.engine.engine_loop import EngineLoop
 
@@ -48,7 +51,7 @@ class KVEventPublisher:
         redis_url: str,
         model: str,
         instance: str,
-        stream_key: str,
+        stream_prefix: str,
         lease_ttl: float,
         on_published: Callable[[int], None] = lambda n: None,
         on_dropped: Callable[[int], None] = lambda n: None,
@@ -57,7 +60,8 @@ class KVEventPublisher:
         self.redis_url = redis_url
         self.model = model
         self.instance = instance
-        self.stream_key = stream_key
+        self.stream_prefix = stream_prefix
+        self.stream_key = stream_key(model, instance, stream_prefix)
         self.lease_ttl = lease_ttl
         self.lease = uuid.uuid4().hex
         self._on_published = on_published
@@ -99,12 +103,11 @@ class KVEventPublisher:
 
     async def run(self, loop: EngineLoop, block_size: int) -> None:
         """Publish until `stop()`; reconnects with backoff; never raises for Redis trouble."""
-        import redis.asyncio as redis
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
 
         backoff = 0.5
         while not self._stopping.is_set():
-            client = redis.from_url(self.redis_url, socket_timeout=3, socket_connect_timeout=3)
+            client = connect(self.redis_url, timeout=3)
             try:
                 await client.ping()
                 await self._resync(client, loop, block_size)
@@ -114,7 +117,7 @@ class KVEventPublisher:
             except LeaseLapsed:
                 self._disconnect()
                 log.warning("KV event lease lapsed; re-publishing everything this engine holds")
-            except (RedisError, OSError) as exc:
+            except (RedisError, RedisClusterException, OSError) as exc:
                 self._disconnect()
                 log.warning("Redis unavailable for KV events; retrying in %.1fs", backoff, extra={"error": repr(exc)})
                 await self._sleep(backoff)
@@ -129,6 +132,8 @@ class KVEventPublisher:
             # NOTE: a re-sync sends the set of held blocks; its batches are not chains (parent None).
             events.append(BlockStored(hashes=tuple(hashes[i : i + RESYNC_BATCH]), parent=None, block_size=block_size))
         await self._heartbeat(client)
+        registry = stream_registry_key(self.stream_prefix)
+        await client.hset(registry, self.stream_key, registry_value(self.model, self.instance))
         await self._write(client, events)
         self.resyncs += 1
 
@@ -183,14 +188,13 @@ class KVEventPublisher:
     async def stop(self) -> None:
         """Stop publishing; tell the index this instance holds nothing any more (best effort)."""
         self._stopping.set()
-        import redis.asyncio as redis
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
 
-        client = redis.from_url(self.redis_url, socket_timeout=1, socket_connect_timeout=1)
+        client = connect(self.redis_url, timeout=1)
         try:
             await self._write(client, [AllCleared()])
             await client.eval(_RELEASE, 1, lease_key(self.model, self.instance), self.lease)
-        except (RedisError, OSError):
+        except (RedisError, RedisClusterException, OSError):
             pass
         finally:
             await client.aclose()

@@ -38,10 +38,20 @@ class ServingConfig:
 @dataclass(frozen=True)
 class TenancyConfig:
     tenants_file: str | None = opt(None, "YAML file of tenants and their hashed API keys (hot-reloaded)")
-    redis_url: str | None = opt(None, "Redis for shared rate limits and the KV index (redis://host:port/db)")
+    redis_url: str | None = opt(
+        None,
+        "Redis for shared rate limits and the KV index: redis://host:port/db, or redis+cluster://host:port "
+        "for a Redis Cluster",
+    )
     limits_on_redis_failure: Literal["open", "closed"] = opt(
         "open", "when Redis is down: open (local buckets per gateway) or closed (503)"
     )
+
+    def __post_init__(self) -> None:
+        if self.redis_url is not None:
+            from kvharbor.common.redis_client import check_url
+
+            check_url(self.redis_url)  # a ValueError that says which URLs are accepted
 
 
 @dataclass(frozen=True)

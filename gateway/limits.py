@@ -3,8 +3,11 @@
 RPM and TPM are token buckets that refill continuously (capacity = the per-minute limit); the
 concurrency limit is a set of in-flight request ids with an expiry, so a gateway that dies
 cannot leak slots forever. All three are checked and taken in one Lua script on Redis, on Redis's
-clock, so one limit holds across every gateway replica. TPM takes the prompt's tokens on admission
-and output tokens as they stream (the bucket may go below zero; the next request then waits).
+clock, so one limit holds across every gateway replica. A tenant's three keys share one hash tag
+(common/redis_keys.py: kvharbor:rl:{tenant}:rpm|tpm|conc), so on a Redis Cluster they live in
+one slot and the script runs on the node that owns it. TPM takes the prompt's tokens on
+admission and output tokens as they stream (the bucket may go below zero; the next request then
+waits).
 
 While Redis is down the `open` policy falls back to the same buckets in this process (each
 replica then enforces the limits alone), and `closed` refuses with LimiterUnavailable.
@@ -12,15 +15,18 @@ replica then enforces the limits alone), and `closed` refuses with LimiterUnavai
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 
+from kvharbor.common.redis_client import is_cluster_client
+from kvharbor.common.redis_keys import RATE_LIMIT_PREFIX, rate_limit_key
 from kvharbor.gateway.tenants import Tenant
 
 log = logging.getLogger("kvharbor.gateway.limits")
-PREFIX = "kvharbor:rl:"
+PREFIX = RATE_LIMIT_PREFIX
 CONCURRENCY_TTL_S = 900.0  # a slot's lease: longer than any request may take
 
 # KEYS: rpm bucket, tpm bucket, concurrency set. ARGV: rpm, tpm, max_concurrent (0 = none),
@@ -79,6 +85,10 @@ redis.call('HSET', KEYS[1], 'tokens', tokens, 'ts', now)
 redis.call('PEXPIRE', KEYS[1], 120000)
 return tostring(tokens)
 """
+
+
+# What redis-py's cluster client says of a call it cannot route (a RedisClusterException).
+_UNROUTABLE = ("must map to the same key slot", "No way to dispatch", "Invalid args in command")
 
 
 class LimiterUnavailable(RuntimeError):
@@ -155,17 +165,41 @@ class _LocalBuckets:
 
 class RateLimiter:
     def __init__(self, client=None, policy: str = "open", prefix: str = PREFIX) -> None:
-        self.client = client  # redis.asyncio client, or None: local buckets only
+        self.client = client  # redis.asyncio Redis or RedisCluster (common/redis_client.py), or None: local only
         self.policy = policy
         self.prefix = prefix
         self._local = _LocalBuckets()
         self._admit = client.register_script(_ADMIT) if client is not None else None
         self._debit = client.register_script(_DEBIT) if client is not None else None
         self.redis_failures = 0
+        # A cluster client read the slot map once before any call (see _ready); a plain one needs nothing.
+        self._initialized = client is None or not is_cluster_client(client)
+        self._initializing: asyncio.Future | None = None
+
+    async def _ready(self) -> None:
+        """Let a RedisCluster client read the slot map and open its nodes once, before the calls.
+        redis-py's cluster client (8.1) does that itself on its first call, but then disconnects,
+        in the background, connections that calls racing it (a burst on a fresh gateway) have
+        just taken: AttributeError on a closed writer, and a script may have run with its reply lost.
+        Every caller meanwhile awaits the same attempt; a failed one (Redis away) is tried again
+        by the next call, and its error goes where the call's own would."""
+        if self._initialized:
+            return
+        if self._initializing is None:
+            self._initializing = asyncio.ensure_future(self.client.initialize())
+            self._initializing.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, even unawaited
+        attempt = self._initializing
+        try:
+            await asyncio.shield(attempt)
+        except BaseException:
+            if self._initializing is attempt and attempt.done():
+                self._initializing = None
+            raise
+        self._initialized = True
 
     def _keys(self, tenant: Tenant) -> list[str]:
-        base = f"{self.prefix}{tenant.name}:"
-        return [base + "rpm", base + "tpm", base + "conc"]
+        """rpm bucket, tpm bucket, concurrency set: one hash slot (the scripts take them together)."""
+        return [rate_limit_key(tenant.name, kind, self.prefix) for kind in ("rpm", "tpm", "conc")]
 
     async def admit(self, tenant: Tenant, prompt_tokens: int, request_id: str) -> Decision:
         lim = tenant.limits
@@ -182,6 +216,7 @@ class RateLimiter:
         try:
             if self._admit is None:
                 raise ConnectionError("no Redis configured")
+            await self._ready()
             ok, reason, retry_ms, r, k = await self._admit(keys=self._keys(tenant), args=args)
             ok, reason, retry_s, r, k = int(ok), _text(reason), int(retry_ms) / 1000, float(r), float(k)
         except Exception as exc:
@@ -191,9 +226,13 @@ class RateLimiter:
         return Decision(bool(ok), reason, retry_s, _headers(tenant, r, k))
 
     def _redis_down(self, exc: Exception) -> bool:
-        from redis.exceptions import RedisError
+        from redis.exceptions import RedisClusterException, RedisError
 
-        if not isinstance(exc, RedisError | OSError | TimeoutError | ConnectionError):
+        # The cluster client raises RedisClusterException (not a RedisError) when no node answers,
+        # and also for calls it cannot route (keys of several slots): those are bugs, not outages.
+        if not isinstance(exc, RedisError | RedisClusterException | OSError | TimeoutError | ConnectionError):
+            return False
+        if isinstance(exc, RedisClusterException) and any(m in str(exc) for m in _UNROUTABLE):
             return False
         self.redis_failures += 1
         if self.policy == "closed":
@@ -210,6 +249,7 @@ class RateLimiter:
         try:
             if self._debit is None:
                 raise ConnectionError("no Redis configured")
+            await self._ready()
             await self._debit(keys=self._keys(tenant)[1:2], args=[tenant.limits.tpm, tokens])
         except Exception:
             self._local.debit(tenant, tokens)
@@ -220,6 +260,7 @@ class RateLimiter:
         self._local.release(tenant, request_id)
         if self.client is not None:
             try:
+                await self._ready()
                 await self.client.zrem(self._keys(tenant)[2], request_id)
             except Exception:
                 log.debug("could not release a concurrency slot; it will expire", extra={"tenant": tenant.name})

@@ -108,11 +108,10 @@ def build_state(config: Any, tracer: Any = None):
         specs[name] = spec
     limiter_client = index = None
     if config.tenancy.redis_url:
-        import redis.asyncio as redis
-
+        from kvharbor.common.redis_client import connect
         from kvharbor.kvcache_service.redis_index import RedisIndex
 
-        limiter_client = redis.from_url(config.tenancy.redis_url, socket_timeout=0.5, socket_connect_timeout=0.5)
+        limiter_client = connect(config.tenancy.redis_url, timeout=0.5)  # one server or a Redis Cluster
         index = RedisIndex.from_url(config.tenancy.redis_url, timeout=config.routing.index_timeout)
     res = config.resilience
     return GatewayState(

@@ -150,7 +150,10 @@ class _Routes:
             "intake": {
                 "leader": intake.leader,
                 "healthy": intake.healthy,
+                "consumer": state.consumer.consumer,
+                "members": intake.members,
                 "streams": sorted(state.consumer.streams),
+                "handoffs": intake.handoffs,
                 "applied": intake.applied,
                 "duplicates": intake.duplicates,
                 "malformed": dict(intake.malformed),

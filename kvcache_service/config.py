@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvharbor.common.config import opt, parse_bytes
+from kvharbor.common.redis_client import check_url
 from kvharbor.common.redis_keys import STREAM_PREFIX
 from kvharbor.common.server_config import ListenConfig
 
@@ -16,22 +17,34 @@ from kvharbor.common.server_config import ListenConfig
 @dataclass(frozen=True)
 class IntakeConfig:
     redis_url: str = opt(
-        "redis://127.0.0.1:6379/0", "Redis holding the engines' KV event streams, the index and the block store"
+        "redis://127.0.0.1:6379/0",
+        "Redis holding the engines' KV event streams, the index and the block store "
+        "(redis+cluster://host:port for a Redis Cluster)",
     )
     redis_timeout: float = opt(1.0, "seconds before a Redis call counts as failed (lookups fail fast after it)")
-    kv_events_stream_prefix: str = opt(STREAM_PREFIX, "Redis key prefix of the per-model KV event streams")
+    kv_events_stream_prefix: str = opt(
+        STREAM_PREFIX, "Redis key prefix of the per-instance KV event streams (and of their registry)"
+    )
     consumer_group: str = opt("kvharbor-kvcache", "Redis consumer group that the service replicas share")
     consumer_name: str | None = opt(None, "this replica's consumer name (default: hostname-pid)")
-    intake_batch: int = opt(512, "stream entries read per round")
+    intake_batch: int = opt(512, "stream entries read per round, per stream")
+    owner_ttl: float = opt(
+        10.0, "seconds a replica owns a stream (and its membership lasts) without renewal: the failover time"
+    )
+    rebalance_interval: float = opt(1.0, "seconds between a replica's membership heartbeats and stream rebalances")
     lease_sweep_interval: float = opt(2.0, "seconds between sweeps of instances whose lease expired")
 
     def __post_init__(self) -> None:
-        if not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"redis_url must start with redis://, rediss:// or unix://, got {self.redis_url!r}")
+        check_url(self.redis_url)
         if self.redis_timeout <= 0:
             raise ValueError(f"redis_timeout must be > 0 seconds, got {self.redis_timeout}")
         if self.intake_batch < 1:
             raise ValueError(f"intake_batch must be >= 1, got {self.intake_batch}")
+        if not 0 < self.rebalance_interval < self.owner_ttl / 3:
+            raise ValueError(
+                f"rebalance_interval must be > 0 and under owner_ttl / 3 ({self.owner_ttl / 3:g} s), so ownership "
+                f"is renewed before it lapses; got {self.rebalance_interval}"
+            )
         if self.lease_sweep_interval <= 0:
             raise ValueError(f"lease_sweep_interval must be > 0 seconds, got {self.lease_sweep_interval}")
 

@@ -12,8 +12,10 @@ Semantics both backends keep:
   acknowledging does not apply twice when the entries are delivered again.
 - An instance is alive while its lease is current (`renew`, or the engine's own lease key in
   Redis). Lookups only count alive instances; `expire` sweeps the rest out of the index.
-- `lookup` answers, for every alive instance of the model (or of `instances`), how many blocks it
-  holds consecutively from block 0; instances holding none answer 0.
+- `lookup` answers, for every alive instance of the model (or of `instances`) that holds the
+  chain's block 0, how many blocks it holds consecutively from there. Instances that hold none
+  are absent (callers read a missing instance as 0): naming every instance would make a lookup
+  cost grow with the fleet.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ class IndexUnavailable(RuntimeError):
 
 
 class LeadershipLost(RuntimeError):
-    """A fenced apply found the intake lock held by another consumer; nothing was applied."""
+    """A fenced apply found streams owned by another consumer: their events were not applied
+    (`lost`: the (model, instance) pairs); the other instances' were (`applied` of them)."""
+
+    def __init__(self, message: str, lost: frozenset[tuple[str, str]] = frozenset(), applied: int = 0) -> None:
+        super().__init__(message)
+        self.lost = lost
+        self.applied = applied
 
 
 @dataclass(frozen=True)
@@ -65,11 +73,12 @@ def stream_position(entry_id: str) -> tuple[int, int]:
 
 
 class Index(Protocol):
-    async def apply(self, events: Sequence[EventEnvelope | StreamEvent], fence: tuple[str, str] | None = None) -> int:
+    async def apply(self, events: Sequence[EventEnvelope | StreamEvent], fence: str | None = None) -> int:
         """Apply events in order; returns how many were applied (not skipped as already applied).
 
-        `fence=(lock key, owner)`: apply only while the lock is held by `owner`, atomically with
-        the check (LeadershipLost otherwise). Backends without a shared lock ignore it."""
+        `fence`: the intake consumer's name. Each instance's events apply only while the owner key
+        of its stream names that consumer, atomically with the check (LeadershipLost otherwise).
+        Backends without shared ownership ignore it."""
 
     async def lookup(
         self,
@@ -78,7 +87,7 @@ class Index(Protocol):
         instances: Sequence[str] | None = None,
         tier: Tier = "device",
     ) -> dict[str, int]:
-        """For each alive instance: blocks held consecutively from block 0."""
+        """For each alive instance holding block 0: blocks held consecutively from it."""
 
     async def renew(self, model: str, instance: str, lease: str, ttl: float) -> None:
         """Keep `instance` alive under `lease` for `ttl` seconds."""

@@ -23,8 +23,8 @@ class MemoryIndex:
         self._cursors: dict[str, tuple[int, int]] = {}
         self._block_sizes: dict[str, int] = {}
 
-    async def apply(self, events: Sequence[EventEnvelope | StreamEvent], fence: tuple[str, str] | None = None) -> int:
-        del fence  # one process: there is no shared intake lock to check
+    async def apply(self, events: Sequence[EventEnvelope | StreamEvent], fence: str | None = None) -> int:
+        del fence  # one process: there is no shared stream ownership to check
         applied = 0
         for item in events:
             if isinstance(item, StreamEvent):
@@ -84,19 +84,21 @@ class MemoryIndex:
         tier: Tier = "device",
     ) -> dict[str, int]:
         wanted = set(instances) if instances is not None else None
-        counts = {
-            inst: 0
-            for (m, inst) in self._registered
-            if m == model and (wanted is None or inst in wanted) and self._alive(m, inst)
-        }
-        still = set(counts)
+        counts: dict[str, int] = {}
         holders = self._holders.get(model, {})
-        for h in block_hashes:
-            still &= {inst for (t, inst) in holders.get(h, ()) if t == tier}
+        first = holders.get(block_hashes[0], ()) if block_hashes else ()
+        still = {
+            inst for (t, inst) in first if t == tier and (wanted is None or inst in wanted) and self._alive(model, inst)
+        }
+        for j, h in enumerate(block_hashes):
+            held = {inst for (t, inst) in holders.get(h, ()) if t == tier}
+            for inst in still - held:
+                counts[inst] = j
+            still &= held
             if not still:
                 break
-            for inst in still:
-                counts[inst] += 1
+        for inst in still:
+            counts[inst] = len(block_hashes)
         return counts
 
     async def renew(self, model: str, instance: str, lease: str, ttl: float) -> None:

@@ -34,7 +34,11 @@ class _SnapshotCollector:
             malformed.add_metric([reason], n)
         yield malformed
         yield _counter("instances_swept", "Instances dropped after their lease expired", intake["swept"])
-        yield _gauge("intake_leader", "1 while this replica consumes the event streams", int(intake["leader"]))
+        leader = int(intake["leader"])
+        yield _gauge("intake_leader", "1 while this replica sweeps lapsed leases (the first member)", leader)
+        yield _gauge("intake_streams", "Engine event streams this replica consumes", len(intake["streams"]))
+        yield _gauge("intake_members", "Live intake replicas this replica sees", intake["members"])
+        yield _counter("intake_handoffs", "Streams this replica gave up or lost to another", intake["handoffs"])
         yield _gauge("redis_up", "1 while Redis answers", int(snap["redis_up"]))
         index = snap.get("index")
         if index is not None:

@@ -6,6 +6,10 @@ A request (with at least one full prompt block) counts once, as
 - `local`: its prefix came from the serving instance's own cache, none from the store;
 - `miss`: no prompt block was reused.
 Block counters split its prompt blocks the same way; bytes count what moved through the store.
+
+On a Redis Cluster each model's hash lives on its own slot and `record` is one pipeline on it;
+`read_all` finds every model's key because redis-py's cluster SCAN (redis>=5.0, both clients)
+asks every primary and follows each one's cursor (tests/test_block_store.py pins that).
 """
 
 from __future__ import annotations

@@ -32,8 +32,7 @@ def main(argv: list[str], prog: str = "kvharbor kvcache", command: str = "kvcach
 
 
 def build_state(config: Any):
-    import redis.asyncio as redis
-
+    from kvharbor.common.redis_client import connect
     from kvharbor.kvcache_service.app import ServiceState
     from kvharbor.kvcache_service.block_store import RedisBlockStore
     from kvharbor.kvcache_service.consumer import EventConsumer
@@ -44,17 +43,19 @@ def build_state(config: Any):
     timeout = intake.redis_timeout
 
     def client(**kwargs: Any):
-        return redis.from_url(intake.redis_url, socket_timeout=timeout, socket_connect_timeout=timeout, **kwargs)
+        return connect(intake.redis_url, timeout=timeout, **kwargs)
 
     index = RedisIndex(client())
-    # The intake connection blocks in XREADGROUP for up to a second, so its timeout must be longer.
-    stream_client = redis.from_url(intake.redis_url, socket_timeout=timeout + 2.0, socket_connect_timeout=timeout)
+    # The intake's own index: its scripts and pipelines do not queue behind lookups.
+    intake_index = RedisIndex(client())
     consumer = EventConsumer(
-        stream_client,
-        index,
+        client(),
+        intake_index,
         group=intake.consumer_group,
         consumer=intake.consumer_name,
         stream_prefix=intake.kv_events_stream_prefix,
+        owner_ttl=intake.owner_ttl,
+        rebalance_interval=intake.rebalance_interval,
         batch=intake.intake_batch,
         sweep_interval=intake.lease_sweep_interval,
     )
@@ -99,6 +100,7 @@ def serve(config: Any) -> int:
                 state.store.close,
                 state.reuse_client.aclose,
                 state.consumer.client.aclose,
+                state.consumer.index.close,
             ):
                 with contextlib.suppress(Exception):
                     await closer()

@@ -232,7 +232,7 @@ def redis_cluster(tmp_path_factory):
         yield cluster
 
 
-@pytest.fixture(params=[pytest.param("single", marks=pytest.mark.slow), pytest.param("cluster", marks=pytest.mark.slow)])
+@pytest.fixture(params=[pytest.param(kind, marks=pytest.mark.slow) for kind in ("single", "cluster")])
 def any_redis(request):
     """The same test on one redis-server and on the 3-master Redis Cluster, flushed: `.url`
     picks the client (common/redis_client.py), `.flush()`, and for the cluster `.kill(i)`."""

@@ -7,16 +7,19 @@ import random
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, KVEvent, to_fields
-from kvharbor.common.redis_keys import lease_key, stream_key
+from kvharbor.common.redis_keys import lease_key, registry_value, stream_key, stream_registry_key
 
 
 class FakeEngine:
-    """One instance's side of the KV event contract, through a sync redis client."""
+    """One instance's side of the KV event contract, through a sync redis client (Redis or
+    RedisCluster): its own stream, registered as an engine registers it."""
 
     def __init__(self, client, model: str, instance: str, lease: str | None = None) -> None:
         self.client, self.model, self.instance = client, model, instance
         self.lease = lease or f"{instance}-lease"
         self.seq = 0
+        self.stream = stream_key(model, instance)
+        client.hset(stream_registry_key(), self.stream, registry_value(model, instance))
 
     def heartbeat(self, ttl: float = 60.0) -> None:
         self.client.set(lease_key(self.model, self.instance), self.lease, px=int(ttl * 1000))
@@ -29,7 +32,7 @@ class FakeEngine:
         envelopes = [self.envelope(e) for e in events]
         pipe = self.client.pipeline(transaction=False)
         for env in envelopes:
-            pipe.xadd(stream_key(self.model), to_fields(env))
+            pipe.xadd(self.stream, to_fields(env))
         pipe.execute()
         return envelopes
 

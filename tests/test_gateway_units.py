@@ -1,12 +1,12 @@
-"""Gateway parts on their own: tenants files, rate limits (Redis and the local fallback),
-the admission queue's order, routing scores and discovery files."""
+"""Gateway parts on their own: tenants files, the admission queue's order, routing scores and
+discovery files. Rate limits (Redis, Redis Cluster and the local fallback) are in
+test_gateway_limits.py."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-import redis.asyncio as aredis
 import yaml
 
 from kvharbor.common.load_report import LoadReport
@@ -14,10 +14,9 @@ from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, fit_r
 from kvharbor.gateway.config import RoutingConfig
 from kvharbor.gateway.discovery import StaticDiscovery
 from kvharbor.gateway.engines import Engine
-from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
 from kvharbor.gateway.predict import Prediction, predict_ttft_s
 from kvharbor.gateway.router import Route, Router, block_size_for
-from kvharbor.gateway.tenants import Limits, Tenant, TenantRegistry, TenantsError, hash_key, parse_tenants
+from kvharbor.gateway.tenants import Limits, TenantRegistry, TenantsError, hash_key, parse_tenants
 
 # -- tenants ---------------------------------------------------------------------------------------
 
@@ -72,62 +71,6 @@ def test_a_broken_edit_keeps_the_last_good_tenants(tmp_path):
     assert registry.authenticate("k1") is None and registry.authenticate("k2").name == "beta"
     with pytest.raises(TenantsError, match="does not exist"):
         TenantRegistry(tmp_path / "missing.yaml")
-
-
-# -- limits ----------------------------------------------------------------------------------------
-
-
-def tenant(name="t", **limits) -> Tenant:
-    return Tenant(name, frozenset(), limits=Limits(**limits))
-
-
-@pytest.mark.slow  # a real redis-server
-@pytest.mark.parametrize("backend", ["redis", "local"])
-def test_limits_rpm_tpm_and_concurrency(backend, redis_server):
-    async def main():
-        client = None
-        if backend == "redis":
-            client = aredis.from_url(redis_server.url)
-            await client.flushdb()
-        limiter = RateLimiter(client)
-        rpm = tenant("r", rpm=2)
-        assert (await limiter.admit(rpm, 10, "1")).ok and (await limiter.admit(rpm, 10, "2")).ok
-        third = await limiter.admit(rpm, 10, "3")
-        assert not third.ok and third.reason == "rpm" and 0 < third.retry_after_s <= 30
-        assert third.headers["x-ratelimit-remaining-requests"] == "0"
-        tpm = tenant("k", tpm=100)
-        assert (await limiter.admit(tpm, 60, "1")).ok
-        await limiter.debit_tokens(tpm, 30)  # streamed output
-        assert (await limiter.admit(tpm, 20, "2")).reason == "tpm"
-        assert (
-            await limiter.admit(tenant("big", tpm=100), 5000, "1")
-        ).ok  # a prompt over the minute's budget still fits an idle bucket
-        conc = tenant("c", max_concurrent=1)
-        assert (await limiter.admit(conc, 1, "a")).ok
-        assert (await limiter.admit(conc, 1, "b")).reason == "concurrency"
-        await limiter.release(conc, "a")
-        assert (await limiter.admit(conc, 1, "b")).ok
-        assert (await limiter.admit(tenant("free"), 10**6, "x")).ok
-        if client is not None:
-            await client.aclose()
-
-    asyncio.run(main())
-
-
-def test_redis_down_follows_the_policy():
-    from servers import free_port
-
-    async def main():
-        dead = aredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_timeout=0.3, socket_connect_timeout=0.3)
-        open_limiter = RateLimiter(dead, policy="open")
-        t = tenant("o", rpm=1)
-        assert (await open_limiter.admit(t, 1, "1")).ok
-        assert not (await open_limiter.admit(t, 1, "2")).ok  # still enforced, locally
-        with pytest.raises(LimiterUnavailable, match="retry"):
-            await RateLimiter(dead, policy="closed").admit(t, 1, "1")
-        await dead.aclose()
-
-    asyncio.run(main())
 
 
 # -- admission -------------------------------------------------------------------------------------

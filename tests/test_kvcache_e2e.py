@@ -1,7 +1,9 @@
-"""Two real engine servers (SmolLM2, CPU) publish KV events to a real Redis; a real `kvharbor
-kvcache` indexes them. Lookups name the engine that holds a prefix; engine B reuses engine A's
-prefill through the shared block store, token for token; bad blocks are refused; an engine that
-dies without a word drops out when its lease expires."""
+"""Two real engine servers (SmolLM2, CPU) publish KV events to a real 3-master Redis Cluster; a
+real `kvharbor kvcache` indexes them and a real gateway routes by that index. Lookups name the
+engine that holds a prefix; the gateway sends a tenant's repeated prefix to its holder; engine B
+reuses engine A's prefill through the shared block store, token for token; bad blocks are
+refused; an engine that dies without a word drops out when its lease expires. (The same parts on
+one redis-server: tests/test_gateway.py, tests/test_server_redis.py.)"""
 
 from __future__ import annotations
 
@@ -10,34 +12,40 @@ import signal
 import httpx
 import openai
 import pytest
-import redis
-from servers import EngineServerProcess, KVCacheServiceProcess, metric, wait_for
+from servers import EngineServerProcess, GatewayProcess, KVCacheServiceProcess, metric, wait_for, write_tenants
 
 from kvharbor.common.block_hash import block_hashes
+from kvharbor.common.redis_client import connect_sync
 from kvharbor.kvcache_service.block_store import BlockFormat, encode_block
 
-pytestmark = pytest.mark.slow  # real engines, redis-server and the KV cache service
+pytestmark = pytest.mark.slow  # real engines, a Redis Cluster, the KV cache service and a gateway
 
 MODEL = "SmolLM2-135M-Instruct"
 ENGINE_ARGS = ("--dtype", "float32", "--num-kv-blocks", "512", "--lease-ttl", "2", "--max-num-batched-tokens", "512")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, redis_server):
-    redis.Redis.from_url(redis_server.url).flushdb()
+def cluster(tmp_path_factory, redis_cluster):
+    redis_cluster.flush()
     logs = tmp_path_factory.mktemp("kvcache-e2e")
-    url = redis_server.url
+    url = redis_cluster.url
+    write_tenants(logs / "tenants.yaml", [{"name": "acme", "key": "sk-acme"}])
     a = EngineServerProcess(logs, "--redis-url", url, "--instance-id", "A", "--kv-store-push", "all", *ENGINE_ARGS)
     b = EngineServerProcess(logs, "--redis-url", url, "--instance-id", "B", *ENGINE_ARGS)
     svc = KVCacheServiceProcess(logs, url, "--lease-sweep-interval", "0.5")
+    procs = [a, b, svc]
     try:
-        for proc in (a, b, svc):
+        for proc in procs:
             proc.launch()
-        for proc in (a, b, svc):
+        for proc in procs:
             proc.wait_ready()
-        yield {"a": a, "b": b, "svc": svc, "redis": redis.Redis.from_url(url)}
+        gw = GatewayProcess(logs, "--engines", f"{a.url},{b.url}", "--tenants-file", str(logs / "tenants.yaml"),
+                            "--redis-url", url)  # fmt: skip
+        procs.append(gw.start())
+        wait_for(lambda: httpx.get(gw.url + "/ready").status_code == 200, what="gateway sees engines")
+        yield {"a": a, "b": b, "svc": svc, "gw": gw, "redis": connect_sync(url, timeout=5)}
     finally:
-        for proc in (a, b, svc):
+        for proc in reversed(procs):
             proc.stop()
 
 
@@ -55,6 +63,10 @@ def lookup(svc, ids: list[int], salt: str | None = None) -> dict:
     return httpx.post(svc.url + "/lookup", json=body, timeout=10).json().get("matches", {})
 
 
+def indexed_blocks(svc) -> int:
+    return httpx.get(svc.url + "/stats", timeout=10).json()["index"]["blocks"]
+
+
 def scrape(engine) -> str:
     return httpx.get(engine.url + "/metrics", timeout=10).text
 
@@ -70,8 +82,25 @@ def test_lookup_names_the_engine_that_served_the_prompt(cluster):
     complete(cluster["a"], ids, cache_salt="tenant-x")
     # The served prompt and its 12 generated tokens fill 8 full blocks of the prompt (+1 with output).
     matches = wait_for(lambda: (m := lookup(cluster["svc"], ids, "tenant-x")).get("A") and m, what="index")
-    assert matches == {"A": 8, "B": 0}
-    assert lookup(cluster["svc"], ids, "tenant-y") == {"A": 0, "B": 0}  # another tenant never matches
+    assert matches == {"A": 8}  # B holds none of it
+    assert lookup(cluster["svc"], ids, "tenant-y") == {}  # another tenant never matches
+
+
+def test_the_gateway_routes_a_repeated_prefix_to_its_holder_through_the_cluster_index(cluster):
+    gw = openai.OpenAI(base_url=cluster["gw"].url + "/v1", api_key="sk-acme", max_retries=0, timeout=120)
+    system = "You are a terse assistant for the harbor master's office. " * 8
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Who are you?"}]
+    before = indexed_blocks(cluster["svc"])
+    first = gw.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    tokens = first.usage.prompt_tokens
+    wait_for(lambda: indexed_blocks(cluster["svc"]) >= before + tokens // 16, what="the prefix in the index")
+    for question in ("Where is the pier?", "When is high tide?", "Who pays the fees?"):
+        messages[1]["content"] = question
+        resp = gw.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+        # Only the engine that served the first request holds this tenant's prefix: a hit each time
+        # means the gateway found it in the index on the cluster.
+        assert resp.usage.prompt_tokens_details.cached_tokens >= (tokens // 16 - 2) * 16
 
 
 def test_b_reuses_a_prefill_through_the_shared_store(cluster):
@@ -113,7 +142,7 @@ def test_a_bad_block_is_refused_and_the_engine_recomputes(cluster, damage):
     complete(a, ids)
     wait_for(lambda: metric(scrape(a), "kvharbor_kv_store_pushed_blocks_total") > 0, what="push")
     third = block_hashes(ids, 16, MODEL)[2]
-    key = next(k for k in r.scan_iter(match=f"kvharbor:blk:{MODEL}:*") if k.decode().endswith(third.hex()))
+    key = next(k for k in r.scan_iter(match=f"kvharbor:blk:*:{MODEL}:*") if k.decode().endswith(third.hex()))
     blob = r.get(key)
     if damage == "checksum":
         r.set(key, blob[:-1] + bytes([blob[-1] ^ 0xFF]))
@@ -143,7 +172,7 @@ def test_an_engine_that_dies_drops_out_when_its_lease_expires(cluster):
     a.signal(signal.SIGKILL)  # no cleared event, no lease deletion: only expiry can tell
     a.wait(10)
     wait_for(lambda: "A" not in lookup(svc, ids), timeout=15, what="lease expiry")
-    assert lookup(svc, ids) == {"B": 0}
+    assert lookup(svc, ids) == {}
     wait_for(
         lambda: [i["instance"] for i in httpx.get(svc.url + "/instances").json()["instances"]] == ["B"],
         what="sweep",

@@ -1,6 +1,8 @@
-"""Event intake through a Redis consumer group (real redis-server): a consumer that dies between
-applying and acknowledging is replaced without losing or double-applying anything; malformed
-entries are skipped and counted; a Redis restart is survived."""
+"""Event intake through per-engine streams shared by several consumers, on a real redis-server and
+on a real Redis Cluster: a consumer that dies between applying and acknowledging is replaced
+without losing or double-applying anything; replicas split the streams and hand them over;
+a stale owner cannot apply; a write-ahead record left half-done is replayed; malformed entries
+are skipped and counted."""
 
 from __future__ import annotations
 
@@ -8,17 +10,13 @@ import asyncio
 import random
 
 import pytest
-import redis
-import redis.asyncio as aredis
 from kv_event_writer import FakeEngine, chains, random_events
 
+from kvharbor.common.redis_client import Call, connect, connect_sync
 from kvharbor.common.redis_keys import stream_key
-from kvharbor.kvcache_service.consumer import EventConsumer
-from kvharbor.kvcache_service.index import LeadershipLost
+from kvharbor.kvcache_service.consumer import EventConsumer, Ring
 from kvharbor.kvcache_service.memory_index import MemoryIndex
-from kvharbor.kvcache_service.redis_index import RedisIndex
-
-pytestmark = pytest.mark.slow  # a real redis-server
+from kvharbor.kvcache_service.redis_index import SHARDS, RedisIndex
 
 MODEL = "intake-model"
 
@@ -32,147 +30,240 @@ async def same_state(index, reference, all_hashes) -> None:
         assert await index.lookup(MODEL, [h]) == await reference.lookup(MODEL, [h])
 
 
-def engine_with_one_chain(redis_url: str, blocks: int = 4) -> tuple[FakeEngine, list[bytes]]:
-    """An empty Redis with one alive fake engine that stored one chain of `blocks` blocks."""
-    sync = redis.Redis.from_url(redis_url)
-    sync.flushdb()
-    engine = FakeEngine(sync, MODEL, "e0")
-    engine.heartbeat()
-    hashes = chains(MODEL, 1, blocks)[0]
-    engine.publish(engine.stored(hashes))
-    return engine, hashes
+def consumer(url: str, name: str, **kwargs) -> EventConsumer:
+    options = {"batch": 50, "poll_ms": 10, "owner_ttl": 3.0, "rebalance_interval": 0.05} | kwargs
+    return EventConsumer(connect(url, timeout=2), RedisIndex.from_url(url, timeout=2), consumer=name, **options)
+
+
+async def close(*consumers: EventConsumer) -> None:
+    for c in consumers:
+        await c.stop()
+        await c.client.aclose()
+        await c.index.close()
+
+
+async def steps(n: int, *consumers: EventConsumer) -> None:
+    for _ in range(n):
+        for c in consumers:
+            await c.step()
+
+
+def fleet(url: str, n: int, rounds: int, seed: int) -> tuple[list[FakeEngine], list, list]:
+    """`n` alive fake engines that published `rounds` random batches between them."""
+    sync = connect_sync(url, timeout=2)
+    rng = random.Random(seed)
+    cs = chains(MODEL, 6, 8)
+    engines = [FakeEngine(sync, MODEL, f"e{i}") for i in range(n)]
+    envelopes = []
+    for _ in range(rounds):
+        engine = rng.choice(engines)
+        envelopes += engine.publish(*random_events(rng, MODEL, cs, 3))
+    for engine in engines:
+        engine.heartbeat()
+    return engines, envelopes, cs
+
+
+async def reference_of(engines, envelopes) -> MemoryIndex:
+    reference = MemoryIndex()
+    await reference.apply(envelopes)
+    for engine in engines:
+        await reference.renew(MODEL, engine.instance, engine.lease, 60)
+    return reference
 
 
 class DiesBeforeAck(Exception):
     pass
 
 
-def test_consumer_dies_between_apply_and_ack_and_a_new_one_resumes(redis_server):
-    sync = redis.Redis.from_url(redis_server.url)
-    sync.flushdb()
-    rng = random.Random(7)
-    cs = chains(MODEL, 6, 8)
-    engines = [FakeEngine(sync, MODEL, f"e{i}") for i in range(3)]
-    envelopes = []
-    for _ in range(100):
-        engine = rng.choice(engines)
-        envelopes += engine.publish(*random_events(rng, MODEL, cs, 3))
-    for engine in engines:
-        engine.heartbeat()
-    sync.xadd(stream_key(MODEL), {"v": "1", "type": "stored", "body": "{not json"})  # malformed
+@pytest.mark.slow
+def test_consumer_dies_between_apply_and_ack_and_a_new_one_resumes(any_redis):
+    engines, envelopes, cs = fleet(any_redis.url, 3, 100, seed=7)
+    sync = connect_sync(any_redis.url, timeout=2)
+    sync.xadd(engines[0].stream, {"v": "1", "type": "stored", "body": "{not json"})  # malformed
     sync.xadd(
-        stream_key(MODEL),
-        {"v": "99", "type": "cleared", "instance": "e0", "model": MODEL, "lease": "x", "seq": "1", "body": "{}"},
+        engines[1].stream,
+        {"v": "99", "type": "cleared", "instance": "e1", "model": MODEL, "lease": "x", "seq": "1", "body": "{}"},
     )
 
     async def main():
-        reference = MemoryIndex()
-        await reference.apply(envelopes)
-        for engine in engines:
-            await reference.renew(MODEL, engine.instance, engine.lease, 60)
+        reference = await reference_of(engines, envelopes)
+        first = consumer(any_redis.url, "first")
+        rounds, unacked = 0, 0
+        real_apply = first.index.apply
 
-        client = aredis.from_url(redis_server.url)
-        index = RedisIndex(aredis.from_url(redis_server.url))
-        first = EventConsumer(client, index, consumer="first", batch=50, block_ms=50)
-        acks = 0
-        real_xack = client.xack
-
-        async def xack(*args):
-            nonlocal acks
-            acks += 1
-            if acks == 3:
+        async def apply(events, fence=None):
+            nonlocal rounds, unacked
+            done = await real_apply(events, fence)
+            rounds += 1
+            if rounds == 3:
+                unacked = len(events)
                 raise DiesBeforeAck  # the third batch was applied, never acknowledged
-            return await real_xack(*args)
+            return done
 
-        client.xack = xack
-        try:
-            for _ in range(10):
-                await first.step()
-        except DiesBeforeAck:
-            pass
-        assert first.stats.applied == 150 and acks == 3
-        client.xack = real_xack
-        # A new replica: the dead one's lock lapses, then it claims the pending batch and goes on.
-        await client.delete(first.lock_key)
-        second = EventConsumer(client, index, consumer="second", batch=50, block_ms=50)
-        for _ in range(10):
-            await second.step()
-        assert second.stats.claimed == 50
-        assert second.stats.duplicates == 50  # the unacknowledged batch is not applied again
-        assert first.stats.applied + second.stats.applied == len(envelopes) == 300
-        assert dict(second.stats.malformed) == {"invalid": 1, "version": 1}
-        pending = await client.xpending(stream_key(MODEL), second.group)
-        assert pending["pending"] == 0
-        await same_state(index, reference, [h for c in cs for h in c])
-        await second.stop()
-        await client.aclose()
-        await index.close()
+        first.index.apply = apply
+        with pytest.raises(DiesBeforeAck):
+            await steps(20, first)
+        # The dead replica neither renews nor releases: its ownership lapses (here: at once).
+        for model, instance in first.streams.values():
+            sync.delete(first.index.own_key(model, instance))
+        sync.zrem(first.members_key, "first")
+        second = consumer(any_redis.url, "second")
+        await steps(10, second)
+        assert second.stats.claimed >= unacked > 0
+        assert second.stats.duplicates == unacked  # the unacknowledged batch is not applied again
+        applied_by_first = first.stats.applied + unacked
+        assert applied_by_first + second.stats.applied == len(envelopes)
+        # Each malformed entry was counted by whoever read it (twice if it sat in the lost batch).
+        assert set(first.stats.malformed + second.stats.malformed) == {"invalid", "version"}
+        for engine in engines:
+            assert sync.xpending(engine.stream, second.group)["pending"] == 0
+        await same_state(second.index, reference, [h for c in cs for h in c])
+        await close(second)
+        await first.client.aclose()
+        await first.index.close()
 
     asyncio.run(main())
 
 
-def test_only_one_replica_consumes(redis_server):
-    engine_with_one_chain(redis_server.url)
+@pytest.mark.slow
+def test_replicas_split_the_streams_and_hand_them_over(any_redis):
+    engines, envelopes, cs = fleet(any_redis.url, 12, 120, seed=11)
 
     async def main():
-        client = aredis.from_url(redis_server.url)
-        index = RedisIndex(aredis.from_url(redis_server.url))
-        a = EventConsumer(client, index, consumer="a", block_ms=50)
-        b = EventConsumer(client, index, consumer="b", block_ms=50, lock_ttl=0.3)
-        await a.step()
-        await b.step()
-        assert a.stats.leader and not b.stats.leader
-        assert a.stats.applied == 1 and b.stats.applied == 0
-        await a.stop()  # releases the lock: b takes over
-        await b.step()
-        assert b.stats.leader
-        await b.stop()
-        await client.aclose()
-        await index.close()
+        reference = await reference_of(engines, envelopes)
+        a, b = consumer(any_redis.url, "a"), consumer(any_redis.url, "b")
+        await steps(3, a, b)
+        await steps(6, a, b)  # streams a gave up to b once b joined are taken by b
+        assert a.streams and b.streams and not set(a.streams) & set(b.streams)
+        assert set(a.streams) | set(b.streams) == {e.stream for e in engines}
+        ring = Ring(["a", "b"])
+        assert all(ring.owner(s) == "a" for s in a.streams)
+        assert a.stats.applied + b.stats.applied == len(envelopes)  # each event once, by one of them
+        assert a.stats.duplicates + b.stats.duplicates == 0
+        await same_state(a.index, reference, [h for c in cs for h in c])
+        await a.stop()  # a graceful stop hands its streams back at once
+        more = engines[0].publish(engines[0].stored(cs[0]))
+        await steps(4, b)
+        assert set(b.streams) == {e.stream for e in engines}
+        assert b.stats.applied + a.stats.applied == len(envelopes) + len(more)
+        await close(b)
+        await a.client.aclose()
+        await a.index.close()
 
     asyncio.run(main())
 
 
-def test_undecodable_bytes_make_one_entry_malformed_not_the_intake_dead(redis_server):
-    sync = redis.Redis.from_url(redis_server.url)
-    sync.flushdb()
+@pytest.mark.slow
+def test_a_stale_owner_cannot_apply(any_redis):
+    engines, _, cs = fleet(any_redis.url, 1, 0, seed=1)
+    engines[0].publish(engines[0].stored(cs[0]))
+
+    async def main():
+        stale = consumer(any_redis.url, "stale")
+        await stale._rebalance()  # owns the stream; the entry is still new
+        (model, instance) = stale.streams[engines[0].stream]
+        await stale.client.set(stale.index.own_key(model, instance), "someone-else")  # it stalled; taken over
+        await stale._read_new()
+        assert stale.stats.applied == 0 and not stale.streams  # nothing applied; the stream is dropped
+        assert await stale.index.instances() == []
+        pending = await stale.client.xpending(engines[0].stream, stale.group)
+        assert pending["pending"] == 1  # left for the new owner to claim
+        await close(stale)
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_undecodable_bytes_make_one_entry_malformed_not_the_intake_dead(any_redis):
+    sync = connect_sync(any_redis.url, timeout=2)
     engine = FakeEngine(sync, MODEL, "e0")
     engine.heartbeat()
     hashes = chains(MODEL, 1, 4)[0]
     engine.publish(engine.stored(hashes[:2]))
-    sync.xadd(stream_key(MODEL), {"v": "1", "type": "cleared", "instance": b"\xff\xfe", "model": MODEL, "body": "{}"})
+    sync.xadd(engine.stream, {"v": "1", "type": "cleared", "instance": b"\xff\xfe", "model": MODEL, "body": "{}"})
     engine.publish(engine.stored(hashes[2:]))
 
     async def main():
-        client = aredis.from_url(redis_server.url)
-        index = RedisIndex(aredis.from_url(redis_server.url))
-        consumer = EventConsumer(client, index, block_ms=50)
-        for _ in range(3):
-            await consumer.step()
-        assert consumer.stats.applied == 2 and sum(consumer.stats.malformed.values()) == 1
-        assert await index.lookup(MODEL, hashes) == {"e0": 4}
-        await consumer.stop()
-        await client.aclose()
-        await index.close()
+        c = consumer(any_redis.url, "c")
+        await steps(3, c)
+        assert c.stats.applied == 2 and sum(c.stats.malformed.values()) == 1
+        assert await c.index.lookup(MODEL, hashes) == {"e0": 4}
+        await close(c)
 
     asyncio.run(main())
 
 
-def test_a_consumer_that_lost_the_lock_cannot_apply(redis_server):
-    engine_with_one_chain(redis_server.url)
+@pytest.mark.slow
+def test_a_half_applied_batch_is_replayed_by_the_next_writer(any_redis):
+    """A consumer died after the instance's script wrote its ops (step A) and before the shards
+    got them (B): the next apply for that instance finishes them first, so nothing is lost."""
+    sync = connect_sync(any_redis.url, timeout=2)
+    engine = FakeEngine(sync, MODEL, "e0")
+    engine.heartbeat()
+    h = chains(MODEL, 1, 6)[0]
 
     async def main():
-        client = aredis.from_url(redis_server.url)
-        index = RedisIndex(aredis.from_url(redis_server.url))
-        stale = EventConsumer(client, index, consumer="stale", block_ms=50)
-        await stale._lead()
-        await stale._discover()  # claims nothing yet; the entry is still new
-        await client.set(stale.lock_key, "someone-else")  # it stalled; another replica took over
-        with pytest.raises(LeadershipLost):  # a fenced apply does not go through without the lock
-            await stale._read_new()
-        assert stale.stats.applied == 0
-        assert await index.instances() == []
-        await client.aclose()
+        index = RedisIndex.from_url(any_redis.url, timeout=2)
+
+        async def dies(*args):
+            raise DiesBeforeAck
+
+        index._finish = dies
+        with pytest.raises(DiesBeforeAck):
+            await index.apply([engine.envelope(engine.stored(h[:4]))])
+        await index.close()
+        index = RedisIndex.from_url(any_redis.url, timeout=2)
+        assert await index.lookup(MODEL, h) == {}  # the shards never got the blocks
+        await index.apply([engine.envelope(engine.stored(h[4:]))])  # replays the record, then applies
+        assert await index.lookup(MODEL, h) == {"e0": 6}
+        assert [(i.instance, i.blocks) for i in await index.instances()] == [("e0", 6)]
         await index.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_lookup_cost_does_not_grow_with_engines_that_do_not_hold_the_prompt(any_redis):
+    """200 engines hold other chains; a lookup reads at most one command per shard, plus one
+    lease per holder it found."""
+    sync = connect_sync(any_redis.url, timeout=2)
+    prompt = chains(MODEL, 1, 64, salt="prompt")[0]
+    others = chains(MODEL, 20, 64, salt="others")
+    engines = [FakeEngine(sync, MODEL, f"e{i}") for i in range(200)]
+
+    async def main():
+        index = RedisIndex.from_url(any_redis.url, timeout=2)
+        events = []
+        for i, engine in enumerate(engines):
+            engine.heartbeat()
+            events.append(engine.envelope(engine.stored(others[i % 20])))
+        events += [engines[0].envelope(engines[0].stored(prompt)), engines[1].envelope(engines[1].stored(prompt[:9]))]
+        await index.apply(events)
+        sent: list[Call] = []
+        real_run = index._slots.run
+
+        async def counting(calls, raise_on_error=True):
+            sent.extend(calls)
+            return await real_run(calls, raise_on_error)
+
+        index._slots.run = counting
+        assert await index.lookup(MODEL, prompt) == {"e0": 64, "e1": 9}
+        assert len(sent) <= SHARDS + 1 + 2  # the shards, the holders' names (first time), two leases
+        sent.clear()
+        assert await index.lookup(MODEL, prompt) == {"e0": 64, "e1": 9}
+        assert len(sent) <= SHARDS + 2  # names are cached: they never change meaning
+        await index.close()
+
+    asyncio.run(main())
+
+
+def test_the_ring_moves_few_streams_when_a_member_joins():
+    streams = [stream_key(MODEL, f"e{i}") for i in range(1000)]
+    before = Ring(["a", "b", "c"])
+    after = Ring(["a", "b", "c", "d"])
+    moved = [s for s in streams if before.owner(s) != after.owner(s)]
+    assert all(after.owner(s) == "d" for s in moved)  # streams only move to the newcomer
+    assert 150 < len(moved) < 350  # about a quarter
+    share = {m: sum(after.owner(s) == m for s in streams) for m in "abcd"}
+    assert min(share.values()) > 150  # no member starves
+    assert Ring([]).owner(streams[0]) is None

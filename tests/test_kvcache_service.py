@@ -15,7 +15,7 @@ from kv_event_writer import FakeEngine, chains, random_events
 from servers import KVCacheServiceProcess, RedisProcess, wait_for
 
 from kvharbor.common.block_hash import block_hashes, to_hex
-from kvharbor.common.redis_keys import stream_key
+from kvharbor.common.redis_client import connect_sync
 from kvharbor.kvcache_service.memory_index import MemoryIndex
 
 pytestmark = pytest.mark.slow  # real redis-servers and `kvharbor kvcache`
@@ -34,11 +34,14 @@ def drained(url: str, applied: int) -> bool:
     return stats["intake"]["applied"] + stats["intake"]["duplicates"] >= applied
 
 
-def all_acknowledged(client) -> bool:
-    """Every entry of the stream was delivered to the service's group and acknowledged."""
-    last = client.xinfo_stream(stream_key(MODEL))["last-generated-id"]
-    groups = client.xinfo_groups(stream_key(MODEL))
-    return bool(groups) and groups[0]["last-delivered-id"] == last and groups[0]["pending"] == 0
+def all_acknowledged(client, engines) -> bool:
+    """Every entry of every engine's stream was delivered to the service's group and acknowledged."""
+    for engine in engines:
+        last = client.xinfo_stream(engine.stream)["last-generated-id"]
+        groups = client.xinfo_groups(engine.stream)
+        if not (groups and groups[0]["last-delivered-id"] == last and groups[0]["pending"] == 0):
+            return False
+    return True
 
 
 @pytest.fixture
@@ -57,7 +60,7 @@ def test_lookup_instances_stats_and_leases(redis_fresh, tmp_path):
     b.heartbeat()
     a.publish(a.stored(hashes))
     b.publish(b.stored(hashes[:2]))
-    client.xadd(stream_key(MODEL), {"garbage": "1"})
+    client.xadd(a.stream, {"garbage": "1"})
     with KVCacheServiceProcess(tmp_path, server.url, "--lease-sweep-interval", "0.3") as svc:
         wait_for(lambda: drained(svc.url, 2), what="intake")
         assert lookup(svc.url, hashes).json() == {"model": MODEL, "blocks": 4, "matches": {"a": 4, "b": 2}}
@@ -66,9 +69,9 @@ def test_lookup_instances_stats_and_leases(redis_fresh, tmp_path):
         ).json()
         assert by_tokens["matches"] == {"a": 4, "b": 2} and by_tokens["blocks"] == 4
         other_tenant = httpx.post(svc.url + "/lookup", json={"model": MODEL, "token_ids": tokens, "cache_salt": "t2"})
-        assert other_tenant.json()["matches"] == {"a": 0, "b": 0}
+        assert other_tenant.json()["matches"] == {}  # instances that hold none of it are absent
         adapter = {"model": MODEL, "token_ids": tokens, "cache_salt": "tenant-1", "adapter": "sql@0123"}
-        assert httpx.post(svc.url + "/lookup", json=adapter).json()["matches"] == {"a": 0, "b": 0}
+        assert httpx.post(svc.url + "/lookup", json=adapter).json()["matches"] == {}
         stats = httpx.get(svc.url + "/stats").json()
         assert stats["intake"]["malformed"] == {"invalid": 1} and stats["intake"]["leader"]
         assert stats["index"] == {"instances": 2, "alive": 2, "blocks": 6}
@@ -128,30 +131,40 @@ def kvcache_service(tmp_path_factory):
         yield svc
 
 
-def test_kill_mid_stream_then_restart_applies_every_event_once(redis_fresh, tmp_path):
-    server, client = redis_fresh
+def test_two_replicas_on_a_cluster_one_killed_mid_stream_every_event_applied_once(redis_cluster, tmp_path):
+    """Two `kvharbor kvcache` replicas share six engines' streams on a real Redis Cluster; one is
+    SIGKILLed mid-stream (no goodbye: its ownership and membership lapse, its delivered entries
+    stay pending). The other takes its streams over: nothing is lost, nothing applied twice
+    (a replayed store after a removal would show in the lookups)."""
+    redis_cluster.flush()
+    client = connect_sync(redis_cluster.url, timeout=2)
     rng = random.Random(3)
     cs = chains(MODEL, 5, 6)
-    engines = [FakeEngine(client, MODEL, f"e{i}") for i in range(3)]
+    engines = [FakeEngine(client, MODEL, f"e{i}") for i in range(6)]
     for engine in engines:
         engine.heartbeat()
     reference_events = []
-    args = ("--intake-batch", "20", "--consumer-name", "replica-0")  # a restarted pod keeps its name
-    svc = KVCacheServiceProcess(tmp_path, server.url, *args).start()
+    args = ("--intake-batch", "20", "--owner-ttl", "2", "--rebalance-interval", "0.2")
+    replicas = [
+        KVCacheServiceProcess(tmp_path, redis_cluster.url, *args, "--consumer-name", f"replica-{i}") for i in range(2)
+    ]
+    for replica in replicas:
+        replica.launch()
     try:
+        survivor = replicas[1]
+        for replica in replicas:
+            replica.wait_ready()
+        wait_for(lambda: all(httpx.get(r.url + "/stats").json()["intake"]["streams"] for r in replicas), what="split")
         for i in range(60):
             engine = rng.choice(engines)
             reference_events += engine.publish(*random_events(rng, MODEL, cs, 5))
-            if i == 20:
-                wait_for(lambda: httpx.get(svc.url + "/stats").json()["intake"]["applied"] > 0, what="some intake")
             if i == 40:
-                svc.signal(signal.SIGKILL)  # no goodbye: the lock stays, delivered entries stay pending
-                svc.wait(10)
-        svc.stop()
-        svc = KVCacheServiceProcess(tmp_path, server.url, *args).start()
-        wait_for(lambda: all_acknowledged(client), timeout=40, what="catch-up")
-        stats = httpx.get(svc.url + "/stats").json()["intake"]
-        assert stats["malformed"] == {}
+                replicas[0].signal(signal.SIGKILL)
+                replicas[0].wait(10)
+        wait_for(lambda: all_acknowledged(client, engines), timeout=40, what="catch-up by the survivor")
+        stats = httpx.get(survivor.url + "/stats").json()["intake"]
+        assert stats["malformed"] == {} and stats["members"] == 1
+        assert sorted(stats["streams"]) == sorted(e.stream for e in engines)
 
         async def expected():
             ref = MemoryIndex()
@@ -161,10 +174,11 @@ def test_kill_mid_stream_then_restart_applies_every_event_once(redis_fresh, tmp_
             return {to_hex(h): await ref.lookup(MODEL, [h]) for c in cs for h in c}
 
         want = asyncio.run(expected())
-        got = {to_hex(h): lookup(svc.url, [h]).json()["matches"] for c in cs for h in c}
+        got = {to_hex(h): lookup(survivor.url, [h]).json()["matches"] for c in cs for h in c}
         assert got == want
     finally:
-        svc.stop()
+        for replica in replicas:
+            replica.stop()
 
 
 def test_redis_outage_unready_fast_errors_then_recovery(tmp_path):

@@ -13,12 +13,13 @@ from servers import EngineServerProcess, RedisProcess, free_port, metric, wait_f
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.common.kv_events import AllCleared, BlockStored, from_fields
+from kvharbor.common.redis_keys import lease_key, parse_registry_value, stream_key, stream_registry_key
 
 pytestmark = pytest.mark.slow  # real `kvharbor serve` and redis-server
 
 MODEL = "tiny-chat"
-STREAM = f"kvharbor:kv:{MODEL}"
-LEASE = f"kvharbor:lease:{MODEL}:engine-a"
+STREAM = stream_key(MODEL, "engine-a")
+LEASE = lease_key(MODEL, "engine-a")
 
 
 def read_events(client: redis.Redis, after: str = "-") -> list[tuple[str, object]]:
@@ -47,6 +48,8 @@ def test_events_match_the_pool_and_survive_a_redis_restart(tmp_path, tiny_chat_m
         first = wait_for(lambda: read_events(client))
         assert isinstance(first[0][1].event, AllCleared)  # a fresh index learns the instance starts empty
         lease = wait_for(lambda: client.get(LEASE)).decode()
+        registered = client.hget(stream_registry_key(), STREAM)  # where the KV cache service finds it
+        assert parse_registry_value(registered) == (MODEL, "engine-a")
         assert 0 < client.pttl(LEASE) <= 5000
 
         ids = list(range(100, 140))  # 2 full blocks of 16 + 8 tokens

@@ -172,7 +172,7 @@ def test_external_redis_via_redis_url(tmp_path, tiny_chat_model):
                 httpx.post(up.url + "/v1/chat/completions", json=body, headers=headers, timeout=120).status_code == 200
             )
             wait_for(
-                lambda: redis.Redis.from_url(rds.url).exists("kvharbor:kv:tiny-chat"), what="KV events in that Redis"
+                lambda: redis.Redis.from_url(rds.url).hlen("kvharbor:kv:streams"), what="KV events in that Redis"
             )
         finally:
             assert up.stop() == 0
