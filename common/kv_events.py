@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvharbor.common.block_hash import BlockHash, from_hex, to_hex
+from kvharbor.common.block_hash import DIGEST_SIZE, BlockHash, from_hex, to_hex
 
 EVENT_VERSION = 1
 Tier = Literal["device", "shared"]
@@ -91,15 +91,18 @@ def to_fields(envelope: EventEnvelope) -> dict[str, str]:
     }
 
 
-def _decode(value: str | bytes) -> str:
-    return value.decode("utf-8") if isinstance(value, bytes) else value
-
-
 def _parse_hashes(body: dict) -> tuple[BlockHash, ...]:
     hashes = body.get("hashes")
     if not isinstance(hashes, list) or not hashes:
         raise MalformedEvent("'hashes' must be a non-empty list of hex digests")
-    return tuple(from_hex(h) for h in hashes)
+    # One fromhex for the whole list (this runs for every event the intake reads); every item
+    # must be a string of exactly one digest's hex digits.
+    if set(map(type, hashes)) != {str} or set(map(len, hashes)) != {2 * DIGEST_SIZE}:
+        raise MalformedEvent(f"every hash must be {2 * DIGEST_SIZE} hex digits")
+    raw = bytes.fromhex("".join(hashes))
+    if len(raw) != DIGEST_SIZE * len(hashes):
+        raise MalformedEvent(f"every hash must be {2 * DIGEST_SIZE} hex digits")
+    return tuple([raw[i : i + DIGEST_SIZE] for i in range(0, len(raw), DIGEST_SIZE)])
 
 
 def _parse_tier(body: dict) -> Tier:
@@ -131,7 +134,11 @@ def _parse_event(kind: str, body: dict) -> KVEvent:
 def from_fields(fields: dict) -> EventEnvelope:
     """Parse one stream entry; raises MalformedEvent (never anything else) when it is not valid."""
     try:
-        f = {_decode(k): _decode(v) for k, v in fields.items()}
+        # Stream entries come as bytes from the intake: decoded here (inline: this runs for every
+        # event), so one bad byte makes this entry malformed.
+        f = {
+            (k.decode() if type(k) is bytes else k): (v.decode() if type(v) is bytes else v) for k, v in fields.items()
+        }
         version = int(f["v"])
         if version != EVENT_VERSION:
             raise MalformedEvent(f"unsupported event version {version} (this build reads {EVENT_VERSION})")

@@ -4,6 +4,7 @@ gateway read them.
 
     kvharbor:kv:{M:I}                     KV event stream of one engine instance I of model M (XADD)
     kvharbor:kv:streams                   HASH stream key -> "M\\nI": every engine's stream (engines register)
+    kvharbor:kv:resync                    a counter: engines re-publish everything when it moves
     kvharbor:lease:{M:I}                  the engine's lease id; PX ttl, refreshed by its heartbeat
     kvharbor:idx:{M:I}:...                the index's keys of one instance (kvcache_service/redis_index.py)
     kvharbor:idx:{M:<tier><shard>}:b      the index's block -> holders shards
@@ -44,6 +45,12 @@ def stream_key(model: str, instance: str, prefix: str = STREAM_PREFIX) -> str:
 
 def stream_registry_key(prefix: str = STREAM_PREFIX) -> str:
     return prefix + "streams"
+
+
+def resync_key(prefix: str = STREAM_PREFIX) -> str:
+    """Bumped by the KV cache service when part of the index was lost (a cluster node restarted
+    empty): every engine sees it move on its next heartbeat and re-publishes what it holds."""
+    return prefix + "resync"
 
 
 def registry_value(model: str, instance: str) -> str:

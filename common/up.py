@@ -68,7 +68,12 @@ class UpConfig(TracedListenConfig):
     loadtest_tenants: bool = opt(
         False, "also load the load test's tenants (public keys: for a platform on this machine only; `make up` does)"
     )
-    redis_url: str | None = opt(None, "use this Redis (or $REDIS_URL); default: start an embedded redis-server")
+    redis_url: str | None = opt(
+        None, "use this Redis or Redis Cluster (redis+cluster://...) (or $REDIS_URL); default: an embedded one"
+    )
+    embedded_redis: Literal["single", "cluster"] = opt(
+        "single", "without redis_url: one redis-server, or a 3-master Redis Cluster on loopback ports"
+    )
     log_dir: str | None = opt(None, "keep child logs here (default: a temporary directory, removed on exit)")
     ready_timeout: float = opt(300.0, "seconds to wait for every part to become ready")
 
@@ -173,11 +178,15 @@ class Platform:
         if self.redis_url:
             say(f"using Redis at {self.redis_url}")
             return
-        from kvharbor.common.embedded_redis import EmbeddedRedis
+        from kvharbor.common.embedded_redis import EmbeddedRedis, EmbeddedRedisCluster
 
-        self.redis = EmbeddedRedis(workdir=self.tmp / "redis").start()
+        if self.config.embedded_redis == "cluster":
+            say("starting an embedded 3-master Redis Cluster (waits for its nodes to agree on the slots) ...")
+            self.redis = EmbeddedRedisCluster(3, workdir=self.tmp / "redis").start()
+        else:
+            self.redis = EmbeddedRedis(workdir=self.tmp / "redis").start()
         self.redis_url = self.redis.url
-        say(f"started an embedded redis-server at {self.redis_url} (no persistence)")
+        say(f"started an embedded {self.config.embedded_redis} Redis at {self.redis_url} (no persistence)")
 
     def _tenants(self) -> str:
         """The gateway's tenants file: --tenants-file as it is (the gateway follows its edits), or a
@@ -325,7 +334,7 @@ class Platform:
 
     def _print_status(self) -> None:
         rows = [
-            ("redis", "-", self.redis_url.rsplit(":", 1)[1].split("/")[0], "embedded" if self.redis else "external")
+            ("redis", "-", _port_of(self.redis_url), "embedded" if self.redis else "external")
         ]
         rows += [(ch.name, str(ch.proc.pid), str(ch.port), "ready") for ch in self.children]
         width = max(len(r[0]) for r in rows) + 2
@@ -367,3 +376,9 @@ class Platform:
 
 def main(argv: list[str], prog: str = "kvharbor up", command: str = "up") -> int:
     return Platform(config_from_argv(UpConfig, argv, prog, __doc__.splitlines()[0])).run()
+
+
+def _port_of(url: str) -> str:
+    from urllib.parse import urlsplit
+
+    return str(urlsplit(url).port or "-")

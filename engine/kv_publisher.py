@@ -2,13 +2,16 @@
 
     stream    <prefix>{<model>:<instance>}        XADD, one entry per event (kvharbor.common.kv_events)
     registry  <prefix>streams                     HSET stream -> model, instance (on every re-sync)
+    resync    <prefix>resync                      GET each heartbeat: when it moved, re-sync
     lease     kvharbor:lease:{<model>:<instance>} the lease id, refreshed every ttl/3 (PX ttl)
 
 Key names come from kvharbor.common.redis_keys; a redis+cluster:// URL writes to a Redis Cluster.
 One stream per instance lets several KV cache service replicas share the intake.
 
 On every (re)connect it writes `cleared` and then everything the pool holds, so an index that lost
-its state, or missed events while Redis was away, is rebuilt. While Redis is down the engine keeps
+its state, or missed events while Redis was away, is rebuilt. It does the same when the resync
+counter moves: on a Redis Cluster one node can restart empty while this engine's own keys, on
+another node, never noticed. While Redis is down the engine keeps
 serving: events are dropped and counted, and the publisher retries with exponential backoff.
 """
 
@@ -24,7 +27,7 @@ from collections.abc import Callable
 
 from kvharbor.common.kv_events import AllCleared, BlockStored, EventEnvelope, KVEvent, to_fields
 from kvharbor.common.redis_client import connect
-from kvharbor.common.redis_keys import lease_key, registry_value, stream_key, stream_registry_key
+from kvharbor.common.redis_keys import lease_key, registry_value, resync_key, stream_key, stream_registry_key
 from kvharbor.engine.core import EngineCore
 from kvharbor.engine.engine_loop import EngineLoop
 
@@ -39,6 +42,10 @@ return 0
 
 class LeaseLapsed(RuntimeError):
     """Our lease key had expired (a long stall): the index may have swept us, so re-sync."""
+
+
+class ResyncRequested(RuntimeError):
+    """The KV cache service lost part of the index (a cluster node came back empty): re-sync."""
 
 
 RESYNC_BATCH = 256
@@ -75,6 +82,7 @@ class KVEventPublisher:
         self.published = 0
         self.dropped = 0
         self.resyncs = 0
+        self._resync_seen: bytes | None = None  # the resync counter when we last re-published
 
     # -- the engine thread ------------------------------------------------------------------------
 
@@ -117,6 +125,9 @@ class KVEventPublisher:
             except LeaseLapsed:
                 self._disconnect()
                 log.warning("KV event lease lapsed; re-publishing everything this engine holds")
+            except ResyncRequested:
+                self._disconnect()
+                log.warning("the KV index asked for a re-sync; re-publishing everything this engine holds")
             except (RedisError, RedisClusterException, OSError) as exc:
                 self._disconnect()
                 log.warning("Redis unavailable for KV events; retrying in %.1fs", backoff, extra={"error": repr(exc)})
@@ -131,6 +142,7 @@ class KVEventPublisher:
         for i in range(0, len(hashes), RESYNC_BATCH):
             # NOTE: a re-sync sends the set of held blocks; its batches are not chains (parent None).
             events.append(BlockStored(hashes=tuple(hashes[i : i + RESYNC_BATCH]), parent=None, block_size=block_size))
+        self._resync_seen = await client.get(resync_key(self.stream_prefix))
         await self._heartbeat(client)
         registry = stream_registry_key(self.stream_prefix)
         await client.hset(registry, self.stream_key, registry_value(self.model, self.instance))
@@ -152,6 +164,8 @@ class KVEventPublisher:
             if now >= next_beat:
                 if not await self._heartbeat(client):
                     raise LeaseLapsed(self.lease)
+                if await client.get(resync_key(self.stream_prefix)) != self._resync_seen:
+                    raise ResyncRequested(self.lease)
                 next_beat = now + self.lease_ttl / 3
             if not batch:
                 await self._sleep(0.02)

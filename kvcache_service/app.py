@@ -1,7 +1,7 @@
 """The KV cache service's HTTP API: prefix lookups, instances, stats, metrics, health.
 
     POST /lookup     {model, block_hashes | token_ids [+ cache_salt, adapter, block_size], instances?, tier?}
-                     -> {model, blocks, matches: {instance: matched_blocks}}
+                     -> {model, blocks, matches: {instance: matched_blocks}} (instances holding none: absent)
     GET  /instances  every instance in the index, alive or waiting to be swept
     GET  /stats      index, intake, shared store and reuse figures
     GET  /metrics    the same for Prometheus;  GET /health (alive), GET /ready (Redis answers, intake runs)
@@ -154,6 +154,7 @@ class _Routes:
                 "members": intake.members,
                 "streams": sorted(state.consumer.streams),
                 "handoffs": intake.handoffs,
+                "resyncs_requested": intake.resyncs_requested,
                 "applied": intake.applied,
                 "duplicates": intake.duplicates,
                 "malformed": dict(intake.malformed),

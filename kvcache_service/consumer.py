@@ -18,7 +18,9 @@ step, so entries delivered twice are skipped, and a replica that stalled past it
 cannot apply the batch it still holds (LeadershipLost). Its cross-slot shard writes are the one
 step outside that fence: a replica stops applying a stream `owner_ttl / 3` before its ownership
 would lapse without renewal, which bounds that window by the clock. Malformed entries are
-acknowledged, skipped and counted. The lowest-named member also sweeps lapsed leases.
+acknowledged, skipped and counted. The lowest-named member also sweeps lapsed leases, and checks
+that no block shard lost its data: when one did (a cluster node restarted empty), it bumps the
+resync counter and every engine re-publishes what it holds.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvharbor.common.kv_events import MalformedEvent, from_fields
-from kvharbor.common.redis_client import Call, Script, SlotPipelines
+from kvharbor.common.redis_client import Call, Script, SlotPipelines, pairs
 from kvharbor.common.redis_keys import (
     INDEX_PREFIX,
     STREAM_PREFIX,
     lease_key,
     parse_registry_value,
+    resync_key,
     stream_registry_key,
 )
 from kvharbor.kvcache_service.index import IndexUnavailable, LeadershipLost, StreamEvent
@@ -113,6 +116,7 @@ class IntakeStats:
     swept: int = 0
     errors: int = 0
     handoffs: int = 0  # streams given up or lost to another replica
+    resyncs_requested: int = 0  # times this replica found part of the index lost
     members: int = 0
     leader: bool = False  # this replica sweeps lapsed leases
     healthy: bool = False
@@ -153,6 +157,7 @@ class EventConsumer:
         self.streams: dict[str, tuple[str, str]] = {}  # streams this replica consumes -> (model, instance)
         self._valid_until: dict[str, float] = {}  # stream -> when our ownership may lapse (monotonic)
         self._registry: dict[str, tuple[str, str]] = {}  # every registered stream -> (model, instance)
+        self._marked: set[str] = set()  # models whose shard markers this replica has put or seen
         self._slots = SlotPipelines(client)
         self._stopping = asyncio.Event()
         self._next_rebalance = 0.0
@@ -306,9 +311,9 @@ class EventConsumer:
                 # The stream was deleted or Redis restarted empty: take it again next round.
                 self._drop(stream, "it lost its consumer group")
                 continue
-            for _name, items in reply or []:
-                if items:
-                    entries[stream] = items
+            for _name, items in (reply.items() if isinstance(reply, dict) else reply or []):
+                if items:  # raw entries: [id, [field, value, ...]] (a trimmed entry has no fields)
+                    entries[stream] = [(entry_id, pairs(fields)) for entry_id, fields in items]
         if entries:
             await self._process(entries)
         return sum(len(items) for items in entries.values())
@@ -351,11 +356,27 @@ class EventConsumer:
     # -- sweeping ---------------------------------------------------------------------------------
 
     async def _sweep(self) -> None:
+        await self._check_shards()
         swept = await self.index.expire()
         for model, instance in swept:
             log.info("instance lease expired; its KV entries were swept", extra={"model": model, "instance": instance})
         self.stats.swept += len(swept)
         await self._unregister(swept)
+
+    async def _check_shards(self) -> None:
+        """Ask every engine to re-sync when a block shard of a model this replica had marked
+        lost its marker: a cluster node came back empty, and engines whose own keys live on other
+        nodes would never notice that the index forgot their blocks."""
+        models = {model for model, _ in self._registry.values()} | self._marked
+        if not models:
+            return
+        missing = await self.index.mark_shards(sorted(models))
+        lost = missing & self._marked
+        if lost:
+            log.warning("part of the KV index was lost; asking every engine to re-sync", extra={"models": sorted(lost)})
+            await self.client.incr(resync_key(self.stream_prefix))
+            self.stats.resyncs_requested += 1
+        self._marked |= models
 
     async def _unregister(self, swept: list[tuple[str, str]]) -> None:
         """Swept instances' streams leave the registry, unless the engine came back meanwhile

@@ -39,13 +39,18 @@ is lost and nothing counts twice. Any Redis failure or timeout raises `IndexUnav
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import hashlib
+import logging
+import time
 import uuid
 from collections.abc import Sequence
 
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
-from kvharbor.common.redis_client import Call, Script, SlotPipelines, connect
+from kvharbor.common.redis_client import Call, Script, SlotPipelines, connect, pairs
 from kvharbor.common.redis_keys import (
     INDEX_PREFIX,
     LEASE_PREFIX,
@@ -65,62 +70,99 @@ from kvharbor.kvcache_service.index import (
     StreamEvent,
 )
 
+log = logging.getLogger("kvharbor.kvcache.index")
+
 TIER_LETTER = {"device": "d", "shared": "s"}
 SHARDS = 16  # block shards per (model, tier): bounds a lookup's commands, spreads a cluster's load
+# Buckets per shard: small hashes stay in Redis's compact encoding (up to 128 fields of <= 64
+# bytes, hash-max-ziplist-*), about 30 bytes a field instead of about 90 in a hash table, and a
+# lookup's read scans ~40 fields, not ~80 (2 us a read at 10M blocks with 8,192). Sized for ~10M
+# distinct blocks per model and tier; beyond ~20M, buckets grow into hash tables.
+BUCKETS = 16384
 HOLDER_BYTES = 8
+# A lookup re-reads a holder's lease key at most this often (in the background for readings up
+# to twice as old): no second round trip on most lookups, for an engine that dies dropping out
+# of lookups up to twice this later than its lease.
+LIVENESS_CACHE_S = 0.25
+REGISTRY_REFRESH_S = 5.0
 HASH_BYTES = 16
-OP_BYTES = 1 + HASH_BYTES + HOLDER_BYTES  # '+'/'-', block hash, holder id
 
-# Shared by the instance scripts. KEYS: st, h, pend, own, lease. Every key is the instance's.
+# Shared by the instance scripts. KEYS: st, pend, own, lease, then the block logs of tier d and of
+# tier s. Every key is the instance's (one slot). A log is the instance's stored and removed
+# hashes in order, as entries of: op ('+'/'-'), count (2 bytes), that many 16-byte hashes; it is
+# appended to (cheap) and read only to drop everything, or to fold it up when it grew long.
 _LUA_INSTANCE = """
-local ST, H, PEND, OWN, LEASE = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
-local SHARDS = %d
-local ops = {}
-local function emit(op, t, h, holder)
-  local g = t .. tostring(string.byte(h, 1) %% SHARDS)
-  local list = ops[g]
-  if not list then list = {} ops[g] = list end
-  list[#list + 1] = op .. h .. holder
+local ST, PEND, OWN, LEASE = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local LOGS = {d = KEYS[5], s = KEYS[6]}
+local records = {}
+local function record(op, t, holder, blob)
+  if #blob > 0 then records[#records + 1] = op .. t .. holder .. blob end
 end
-local function find(v, h, width)
-  local s = 1
-  while true do
-    local i = string.find(v, h, s, true)
-    if not i then return nil end
-    if (i - 1) %% width == 0 then return i end
-    s = i + 1
+local function log(t, op, blob)
+  for j = 1, #blob, 16 * 65535 do
+    local part = string.sub(blob, j, j + 16 * 65535 - 1)
+    local n = #part / 16
+    redis.call('APPEND', LOGS[t], op .. string.char(math.floor(n / 256), n % 256) .. part)
   end
+end
+-- What a tier's log says the instance holds now, in the order it was stored (set semantics, as
+-- the block shards keep it).
+local function held(t)
+  local text = redis.call('GET', LOGS[t]) or ''
+  local has, order, pos = {}, {}, 1
+  while pos < #text do
+    local op = string.sub(text, pos, pos)
+    local n = string.byte(text, pos + 1) * 256 + string.byte(text, pos + 2)
+    pos = pos + 3
+    for _ = 1, n do
+      local h = string.sub(text, pos, pos + 15)
+      pos = pos + 16
+      if op == '+' then
+        if not has[h] then order[#order + 1] = h end
+        has[h] = true
+      else
+        has[h] = nil
+      end
+    end
+  end
+  local out = {}
+  for _, h in ipairs(order) do if has[h] then out[#out + 1] = h has[h] = nil end end
+  return out
 end
 local function drop_all(holder)
-  local fields = redis.call('HGETALL', H)
-  for k = 1, #fields, 2 do
-    local t, v = string.sub(fields[k], 1, 1), fields[k + 1]
-    for j = 1, #v, 16 do emit('-', t, string.sub(v, j, j + 15), holder) end
+  for _, t in ipairs({'d', 's'}) do
+    record('x', t, holder, table.concat(held(t)))  -- 'x': remove, and count it
+    redis.call('DEL', LOGS[t])
   end
-  redis.call('DEL', H)
-  redis.call('HSET', ST, 'n:d', 0, 'n:s', 0)
+end
+-- A log that grew to twice what the instance holds (and past 64 KiB) is folded up.
+local function compact(t)
+  local size = redis.call('STRLEN', LOGS[t])
+  local n = tonumber(redis.call('HGET', ST, 'n:' .. t) or '0')
+  if size >= 65536 and size > 2 * (16 * n + 3) then
+    local keep = table.concat(held(t))
+    redis.call('DEL', LOGS[t])
+    log(t, '+', keep)
+  end
 end
 local function write_pending()
-  local token = ARGV[1]
-  local out = {}
-  for g, list in pairs(ops) do
-    local blob = table.concat(list)
-    redis.call('HSET', PEND, 'g:' .. g, blob)
-    out[#out + 1] = g
-    out[#out + 1] = blob
+  if #records == 0 then return {} end
+  local fields = {'token', ARGV[1]}
+  for k, rec in ipairs(records) do
+    fields[#fields + 1] = string.format('e%08d', k)
+    fields[#fields + 1] = rec
   end
-  if #out > 0 then redis.call('HSET', PEND, 'token', token) end
-  return out
+  redis.call('HSET', PEND, unpack(fields))
+  return records
 end
 """
 
-_INSTANCE = _LUA_INSTANCE % SHARDS
-
 # ARGV: token, stream ('' = unpositioned), fence owner ('' = none), then per event:
 #       entry id, lease, holder id, type, tier letter, hashes blob
-# Returns {applied, dropped holder or '', group, blob, ...}; {-1} fence lost; {-2} pending first.
+# Returns {applied, dropped holder or '', record, ...} (a record: op, tier, holder, hashes);
+# {-1} fence lost; {-2} a pending record must be replayed first.
 _APPLY = Script(
-    _INSTANCE
+    _LUA_INSTANCE
     + """
 local stream, owner = ARGV[2], ARGV[3]
 if owner ~= '' and redis.call('GET', OWN) ~= owner then return {-1} end
@@ -138,36 +180,25 @@ local function newer(id)
   local c, d = pos(cursor)
   return a > c or (a == c and b > d)
 end
-local live = redis.call('GET', LEASE)
+local live_lease = redis.call('GET', LEASE)
+local cur = redis.call('HMGET', ST, 'lease', 'holder')
 local applied, dropped, i = 0, '', 4
 while i <= #ARGV do
   local id, lease, holder, typ, t, blob = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5]
   i = i + 6
-  if newer(id) and (not live or live == lease) then
-    local cur = redis.call('HMGET', ST, 'lease', 'holder')
+  if newer(id) and (not live_lease or live_lease == lease) then
     if cur[1] ~= lease then
       if cur[1] then drop_all(cur[2]) dropped = cur[2] end
       redis.call('HSET', ST, 'lease', lease, 'holder', holder)
+      cur = {lease, holder}
     end
-    if typ == 'stored' or typ == 'removed' then
-      local n = 0
-      for j = 1, #blob, 16 do
-        local h = string.sub(blob, j, j + 15)
-        local f = t .. string.sub(h, 1, 1)
-        local v = redis.call('HGET', H, f) or ''
-        local at = find(v, h, 16)
-        if typ == 'stored' and not at then
-          redis.call('HSET', H, f, v .. h)
-          emit('+', t, h, holder)
-          n = n + 1
-        elseif typ == 'removed' and at then
-          v = string.sub(v, 1, at - 1) .. string.sub(v, at + 16)
-          if v == '' then redis.call('HDEL', H, f) else redis.call('HSET', H, f, v) end
-          emit('-', t, h, holder)
-          n = n - 1
-        end
-      end
-      redis.call('HINCRBY', ST, 'n:' .. t, n)
+    if typ == 'stored' then
+      log(t, '+', blob)
+      record('+', t, holder, blob)
+    elseif typ == 'removed' then
+      log(t, '-', blob)
+      record('-', t, holder, blob)
+      compact(t)
     else
       drop_all(holder)
     end
@@ -185,10 +216,10 @@ return out
 )
 
 # ARGV: token, mode ('sweep': only if the lease lapsed; 'forget': always, then tombstone),
-#       tombstone lease, tombstone ttl ms. Returns {1 dropped | 0 not, holder, group, blob, ...}
+#       tombstone lease, tombstone ttl ms. Returns {1 dropped | 0 not, holder, record, ...}
 #       or {-2} when a pending record must be replayed first.
 _DROP = Script(
-    _INSTANCE
+    _LUA_INSTANCE
     + """
 local mode = ARGV[2]
 if redis.call('EXISTS', PEND) == 1 then return {-2} end
@@ -207,18 +238,36 @@ return out
 """
 )
 
-# ARGV: token. Deletes the pending record if it is still the one with this token.
+# KEYS: pend, st. ARGV: token, blocks gained in tier d, in tier s. Deletes the pending record if
+# it is still the one with this token, and counts what the shards said changed (exact, unlike the
+# logs: a block stored twice is held once).
 _DONE = Script(
     """
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then return redis.call('DEL', KEYS[1]) end
-return 0
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[1] then return 0 end
+redis.call('DEL', KEYS[1])
+for k, t in ipairs({'d', 's'}) do
+  local n = tonumber(ARGV[k + 1])
+  if n ~= 0 then redis.call('HINCRBY', KEYS[2], 'n:' .. t, n) end
+end
+return 1
 """
 )
 
-# KEYS: one block shard. ARGV: ops blob ('+'/'-', 16-byte hash, 8-byte holder per op).
+# The bucket of a block inside its shard, from hash bytes 2 and 3 (byte 1 picked the shard).
+_LUA_BUCKET = f"""
+local function bucket(h)
+  return tostring((string.byte(h, 2) * 256 + string.byte(h, 3)) % {BUCKETS})
+end
+"""
+
+# KEYS: the shard's anchor (routes the call; every bucket key carries the shard's tag).
+# ARGV: bucket key prefix, then records in order: op ('+' store, '-' or 'x' remove: 'x' when the
+# instance drops everything), 8-byte holder id, 16-byte hashes. Returns, per record, the blocks it
+# added (or, negative, removed).
 _SHARD = Script(
-    """
-local K, blob = KEYS[1], ARGV[1]
+    _LUA_BUCKET
+    + """
+local P = ARGV[1]
 local function find(v, h)
   local s = 1
   while true do
@@ -228,22 +277,67 @@ local function find(v, h)
     s = i + 1
   end
 end
-for j = 1, #blob, 25 do
-  local op, h, holder = string.sub(blob, j, j), string.sub(blob, j + 1, j + 16), string.sub(blob, j + 17, j + 24)
-  local v = redis.call('HGET', K, h) or ''
-  local at = find(v, holder)
-  if op == '+' and not at then
-    redis.call('HSET', K, h, v .. holder)
-  elseif op == '-' and at then
-    v = string.sub(v, 1, at - 1) .. string.sub(v, at + 8)
-    if v == '' then redis.call('HDEL', K, h) else redis.call('HSET', K, h, v) end
+local changed = {}
+for a = 2, #ARGV do
+  local rec = ARGV[a]
+  local op, holder = string.sub(rec, 1, 1), string.sub(rec, 2, 9)
+  local n = 0
+  for j = 10, #rec, 16 do
+    local h = string.sub(rec, j, j + 15)
+    local K = P .. bucket(h)
+    if op == '+' then
+      -- A block nobody held yet (the common case) costs one call.
+      if redis.call('HSETNX', K, h, holder) == 1 then
+        n = n + 1
+      else
+        local v = redis.call('HGET', K, h)
+        if not find(v, holder) then redis.call('HSET', K, h, v .. holder) n = n + 1 end
+      end
+    else
+      local v = redis.call('HGET', K, h)
+      local at = v and find(v, holder)
+      if at then
+        v = string.sub(v, 1, at - 1) .. string.sub(v, at + 8)
+        if v == '' then redis.call('HDEL', K, h) else redis.call('HSET', K, h, v) end
+        n = n - 1
+      end
+    end
   end
+  changed[#changed + 1] = n
 end
-return #blob / 25
+return changed
 """
 )
 
 
+# KEYS: the shard anchors the blocks sit in (declared; on a cluster, one). ARGV: '1' to stop at
+# the first block nobody holds (the blocks come in chain order), then per block its bucket key and
+# hash. Returns each block's holders ('' for none, '=' for the block before's), up to where it
+# stopped. The bucket keys come
+# computed from the client: string work per block in Lua cost more than the reads themselves.
+_READ = Script(
+    """
+local out, stop, last = {}, ARGV[1] == '1', nil
+for j = 2, #ARGV, 2 do
+  local v = redis.call('HGET', ARGV[j], ARGV[j + 1])
+  if not v and stop then break end
+  v = v or ''
+  -- '=': the same holders as the block before. A shared prefix's blocks all have the same
+  -- holders; sending them once keeps a popular prompt's reply small.
+  if v == last and v ~= '' then out[#out + 1] = '=' else out[#out + 1] = v end
+  last = v
+end
+return out
+"""
+)
+
+
+def bucket_key(anchor: str, block_hash: BlockHash) -> str:
+    """The bucket of a block inside its shard: what _LUA_BUCKET computes, on the client side."""
+    return f"{anchor}:{(block_hash[1] * 256 + block_hash[2]) % BUCKETS}"
+
+
+@functools.lru_cache(maxsize=65536)  # asked for every event; a fleet has few (instance, lease) pairs
 def holder_id(instance: str, lease: str) -> bytes:
     """The id one life (instance, lease) of an engine holds blocks under."""
     return hashlib.blake2b(f"{instance}\n{lease}".encode(), digest_size=HOLDER_BYTES).digest()
@@ -257,12 +351,22 @@ class RedisIndex:
     """`Index` on Redis. `client` is a redis.asyncio Redis or RedisCluster client returning
     bytes; its timeouts bound every call."""
 
-    def __init__(self, client, prefix: str = INDEX_PREFIX, lease_prefix: str = LEASE_PREFIX) -> None:
+    def __init__(
+        self,
+        client,
+        prefix: str = INDEX_PREFIX,
+        lease_prefix: str = LEASE_PREFIX,
+        liveness_cache_s: float = LIVENESS_CACHE_S,
+    ) -> None:
         self._client = client
         self._prefix = prefix
         self._lease_prefix = lease_prefix
         self._slots = SlotPipelines(client)
         self._names: dict[tuple[str, bytes], tuple[str, str]] = {}  # holder id -> (instance, lease)
+        self._liveness_cache_s = liveness_cache_s
+        self._written: dict[tuple, float] = {}  # registry writes -> when to send them again
+        self._refreshing: asyncio.Future | None = None  # a background lease read, while one runs
+        self._leases_seen: dict[tuple[str, str], tuple[str | None, float]] = {}  # -> (lease, read until)
 
     @classmethod
     def from_url(cls, url: str, timeout: float = 1.0, **kwargs) -> RedisIndex:
@@ -271,11 +375,14 @@ class RedisIndex:
     # -- keys ---------------------------------------------------------------------------------
 
     def _instance_keys(self, model: str, instance: str) -> tuple[str, ...]:
+        """st, pend, own, lease, then the block logs of tier d and of tier s: one slot."""
         key = lambda part: index_instance_key(model, instance, part, self._prefix)  # noqa: E731
-        return key("st"), key("h"), key("pend"), key("own"), lease_key(model, instance, self._lease_prefix)
+        lease = lease_key(model, instance, self._lease_prefix)
+        return key("st"), key("pend"), key("own"), lease, key("log:d"), key("log:s")
 
-    def _shard_key(self, model: str, group: str) -> str:
-        return index_shard_key(model, group[0], int(group[1:]), self._prefix)
+    def _shard_call(self, script: Script, model: str, t: str, shard: int, args: Sequence[bytes]) -> Call:
+        anchor = index_shard_key(model, t, shard, self._prefix)
+        return Call(anchor, (anchor + ":", *args), script, (anchor,))
 
     def own_key(self, model: str, instance: str) -> str:
         """The key whose value names the intake owner of this instance's stream (the fence)."""
@@ -335,56 +442,82 @@ class RedisIndex:
 
     async def _finish(self, batches: dict, calls: list[Call], replies: list) -> None:
         """Steps B and C for every instance whose step A went through."""
-        shard_ops: list[Call] = []
-        done: list[Call] = []
+        shipped: list[tuple[str, Call, list[bytes]]] = []
         extra: list[Call] = []
         for (model, instance, stream), call, reply in zip(batches, calls, replies, strict=True):
             if int(reply[0]) < 0:
                 continue
-            shard_ops += self._shard_calls(model, reply[2:])
-            if reply[2:]:
-                pend = call.keys[2]
-                done.append(Call(pend, (call.args[0],), _DONE, (pend,)))
+            shipped.append((model, call, reply[2:]))
             extra += self._registry_calls(model, instance, batches[(model, instance, stream)], reply[1])
-        await self._run(shard_ops + extra)
+        await self._ship(shipped, extra)
+
+    async def _ship(
+        self, shipped: list[tuple[str, Call, list[bytes]]], extra: Sequence[Call] = (), count: bool = True
+    ) -> None:
+        """Send records (op, tier, holder, hashes) to their block shards, split in order, one call
+        per shard; then close each instance's pending record with the blocks it gained (step C)."""
+        per: dict[tuple[str, str, int], tuple[list[bytes], list[tuple[int, int]]]] = {}
+        for owner, (model, _call, records) in enumerate(shipped):
+            for rec in records:
+                head, t, body = rec[:1] + rec[2:10], chr(rec[1]), memoryview(rec)[10:]
+                parts: dict[int, list] = {}
+                for k in range(0, len(body), HASH_BYTES):
+                    h = body[k : k + HASH_BYTES]
+                    parts.setdefault(h[0] % SHARDS, [head]).append(h)
+                for shard, chunk in parts.items():
+                    args, owners = per.setdefault((model, t, shard), ([], []))
+                    args.append(b"".join(chunk))
+                    owners.append((owner, 0 if t == "d" else 1))
+        shard_calls = [self._shard_call(_SHARD, m, t, shard, args) for (m, t, shard), (args, _) in per.items()]
+        replies = await self._run(shard_calls + list(extra))
+        gained = [[0, 0] for _ in shipped]
+        for (_args, owners), changed in zip(per.values(), replies, strict=False):
+            for (owner, tier), n in zip(owners, changed, strict=True):
+                gained[owner][tier] += int(n)
+        done = []
+        for (_model, call, records), (d, s) in zip(shipped, gained, strict=True):
+            if records:
+                pend, st = call.keys[1], call.keys[0]
+                d, s = (d, s) if count else (0, 0)  # a dropped instance has no count left to move
+                done.append(Call(pend, (call.args[0], d, s), _DONE, (pend, st)))
         await self._run(done)
 
-    def _shard_calls(self, model: str, groups: list) -> list[Call]:
-        calls = []
-        for k in range(0, len(groups), 2):
-            key = self._shard_key(model, _text(groups[k]))
-            calls.append(Call(key, (groups[k + 1],), _SHARD, (key,)))
-        return calls
-
     def _registry_calls(self, model: str, instance: str, batch: list, dropped: bytes) -> list[Call]:
-        """The model-level and global records a batch implies (idempotent, so written each time)."""
+        """The model-level and global records a batch implies. They are idempotent; each is sent
+        again at most every REGISTRY_REFRESH_S by this process (at a thousand engines, four
+        writes per instance per round were most of the intake's commands), so a node that lost
+        them has them back within that time."""
         holders = index_model_key(model, "holders", self._prefix)
-        calls = [
+        wanted = [
             Call(self._global("models"), ("SADD", self._global("models"), model)),
             Call(self._global("instances"), ("HSET", self._global("instances"), registry_value(model, instance), 1)),
         ]
+        for lease in {env.lease for _, env in batch}:
+            wanted.append(Call(holders, ("HSET", holders, holder_id(instance, lease), f"{instance}\n{lease}")))
+        for size in {env.event.block_size for _, env in batch if isinstance(env.event, BlockStored)}:
+            wanted.append(Call(self._global("block_size"), ("HSET", self._global("block_size"), model, size)))
+        now = time.monotonic()
+        if len(self._written) > 100_000:
+            self._written.clear()
+        calls = [c for c in wanted if self._written.get(c.args, 0.0) <= now]
+        for call in calls:
+            self._written[call.args] = now + REGISTRY_REFRESH_S
         if dropped:
             calls.append(Call(holders, ("HDEL", holders, dropped)))
-        leases = {env.lease for _, env in batch}
-        for lease in leases:
-            calls.append(Call(holders, ("HSET", holders, holder_id(instance, lease), f"{instance}\n{lease}")))
-        sizes = {env.event.block_size for _, env in batch if isinstance(env.event, BlockStored)}
-        for size in sizes:
-            calls.append(Call(self._global("block_size"), ("HSET", self._global("block_size"), model, size)))
+            self._written = {k: v for k, v in self._written.items() if dropped not in k}
         return calls
 
     async def replay_pending(self, model: str, instance: str) -> bool:
         """Finish a pending record another consumer left (steps B and C); False if none."""
-        pend = self._instance_keys(model, instance)[2]
-        (record,) = await self._run([Call(pend, ("HGETALL", pend))])
+        pend = self._instance_keys(model, instance)[1]
+        (reply,) = await self._run([Call(pend, ("HGETALL", pend))])
+        record = pairs(reply)
         if not record:
             return False
         token = record.pop(b"token", b"")
-        groups: list = []
-        for field, blob in record.items():
-            groups += [_text(field)[2:], blob]
-        await self._run(self._shard_calls(model, groups))
-        await self._run([Call(pend, (token,), _DONE, (pend,))])
+        records = [record[field] for field in sorted(record)]  # e00000001, e00000002, ...: their order
+        keys = self._instance_keys(model, instance)
+        await self._ship([(model, Call(keys[0], (token,), _APPLY, keys), records)])
         return True
 
     async def _drop(self, model: str, instances: Sequence[str], mode: str, ttl: float = 0.0) -> list[str]:
@@ -395,9 +528,7 @@ class RedisIndex:
             args = (uuid.uuid4().hex, mode, FORGOTTEN, max(1, int(ttl * 1000)))
             calls.append(Call(keys[0], args, _DROP, keys))
         replies = await self._run(calls)
-        retry = []
-        shard_ops, done, extra = [], [], []
-        dropped = []
+        retry, shipped, extra, dropped = [], [], [], []
         for instance, call, reply in zip(instances, calls, replies, strict=True):
             code = int(reply[0])
             if code == -2:
@@ -410,12 +541,9 @@ class RedisIndex:
                 if reply[1]:
                     holders = index_model_key(model, "holders", self._prefix)
                     extra.append(Call(holders, ("HDEL", holders, reply[1])))
-            shard_ops += self._shard_calls(model, reply[2:])
-            if reply[2:]:
-                pend = call.keys[2]
-                done.append(Call(pend, (call.args[0],), _DONE, (pend,)))
-        await self._run(shard_ops + extra)
-        await self._run(done)
+                    self._written = {k: v for k, v in self._written.items() if reply[1] not in k}
+            shipped.append((model, call, reply[2:]))
+        await self._ship(shipped, extra, count=False)
         for instance in retry:
             await self.replay_pending(model, instance)
         if retry:
@@ -446,17 +574,31 @@ class RedisIndex:
         return {inst: counts[h] for h, (inst, lease) in named.items() if alive.get(inst) == lease}
 
     async def _read_blocks(self, model: str, t: str, hashes: Sequence[BlockHash]) -> list[bytes | None]:
+        """Each block's packed holders (None: nobody). On a single Redis one script reads the
+        chain in order and stops at the first block nobody holds; on a cluster one script per
+        shard (a slot each) reads its blocks, nodes in parallel."""
+        anchors = [index_shard_key(model, t, shard, self._prefix) for shard in range(SHARDS)]
+        values: list[bytes | None] = [None] * len(hashes)
+        if not self._slots.cluster:
+            args = ["1"]
+            for h in hashes:
+                args += [bucket_key(anchors[h[0] % SHARDS], h), h]
+            (reply,) = await self._run([Call(anchors[0], tuple(args), _READ, tuple(anchors))])
+            for i, value in enumerate(_expand(reply)):
+                values[i] = value or None
+            return values
         by_shard: dict[int, list[int]] = {}
         for i, h in enumerate(hashes):
             by_shard.setdefault(h[0] % SHARDS, []).append(i)
         calls = []
         for shard, idx in by_shard.items():
-            key = index_shard_key(model, t, shard, self._prefix)
-            calls.append(Call(key, ("HMGET", key, *(hashes[i] for i in idx))))
-        values: list[bytes | None] = [None] * len(hashes)
+            args = ["0"]
+            for i in idx:
+                args += [bucket_key(anchors[shard], hashes[i]), hashes[i]]
+            calls.append(Call(anchors[shard], tuple(args), _READ, (anchors[shard],)))
         for idx, reply in zip(by_shard.values(), await self._run(calls), strict=True):
-            for i, value in zip(idx, reply, strict=True):
-                values[i] = value
+            for i, value in zip(idx, _expand(reply), strict=True):
+                values[i] = value or None
         return values
 
     async def _names_of(self, model: str, holders: list[bytes]) -> dict[bytes, tuple[str, str]]:
@@ -472,12 +614,44 @@ class RedisIndex:
         return {h: self._names[(model, h)] for h in holders if (model, h) in self._names}
 
     async def _alive(self, model: str, named: list[tuple[str, str]]) -> dict[str, str]:
-        """instance -> the lease its lease key holds now (absent when it holds none)."""
-        keys = [lease_key(model, inst, self._lease_prefix) for inst, _ in named]
-        replies = await self._run([Call(k, ("GET", k)) for k in keys])
-        return {inst: _text(v) for (inst, _), v in zip(named, replies, strict=True) if v is not None}
+        """instance -> the lease its lease key holds (absent when it holds none). A reading up to
+        `liveness_cache_s` old is used as is; up to twice that, it is used while a fresh one is
+        read in the background; older, or never read, it is read now."""
+        now = time.monotonic()
+        seen = self._leases_seen
+        unknown, aging = [], []
+        for inst, _ in named:
+            until = seen.get((model, inst), (None, 0.0))[1]
+            if until + self._liveness_cache_s <= now:
+                unknown.append(inst)
+            elif until <= now:
+                aging.append(inst)
+        if unknown:
+            await self._read_leases(model, unknown)
+        if aging and self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._read_leases(model, aging))
+            self._refreshing.add_done_callback(self._refreshed)
+        return {inst: lease for inst, _ in named if (lease := seen[(model, inst)][0]) is not None}
+
+    async def _read_leases(self, model: str, instances: list[str]) -> None:
+        keys = [lease_key(model, inst, self._lease_prefix) for inst in instances]
+        if self._slots.cluster:  # each instance has a slot of its own: one GET each, nodes in parallel
+            replies = await self._run([Call(k, ("GET", k)) for k in keys])
+        else:
+            (replies,) = await self._run([Call(keys[0], ("MGET", *keys))])
+        if len(self._leases_seen) > 100_000:
+            self._leases_seen.clear()
+        until = time.monotonic() + self._liveness_cache_s
+        for inst, value in zip(instances, replies, strict=True):
+            self._leases_seen[(model, inst)] = (_text(value) if value is not None else None, until)
+
+    def _refreshed(self, task: asyncio.Future) -> None:
+        self._refreshing = None
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("background lease read failed", extra={"error": repr(task.exception())})
 
     async def renew(self, model: str, instance: str, lease: str, ttl: float) -> None:
+        self._leases_seen.pop((model, instance), None)
         key = lease_key(model, instance, self._lease_prefix)
         await self._run([Call(key, ("SET", key, lease, "PX", max(1, int(ttl * 1000))))])
 
@@ -489,7 +663,7 @@ class RedisIndex:
         pairs = await self._registered()
         calls = []
         for model, instance in pairs:
-            st, *_, lease = self._instance_keys(model, instance)
+            st, _pend, _own, lease, *_logs = self._instance_keys(model, instance)
             calls += [Call(st, ("HMGET", st, "lease", "n:d")), Call(lease, ("GET", lease))]
         replies = await self._run(calls)
         infos = []
@@ -511,7 +685,23 @@ class RedisIndex:
     async def forget(self, model: str, instances: Sequence[str], ttl: float = FORGET_TTL_S) -> int:
         if not instances:
             return 0
+        for instance in instances:
+            self._leases_seen.pop((model, instance), None)
         return len(await self._drop(model, list(instances), "forget", ttl))
+
+    async def mark_shards(self, models: Sequence[str]) -> set[str]:
+        """Put a marker key in every block shard of `models` (SET NX); returns the models where a
+        marker was missing. A marker that vanished means its node lost its data (a cluster node
+        restarted empty, or the whole Redis did): the caller asks the engines to re-sync."""
+        calls, owners = [], []
+        for model in models:
+            for t in TIER_LETTER.values():
+                for shard in range(SHARDS):
+                    marker = index_shard_key(model, t, shard, self._prefix) + ":m"
+                    calls.append(Call(marker, ("SET", marker, 1, "NX")))
+                    owners.append(model)
+        replies = await self._run(calls)
+        return {model for model, reply in zip(owners, replies, strict=True) if reply is not None}
 
     async def block_size(self, model: str) -> int | None:
         key = self._global("block_size")
@@ -526,8 +716,20 @@ class RedisIndex:
             return False
 
     async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._refreshing
         await self._slots.close()
         await self._client.aclose()
+
+
+def _expand(reply: list[bytes]) -> list[bytes]:
+    """_READ's reply with every '=' replaced by the value before it."""
+    out: list[bytes] = []
+    for value in reply:
+        out.append(out[-1] if value == b"=" else value)
+    return out
 
 
 def _walk(values: list[bytes | None]) -> dict[bytes, int]:

@@ -43,7 +43,7 @@ def cluster(tmp_path_factory, redis_cluster):
                             "--redis-url", url)  # fmt: skip
         procs.append(gw.start())
         wait_for(lambda: httpx.get(gw.url + "/ready").status_code == 200, what="gateway sees engines")
-        yield {"a": a, "b": b, "svc": svc, "gw": gw, "redis": connect_sync(url, timeout=5)}
+        yield {"a": a, "b": b, "svc": svc, "gw": gw, "redis": connect_sync(url, timeout=5), "nodes": redis_cluster}
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -162,6 +162,28 @@ def test_a_bad_block_is_refused_and_the_engine_recomputes(cluster, damage):
     assert pulled.usage.prompt_tokens_details.cached_tokens == 2 * 16
     scratch = complete(b, ids, cache_salt="scratch-" + damage)
     assert pulled.choices[0].text == scratch.choices[0].text
+
+
+def test_a_master_killed_degrades_like_an_outage_then_the_index_recovers(cluster):
+    """One of the 3 masters dies: every lookup touches its shards, so lookups answer 503 (the
+    gateway routes by load, as in a Redis outage) and chats still work. It comes back empty:
+    the service finds its shard markers gone, asks the engines to re-sync, and the index knows
+    again a prefix A computed before the outage (only a re-sync can tell it)."""
+    a, svc, nodes = cluster["a"], cluster["svc"], cluster["nodes"]
+    ids = prompt_ids(6, 16 * 5 + 1)
+    complete(a, ids, cache_salt="before-the-outage")
+    wait_for(lambda: lookup(svc, ids, "before-the-outage").get("A") == 5, what="index")
+    wide = {"model": MODEL, "token_ids": prompt_ids(7, 16 * 64), "cache_salt": "wide"}  # touches every shard
+    nodes.kill(1)
+    try:
+        wait_for(lambda: httpx.post(svc.url + "/lookup", json=wide, timeout=10).status_code == 503, what="503")
+        gw = openai.OpenAI(base_url=cluster["gw"].url + "/v1", api_key="sk-acme", max_retries=0, timeout=120)
+        reply = gw.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+        assert reply.choices[0].message.content is not None  # served, routed by load
+    finally:
+        nodes.restart(1)
+    wait_for(lambda: lookup(svc, ids, "before-the-outage").get("A") == 5, timeout=60, what="index rebuilt")
+    assert httpx.get(svc.url + "/stats").json()["intake"]["resyncs_requested"] >= 1
 
 
 def test_an_engine_that_dies_drops_out_when_its_lease_expires(cluster):

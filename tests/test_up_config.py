@@ -112,3 +112,29 @@ def test_pd_topology_gives_each_engine_its_role_and_own_cpu(platform_for):
     assert cmd[cmd.index("--role") + 1] == "both" and "--cpu-affinity" not in cmd
     with pytest.raises(ConfigError, match="needs decode_engines"):
         load_config(UpConfig, env={}, overrides={"prefill_engines": 1})
+
+
+@pytest.mark.slow  # starts three redis-servers
+def test_up_can_run_an_embedded_redis_cluster_and_hands_its_url_to_every_part():
+    from kvharbor.common.redis_client import connect_sync
+
+    platform = Platform(load_config(UpConfig, env={}, overrides={"embedded_redis": "cluster"}))
+    try:
+        platform._start_redis()
+        url = platform.redis_url
+        assert url.startswith("redis+cluster://127.0.0.1:")
+        client = connect_sync(url, timeout=2)
+        assert client.ping() and len(client.get_primaries()) == 3
+        client.close()
+        for child in platform._children():
+            if child.name.startswith(("engine-", "kvcache", "gateway")):
+                assert child.cmd[child.cmd.index("--redis-url") + 1] == url
+    finally:
+        if platform.redis is not None:
+            platform.redis.stop()
+        shutil.rmtree(platform.tmp, ignore_errors=True)
+
+
+def test_embedded_redis_takes_single_or_cluster_only():
+    with pytest.raises(ConfigError, match="embedded_redis"):
+        load_config(UpConfig, env={}, overrides={"embedded_redis": "sentinel"})
