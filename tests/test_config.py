@@ -93,3 +93,26 @@ def test_every_command_shares_one_server_sub_config():
     with pytest.raises(ConfigError, match=r"port must be in 1\.\.65535"):
         load_config(GatewayConfig, env={}, overrides={"port": 0})
     assert issubclass(GatewayConfig.__dataclass_fields__["server"].default_factory, ListenConfig)
+
+
+def test_every_part_takes_one_redis_or_a_cluster_by_url_and_refuses_other_urls():
+    from kvharbor.engine.config import ServeConfig
+    from kvharbor.gateway.config import GatewayConfig
+    from kvharbor.kvcache_service.config import KVCacheServiceConfig
+
+    for root in (ServeConfig, GatewayConfig, KVCacheServiceConfig):
+        for url in ("redis://10.0.0.1:6379/2", "redis+cluster://10.0.0.1:7000", "rediss+cluster://r.example:6380"):
+            load_config(root, env={}, overrides={"redis_url": url})
+        with pytest.raises(ConfigError, match="is not a Redis URL: use redis://host:port/db"):
+            load_config(root, env={}, overrides={"redis_url": "http://10.0.0.1:6379"})
+        with pytest.raises(ConfigError, match="a Redis Cluster has only database 0"):
+            load_config(root, env={}, overrides={"redis_url": "redis+cluster://10.0.0.1:7000/3"})
+
+
+def test_intake_ownership_must_be_renewed_before_it_lapses():
+    from kvharbor.kvcache_service.config import KVCacheServiceConfig
+
+    cfg = load_config(KVCacheServiceConfig, env={"KVHARBOR_OWNER_TTL": "6"}, overrides={"rebalance_interval": 1.5})
+    assert (cfg.intake.owner_ttl, cfg.intake.rebalance_interval) == (6.0, 1.5)
+    with pytest.raises(ConfigError, match=r"rebalance_interval must be > 0 and under owner_ttl / 3"):
+        load_config(KVCacheServiceConfig, env={}, overrides={"owner_ttl": 3, "rebalance_interval": 1})
