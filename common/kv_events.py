@@ -95,6 +95,11 @@ def _parse_hashes(body: dict) -> tuple[BlockHash, ...]:
     hashes = body.get("hashes")
     if not isinstance(hashes, list) or not hashes:
         raise MalformedEvent("'hashes' must be a non-empty list of hex digests")
+    if len(hashes) == 1 and type(hashes[0]) is str and len(hashes[0]) == 2 * DIGEST_SIZE:  # most events
+        raw = bytes.fromhex(hashes[0])  # bad hex: ValueError, so malformed
+        if len(raw) != DIGEST_SIZE:  # fromhex skips spaces: count the bytes too
+            raise MalformedEvent(f"every hash must be {2 * DIGEST_SIZE} hex digits")
+        return (raw,)
     # One fromhex for the whole list (this runs for every event the intake reads); every item
     # must be a string of exactly one digest's hex digits.
     if set(map(type, hashes)) != {str} or set(map(len, hashes)) != {2 * DIGEST_SIZE}:
@@ -131,14 +136,18 @@ def _parse_event(kind: str, body: dict) -> KVEvent:
     raise MalformedEvent(f"unknown event type {kind!r}")
 
 
-def from_fields(fields: dict) -> EventEnvelope:
-    """Parse one stream entry; raises MalformedEvent (never anything else) when it is not valid."""
+def from_fields(fields: dict | list) -> EventEnvelope:
+    """Parse one stream entry (a mapping, or the flat [field, value, ...] list of a raw reply);
+    raises MalformedEvent (never anything else) when it is not valid."""
     try:
         # Stream entries come as bytes from the intake: decoded here (inline: this runs for every
         # event), so one bad byte makes this entry malformed.
-        f = {
-            (k.decode() if type(k) is bytes else k): (v.decode() if type(v) is bytes else v) for k, v in fields.items()
-        }
+        if isinstance(fields, list):
+            it = iter(fields)
+            pairs = zip(it, it, strict=True)
+        else:
+            pairs = fields.items()
+        f = {(k.decode() if type(k) is bytes else k): (v.decode() if type(v) is bytes else v) for k, v in pairs}
         version = int(f["v"])
         if version != EVENT_VERSION:
             raise MalformedEvent(f"unsupported event version {version} (this build reads {EVENT_VERSION})")

@@ -37,7 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvharbor.common.kv_events import MalformedEvent, from_fields
-from kvharbor.common.redis_client import Call, Script, SlotPipelines, pairs
+from kvharbor.common.redis_client import Call, Script, SlotPipelines
 from kvharbor.common.redis_keys import (
     INDEX_PREFIX,
     STREAM_PREFIX,
@@ -312,8 +312,8 @@ class EventConsumer:
                 self._drop(stream, "it lost its consumer group")
                 continue
             for _name, items in (reply.items() if isinstance(reply, dict) else reply or []):
-                if items:  # raw entries: [id, [field, value, ...]] (a trimmed entry has no fields)
-                    entries[stream] = [(entry_id, pairs(fields)) for entry_id, fields in items]
+                if items:  # raw entries: [id, [field, value, ...]] (a trimmed entry has none)
+                    entries[stream] = items
         if entries:
             await self._process(entries)
         return sum(len(items) for items in entries.values())
@@ -393,7 +393,7 @@ class EventConsumer:
             await self.client.hdel(registry, *gone)
 
 
-def _parse(fields: dict, model: str, instance: str):
+def _parse(fields: dict | list, model: str, instance: str):
     if not fields:
         raise MalformedEvent("entry was trimmed from the stream before it was read")
     envelope = from_fields(fields)

@@ -467,6 +467,11 @@ class RedisIndex:
         for owner, (model, _call, records) in enumerate(shipped):
             for rec in records:
                 head, t, body = rec[:1] + rec[2:10], chr(rec[1]), memoryview(rec)[10:]
+                if len(body) == HASH_BYTES:  # one block (most events): no split
+                    args, owners = per.setdefault((model, t, body[0] % SHARDS), ([], []))
+                    args.append(head + body)
+                    owners.append((owner, 0 if t == "d" else 1))
+                    continue
                 parts: dict[int, list] = {}
                 for k in range(0, len(body), HASH_BYTES):
                     h = body[k : k + HASH_BYTES]

@@ -37,6 +37,7 @@ def test_round_trip(event):
     # Redis hands fields back as bytes.
     raw = {k.encode(): v.encode() for k, v in fields.items()}
     assert from_fields(raw) == env
+    assert from_fields([x for kv in raw.items() for x in kv]) == env  # a raw reply's flat list
 
 
 def _good_fields():
@@ -55,6 +56,12 @@ def _good_fields():
         lambda f: f.update(body="[]"),
         lambda f: f.update(body=json.dumps({"hashes": ["abcd"], "parent": None, "block_size": 16})),
         lambda f: f.update(body=json.dumps({"hashes": [], "parent": None, "block_size": 16})),
+        # One hash or several, each must be exactly 32 hex digits (fromhex would skip spaces).
+        lambda f: f.update(body=json.dumps({"hashes": ["ab " * 15 + "ab"], "parent": None, "block_size": 16})),
+        lambda f: f.update(body=json.dumps({"hashes": ["zz" * 16], "parent": None, "block_size": 16})),
+        lambda f: f.update(body=json.dumps({"hashes": [HASHES[0].hex(), "ab"], "parent": None, "block_size": 16})),
+        lambda f: f.update(body=json.dumps({"hashes": [HASHES[0].hex(), 7], "parent": None, "block_size": 16})),
+        lambda f: f.update(body=json.dumps({"hashes": [12], "parent": None, "block_size": 16})),
         lambda f: f.update(body=json.dumps({"hashes": [HASHES[0].hex()], "parent": None, "block_size": 0})),
         lambda f: f.update(body=json.dumps({"hashes": [HASHES[0].hex()], "block_size": 16, "tier": "moon"})),
         lambda f: f.update(seq="x"),
@@ -76,5 +83,7 @@ def test_malformed_entries_raise_malformed_event(mutate):
     )
 )
 def test_fuzzed_entries_never_raise_anything_else(fields):
+    with contextlib.suppress(MalformedEvent):
+        from_fields([x for kv in fields.items() for x in kv])  # as a raw reply's flat list
     with contextlib.suppress(MalformedEvent):
         from_fields(fields)
