@@ -125,7 +125,7 @@ def test_malformed_json_and_unknown_path(kvcache_service):
 
 @pytest.fixture(scope="module")
 def kvcache_service(tmp_path_factory):
-    # Its own Redis: a service on the shared one would hold the intake lock other tests need.
+    # Its own Redis: a service on the shared one would take over streams other tests consume.
     workdir = tmp_path_factory.mktemp("kvcache")
     with RedisProcess(workdir / "redis") as own, KVCacheServiceProcess(workdir, own.url) as svc:
         yield svc
