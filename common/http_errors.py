@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvharbor.common.openai_api import APIError
+from kvharbor.common.unicode_check import unicode_problem
 
 
 def install_error_handlers(
@@ -51,9 +52,10 @@ def install_error_handlers(
         return respond(APIError(500, "internal error; see the server log", type="internal_error"), request)
 
 
-class BodyLimitMiddleware:
-    """Pure ASGI: POST bodies under `prefixes` over `limit` bytes get 413. The body is read (up to
-    the limit) before the app runs, then replayed to it."""
+class BodyGuardMiddleware:
+    """Pure ASGI: POST bodies under `prefixes` over `limit` bytes get 413, and bodies that are not
+    valid Unicode text (common/unicode_check.py) get 400 `invalid_unicode`. The body is read (up
+    to the limit) before the app runs, then replayed to it."""
 
     def __init__(self, app, limit: int, prefixes: tuple[str, ...] = ("/",)) -> None:
         self.app = app
@@ -67,6 +69,10 @@ class BodyLimitMiddleware:
         body = await self._read(scope, receive)
         if body is None:
             await send_error(send, APIError(413, f"request body exceeds {self.limit} bytes", code="request_too_large"))
+            return
+        problem = unicode_problem(body)
+        if problem is not None:
+            await send_error(send, APIError(400, problem[0], param=problem[1], code="invalid_unicode"))
             return
         replayed = False
 

@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvharbor.common.http_errors import BodyLimitMiddleware, install_error_handlers, send_error
+from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers, send_error
 from kvharbor.common.logs import request_context
 from kvharbor.common.openai_api import (
     APIError,
@@ -43,7 +43,7 @@ from kvharbor.engine.slo_window import SLOWindow
 
 log = logging.getLogger("kvharbor.engine.server")
 RETRY_AFTER_S = "5"
-_GUARDED_PREFIXES = ("/v1/chat", "/v1/completions", "/tokenize", "/detokenize")
+_GUARDED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
 
 
 @dataclass
@@ -109,7 +109,7 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app.get("/ready")(routes.ready)
     app.get("/load")(routes.load)
     app.get("/metrics")(routes.metrics)
-    app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes, prefixes=_GUARDED_PREFIXES)
+    app.add_middleware(BodyGuardMiddleware, limit=state.max_body_bytes, prefixes=_GUARDED_PREFIXES)
     app.add_middleware(GateMiddleware, state=state)  # outermost: a draining engine reads no bodies
     return app
 

@@ -30,7 +30,7 @@ from opentelemetry import trace
 from pydantic import ValidationError
 
 from kvharbor.common.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
-from kvharbor.common.http_errors import BodyLimitMiddleware, install_error_handlers
+from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers
 from kvharbor.common.logs import request_context
 from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, message_dicts
 from kvharbor.common.tokenizer import Tokenizer
@@ -98,7 +98,7 @@ def build_app(state: GatewayState, lifespan: Any = None) -> FastAPI:
     app.get("/health")(handler.health)
     app.get("/ready")(handler.ready)
     app.get("/metrics")(handler.metrics)
-    app.add_middleware(BodyLimitMiddleware, limit=state.max_body_bytes, prefixes=("/v1/",))
+    app.add_middleware(BodyGuardMiddleware, limit=state.max_body_bytes, prefixes=("/v1/",))
     _document_bodies(app)
     return app
 

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from redis.exceptions import RedisError
 
 from kvharbor.common.block_hash import block_hashes, from_hex
-from kvharbor.common.http_errors import install_error_handlers
+from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers
 from kvharbor.common.openai_api import APIError
 from kvharbor.kvcache_service.block_store import BlockStoreUnavailable, RedisBlockStore
 from kvharbor.kvcache_service.consumer import EventConsumer
@@ -78,6 +78,8 @@ class ServiceState:
 def build_app(state: ServiceState, lifespan: Any = None) -> FastAPI:
     app = FastAPI(title="kvharbor KV cache service", version="v1", lifespan=lifespan)
     install_error_handlers(app, log, lambda path, status: state.metrics.requests.labels(path, str(status)).inc())
+    # 16 MiB: a lookup of the longest chain allowed, as token ids, fits several times over.
+    app.add_middleware(BodyGuardMiddleware, limit=16 << 20, prefixes=("/",))
     routes = _Routes(state)
     app.post("/lookup")(routes.lookup)
     app.get("/instances")(routes.instances)

@@ -280,6 +280,23 @@ def _slot_free(gateway) -> bool:
 # -- caching and routing --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi \\ud800"}]}',
+        b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "ok"}], "stop": ["\\udfff"]}',
+        b'{"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "\xff\xfe"}]}',
+    ],
+)
+def test_text_that_is_not_unicode_gets_400_at_the_gateway(cluster, raw):
+    """A lone surrogate escape or bytes that are not UTF-8: 400 before any engine sees it (it was
+    a 500). The engine's side of the class: tests/test_server_errors.py."""
+    headers = {"Authorization": "Bearer sk-acme", "Content-Type": "application/json"}
+    resp = httpx.post(cluster["g1"].url + "/v1/chat/completions", content=raw, headers=headers, timeout=30)
+    assert resp.status_code == 400, resp.text
+    assert resp.json()["error"]["code"] == "invalid_unicode"
+
+
 def test_tenants_never_share_cached_blocks_unless_grouped(cluster):
     g1 = cluster["g1"]
     text = "Summarize the history of the Roman Empire in detail. " * 6

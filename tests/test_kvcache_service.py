@@ -117,6 +117,14 @@ def test_bad_lookups_get_clear_4xx(kvcache_service, body, status, param):
         assert error["param"] == param
 
 
+@pytest.mark.parametrize(
+    "raw", [b'{"model": "svc-model", "token_ids": [1, 2], "cache_salt": "\\ud800"}', b'{"model": "\xff"}']
+)
+def test_text_that_is_not_unicode_gets_400(kvcache_service, raw):
+    resp = httpx.post(kvcache_service.url + "/lookup", content=raw, headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "invalid_unicode", resp.text
+
+
 def test_malformed_json_and_unknown_path(kvcache_service):
     response = httpx.post(kvcache_service.url + "/lookup", content=b"{", headers={"content-type": "application/json"})
     assert response.status_code == 400 and "JSON" in response.json()["error"]["message"]

@@ -88,6 +88,30 @@ def test_bad_input_gets_the_right_4xx(server, path, body, status, match):
     assert_openai_error(post(server, path, body), status, match)
 
 
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    st.sampled_from(["chat", "stop", "model", "prompt", "prompt_list", "tokenize", "bytes"]),
+    st.integers(0xD800, 0xDFFF),
+    st.text(max_size=6),
+)
+def test_text_that_is_not_unicode_gets_400_never_500(server, where, code, around):
+    """The whole class: a lone surrogate escape in any string field, or bytes that are not UTF-8.
+    (It was a 500 from both the engine and the gateway.)"""
+    bad = around + chr(code) + around
+    path, body = {
+        "chat": ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": bad}]}),
+        "stop": ("/v1/chat/completions", {**CHAT, "stop": ["ok", bad]}),
+        "model": ("/v1/chat/completions", {**CHAT, "model": bad}),
+        "prompt": ("/v1/completions", {"model": MODEL, "prompt": bad, "max_tokens": 2}),
+        "prompt_list": ("/v1/completions", {"model": MODEL, "prompt": ["fine", bad], "max_tokens": 2}),
+        "tokenize": ("/tokenize", {"model": MODEL, "prompt": bad}),
+        # Not UTF-8 at all (0xED 0xA0 0x80 would be a surrogate encoded as if it were a character).
+        "bytes": ("/v1/completions", b'{"model": "tiny-chat", "prompt": "' + bytes([0xFF, 0xED, 0xA0, 0x80]) + b'"}'),
+    }[where]
+    err = assert_openai_error(post(server, path, body), 400, "UTF")
+    assert err["code"] == "invalid_unicode"
+
+
 def test_oversized_bodies_get_413(server):
     body = {**CHAT, "messages": [{"role": "user", "content": "x" * 30_000}]}
     assert_openai_error(post(server, "/v1/chat/completions", body), 413, "exceeds")
