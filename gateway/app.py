@@ -50,6 +50,13 @@ from kvharbor.gateway.tenants import Tenant, TenantRegistry
 
 log = logging.getLogger("kvharbor.gateway.api")
 
+# What only the gateway puts on a request to an engine; a tenant's own value never reaches one.
+# cache_salt and priority come from the tenant's record (a salt of the tenant's choosing would read
+# other tenants' cache); request_id is made unique per attempt (the client's stays in the logs
+# and x-request-id); kv_prefix_source and kv_transfer_params make an engine pull KV from elsewhere
+# or connect out, so only the router may set them.
+GATEWAY_FIELDS = ("cache_salt", "priority", "request_id", "kv_prefix_source", "kv_transfer_params")
+
 
 @dataclass
 class ModelEntry:
@@ -421,7 +428,7 @@ class _Handler:
 
     def _payload(self, call: _Call, route: Route, engine: Engine) -> dict:
         payload = {
-            **call.raw,
+            **{k: v for k, v in call.raw.items() if k not in GATEWAY_FIELDS},
             "cache_salt": call.tenant.cache_salt,
             "priority": call.tenant.priority,
             "request_id": call.engine_rid,
@@ -432,8 +439,6 @@ class _Handler:
             payload.pop("prompt", None)
         else:
             payload["prompt"] = call.prompts
-        payload.pop("kv_prefix_source", None)
-        payload.pop("kv_transfer_params", None)  # the gateway's to give: it makes engines connect out
         if call.transfer is not None:
             payload["kv_transfer_params"] = call.transfer
         elif source := route.kv_prefix_source(engine):
