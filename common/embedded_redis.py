@@ -40,10 +40,11 @@ def free_port() -> int:
 class EmbeddedRedis:
     """Start with `start()` (or `with`); `url` is redis://127.0.0.1:<port>/0. `stop()` is idempotent."""
 
-    def __init__(self, port: int | None = None, workdir: Path | None = None) -> None:
+    def __init__(self, port: int | None = None, workdir: Path | None = None, password: str | None = None) -> None:
         self.binary = find_redis_server()
         self.port = port or free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.password = password  # requirepass: clients must AUTH (the URL carries it)
+        self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{self.port}/0"
         self._own_dir = workdir is None
         self.workdir = workdir
         self.proc: subprocess.Popen | None = None
@@ -55,6 +56,8 @@ class EmbeddedRedis:
             self.workdir = Path(tempfile.mkdtemp(prefix="kvharbor-redis-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        if self.password:
+            args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(
             [self.binary, *args, "--dir", str(self.workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
         )

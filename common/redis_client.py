@@ -38,6 +38,17 @@ def check_url(url: str) -> str:
     return url
 
 
+def redact(url: str) -> str:
+    """`url` with its password replaced by ***, for logs and banners."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def _plain(url: str) -> str:
     parts = urlsplit(url)
     return urlunsplit(parts._replace(scheme=CLUSTER_SCHEMES[parts.scheme], path=""))
@@ -238,3 +249,39 @@ def pairs(reply) -> dict:
         return reply
     items = iter(reply or ())
     return dict(zip(items, items, strict=True))
+
+
+class RedisAuthError(ValueError):
+    """Redis answered, and refused our credentials: no retry will help, so the part stops."""
+
+
+def check_credentials(url: str, timeout: float = 3.0) -> None:
+    """At start-up: RedisAuthError, with what to do, when Redis refuses the URL's user or
+    password (or asks for one the URL lacks). Redis that does not answer is not an error here:
+    every part starts without Redis and catches up when it comes."""
+    from redis.exceptions import AuthenticationError, RedisClusterException, RedisError, ResponseError
+
+    client = None
+    try:
+        client = connect_sync(url, timeout=timeout)
+        client.ping()
+    except AuthenticationError as exc:
+        raise RedisAuthError(_auth_advice(url, exc)) from None
+    except ResponseError as exc:
+        if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
+            raise RedisAuthError(_auth_advice(url, exc)) from None
+    except (RedisError, RedisClusterException, OSError):
+        pass  # not reachable now: the part starts anyway and retries
+    finally:
+        if client is not None:
+            client.close()
+
+
+def _auth_advice(url: str, exc: Exception) -> str:
+    parts = urlsplit(url)
+    where = f"{parts.hostname}:{parts.port or 6379}"
+    given = "no password" if not parts.password else f"user {parts.username or 'default'!r} and a password"
+    return (
+        f"Redis at {where} refused the credentials ({given}): {exc}. Put the right ones in the URL, "
+        "redis://USER:PASSWORD@host:port/0 (or rediss:// for TLS); in the chart, the Secret it names"
+    )

@@ -119,6 +119,7 @@ class Child:
     restarts: int = 0
     next_start: float = 0.0
     ready: bool = False
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     _log: object = field(default=None, repr=False)
 
     @property
@@ -128,8 +129,9 @@ class Child:
     def start(self) -> None:
         self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent
-        )
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            env={**os.environ, **self.env},
+        )  # fmt: skip
         self.ready = False
 
     def exited(self) -> int | None:
@@ -176,7 +178,10 @@ class Platform:
 
     def _start_redis(self) -> None:
         if self.redis_url:
-            say(f"using Redis at {self.redis_url}")
+            from kvharbor.common.redis_client import check_credentials, check_url, redact
+
+            check_credentials(check_url(self.redis_url))  # RedisAuthError (a ValueError): `up` stops, saying why
+            say(f"using Redis at {redact(self.redis_url)}")
             return
         from kvharbor.common.embedded_redis import EmbeddedRedis, EmbeddedRedisCluster
 
@@ -221,14 +226,14 @@ class Platform:
         traced = [*shared, *(["--otlp-endpoint", c.otlp_endpoint] if c.otlp_endpoint else [])]
         kv_port = free_port()
         kvcache = Child(
-            "kvcache", [*cli, "kvcache", "--redis-url", self.redis_url, "--port", str(kv_port), *shared],
+            "kvcache", [*cli, "kvcache", "--port", str(kv_port), *shared],
             f"http://127.0.0.1:{kv_port}", "/ready", self.log_dir / "kvcache.log", "Redis",
         )  # fmt: skip
         engines = []
         cpus = sorted(os.sched_getaffinity(0))
         for i, role in enumerate(c.roles()):
             port = free_port()
-            cmd = [*cli, "serve", "--port", str(port), "--instance-id", f"engine-{i}", "--redis-url", self.redis_url,
+            cmd = [*cli, "serve", "--port", str(port), "--instance-id", f"engine-{i}",
                    "--kv-cache-memory", c.kv_cache_memory, "--dtype", c.dtype, "--role", role,
                    "--quantization", c.quantization, "--kv-cache-dtype", c.kv_cache_dtype, *traced]  # fmt: skip
             if c.pin_cpus:
@@ -248,13 +253,17 @@ class Platform:
         gateway = Child(
             "gateway",
             [*cli, "gateway", "--host", c.host, "--port", str(c.port), "--engines", ",".join(e.url for e in engines),
-             "--tenants-file", self._tenants(), "--redis-url", self.redis_url, "--routing", c.routing,
+             "--tenants-file", self._tenants(), "--routing", c.routing,
              "--slo-ttft-ms", str(c.slo_ttft_ms), "--slo-itl-ms", str(c.slo_itl_ms), *traced]
             + (["--model", c.model] if c.model else []),
             f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}", "/ready",
             self.log_dir / "gateway.log", "the engines",
         )  # fmt: skip
-        return [kvcache, *engines, gateway]
+        children = [kvcache, *engines, gateway]
+        for child in children:
+            # Through the environment, not the command line: a password in argv is visible in ps.
+            child.env["KVHARBOR_REDIS_URL"] = self.redis_url
+        return children
 
     def _wait_ready(self, group: list[Child]) -> None:
         started = time.monotonic()
@@ -298,7 +307,7 @@ class Platform:
         except KeyboardInterrupt:
             say("interrupted during start-up")
             return 130
-        except (RuntimeError, TimeoutError, OSError, FileNotFoundError) as exc:
+        except (RuntimeError, TimeoutError, OSError, FileNotFoundError, ValueError) as exc:
             say(f"error: {exc}")
             return 1
         finally:

@@ -17,6 +17,7 @@ from typing import Any
 from kvharbor.common.config import config_from_argv
 from kvharbor.common.http_server import serve_app
 from kvharbor.common.logs import setup_logging
+from kvharbor.common.redis_client import check_credentials
 
 log = logging.getLogger("kvharbor.gateway.service")
 
@@ -29,6 +30,8 @@ def main(argv: list[str], prog: str = "kvharbor gateway", command: str = "gatewa
     setup_logging(config.server.log_level, config.server.log_json)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
     try:
+        if config.tenancy.redis_url:
+            check_credentials(config.tenancy.redis_url)  # a wrong password stops here, not in retries
         return serve(config)
     except (ValueError, FileNotFoundError, TenantsError) as exc:
         print(f"kvharbor gateway: error: {exc}", file=sys.stderr)

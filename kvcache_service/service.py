@@ -19,6 +19,7 @@ from typing import Any
 from kvharbor.common.config import config_from_argv
 from kvharbor.common.http_server import serve_app
 from kvharbor.common.logs import setup_logging
+from kvharbor.common.redis_client import RedisAuthError, check_credentials, redact
 
 log = logging.getLogger("kvharbor.kvcache.service")
 
@@ -28,6 +29,11 @@ def main(argv: list[str], prog: str = "kvharbor kvcache", command: str = "kvcach
 
     config = config_from_argv(KVCacheServiceConfig, argv, prog, __doc__.splitlines()[0])
     setup_logging(config.server.log_level, config.server.log_json)
+    try:
+        check_credentials(config.intake.redis_url)  # a wrong password stops here, not in retries
+    except RedisAuthError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
     return serve(config)
 
 
@@ -108,7 +114,7 @@ def serve(config: Any) -> int:
     srv = config.server
     url = f"http://{srv.host}:{srv.port}"
     print(
-        f"[kvharbor] KV cache service on {url}: events from {config.intake.redis_url} "
+        f"[kvharbor] KV cache service on {url}: events from {redact(config.intake.redis_url)} "
         f"(streams {config.intake.kv_events_stream_prefix}*), store cap {config.store.store_max_bytes}\n"
         f"[kvharbor] try: curl -s {url}/stats",
         file=sys.stderr,
