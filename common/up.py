@@ -75,12 +75,17 @@ class UpConfig(TracedListenConfig):
         "single", "without redis_url: one redis-server, or a 3-master Redis Cluster on loopback ports"
     )
     log_dir: str | None = opt(None, "keep child logs here (default: a temporary directory, removed on exit)")
+    crash_limit: int = opt(5, "a part that fails this many times within crash_window is marked failed, not restarted")
+    crash_window: float = opt(300.0, "seconds over which a part's failures count toward crash_limit")
+    restart_backoff: float = opt(1.0, "seconds before restarting a failed part; doubles each time, up to 30")
     ready_timeout: float = opt(300.0, "seconds to wait for every part to become ready")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.engines < 1:
             raise ValueError(f"engines must be >= 1, got {self.engines}")
+        if self.crash_limit < 1 or self.crash_window <= 0 or self.restart_backoff <= 0:
+            raise ValueError("crash_limit must be >= 1, crash_window and restart_backoff > 0 seconds")
         if min(self.prefill_engines, self.decode_engines) < 0:
             raise ValueError("prefill_engines and decode_engines must be >= 0")
         if self.prefill_engines and not self.decode_engines:
@@ -119,12 +124,20 @@ class Child:
     restarts: int = 0
     next_start: float = 0.0
     ready: bool = False
+    failed: bool = False  # crashed crash_limit times within crash_window: left down
+    failures: list[float] = field(default_factory=list)  # when it exited, recently (monotonic)
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     _log: object = field(default=None, repr=False)
 
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
+
+    @property
+    def state(self) -> str:
+        if self.failed:
+            return "failed"
+        return "ready" if self.ready else ("restarting" if self.next_start else "starting")
 
     def start(self) -> None:
         self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
@@ -320,39 +333,61 @@ class Platform:
 
     def _supervise(self) -> int:
         while not self.stopping:
-            now = time.monotonic()
-            for ch in self.children:
-                code = ch.exited()
-                if code is None:
-                    if not ch.ready and ch.check_ready() and ch.restarts:
-                        say(f"{ch.name} is back (restart {ch.restarts})")
-                    continue
-                if ch.next_start == 0.0:
-                    delay = min(MAX_BACKOFF_S, 2.0**ch.restarts)
-                    say(f"{ch.name} (pid {ch.proc.pid}) exited with {code}; restarting in {delay:.0f}s. "
-                        f"Its log ends with:\n{ch.tail(5)}")  # fmt: skip
-                    ch.next_start = now + delay
-                elif now >= ch.next_start:
-                    ch.restarts += 1
-                    ch.next_start = 0.0
-                    ch.stop(0)
-                    ch.start()
-                    say(f"restarted {ch.name} (pid {ch.proc.pid})")
+            code = self._supervise_once(time.monotonic())
+            if code is not None:
+                return code
             time.sleep(0.3)
         return 0
 
-    def _print_status(self) -> None:
-        rows = [
-            ("redis", "-", _port_of(self.redis_url), "embedded" if self.redis else "external")
-        ]
-        rows += [(ch.name, str(ch.proc.pid), str(ch.port), "ready") for ch in self.children]
+    def _supervise_once(self, now: float) -> int | None:
+        """Restart parts that exited, with a doubling back-off; a part that failed `crash_limit`
+        times within `crash_window` seconds is marked failed and left down, like a crash loop.
+        Returns 1 when the gateway failed (nothing can be served), else None: the rest runs on."""
+        c = self.config
+        for ch in self.children:
+            if ch.failed:
+                continue
+            code = ch.exited()
+            if code is None:
+                if not ch.ready and ch.check_ready() and ch.restarts:
+                    say(f"{ch.name} is back (restart {ch.restarts})")
+                continue
+            if ch.next_start == 0.0:
+                ch.failures = [t for t in ch.failures if now - t < c.crash_window] + [now]
+                if len(ch.failures) >= c.crash_limit:
+                    ch.failed = True
+                    say(f"{ch.name} (pid {ch.proc.pid}) exited with {code}, its {len(ch.failures)}th failure in "
+                        f"{c.crash_window:.0f}s: marked failed, not restarted. Its log ends with:\n{ch.tail(15)}")
+                    self._print_table()
+                    if ch is self.children[-1]:
+                        say("the gateway cannot run: stopping (see its log above)")
+                        return 1
+                    continue
+                delay = min(MAX_BACKOFF_S, c.restart_backoff * 2.0**ch.restarts)
+                say(f"{ch.name} (pid {ch.proc.pid}) exited with {code}; restarting in {delay:.1f}s. "
+                    f"Its log ends with:\n{ch.tail(5)}")  # fmt: skip
+                ch.next_start = now + delay
+            elif now >= ch.next_start:
+                ch.restarts += 1
+                ch.next_start = 0.0
+                ch.stop(0)
+                ch.start()
+                say(f"restarted {ch.name} (pid {ch.proc.pid})")
+        return None
+
+    def _print_table(self) -> None:
+        rows = [("redis", "-", _port_of(self.redis_url), "embedded" if self.redis else "external")]
+        rows += [(ch.name, str(ch.proc.pid), str(ch.port), ch.state) for ch in self.children]
         width = max(len(r[0]) for r in rows) + 2
         lines = [f"{'process':<{width}}{'pid':>8}  {'port':>6}  state"]
         lines += [f"{name:<{width}}{pid:>8}  {port:>6}  {state}" for name, pid, port, state in rows]
+        print("\n".join(lines), file=sys.stderr, flush=True)
+
+    def _print_status(self) -> None:
+        self._print_table()
         gw = self.children[-1].url
         key = self.demo_key or "<your key>"
         model = "SmolLM2-135M-Instruct" if not self.config.model else Path(self.config.model).stem
-        print("\n".join(lines), file=sys.stderr)
         if self.demo_key:
             say(f"demo tenant API key (shown once): {self.demo_key}")
         say("ready. Try:")

@@ -138,3 +138,56 @@ def test_up_can_run_an_embedded_redis_cluster_and_hands_its_url_to_every_part():
 def test_embedded_redis_takes_single_or_cluster_only():
     with pytest.raises(ConfigError, match="embedded_redis"):
         load_config(UpConfig, env={}, overrides={"embedded_redis": "sentinel"})
+
+
+@pytest.mark.slow  # starts small processes that crash
+def test_a_crash_looping_part_is_marked_failed_and_the_rest_runs_on_unless_it_is_the_gateway(tmp_path, capsys):
+    import sys
+    import time
+
+    from kvharbor.common.up import Child
+
+    platform = Platform(
+        load_config(UpConfig, env={}, overrides={"crash_limit": 3, "crash_window": 60, "restart_backoff": 0.05})
+    )
+    platform.redis_url = "redis://127.0.0.1:1/0"
+
+    def child(name: str, code: str) -> Child:
+        cmd = [sys.executable, "-c", code]
+        return Child(name, cmd, "http://127.0.0.1:9", "/ready", tmp_path / f"{name}.log", "nothing")
+
+    crasher = child("engine-0", "import sys; print('boom: the weights are corrupt'); sys.exit(3)")
+    gateway = child("gateway", "import time; time.sleep(120)")
+    platform.children = [crasher, gateway]
+
+    def supervise_until(done) -> int | None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            code = platform._supervise_once(time.monotonic())
+            if code is not None or done():
+                return code
+            time.sleep(0.02)
+        raise AssertionError("supervision did not get there in 30 s")
+
+    try:
+        for ch in platform.children:
+            ch.start()
+        assert supervise_until(lambda: crasher.failed) is None  # the rest runs on
+        assert crasher.restarts == 2 and len(crasher.failures) == 3 and crasher.state == "failed"
+        assert gateway.exited() is None
+        err = capsys.readouterr().err
+        assert "marked failed, not restarted" in err and "boom: the weights are corrupt" in err
+        assert [line.split()[-1] for line in err.splitlines() if line.startswith(("engine-0 ", "gateway "))] == [
+            "failed",
+            "starting",
+        ]
+        for _ in range(5):  # a failed part stays down
+            assert platform._supervise_once(time.monotonic()) is None and crasher.exited() is not None
+        gateway.stop(0)  # now the gateway dies and keeps dying: nothing can be served
+        gateway.cmd = [sys.executable, "-c", "import sys; sys.exit(1)"]
+        assert supervise_until(lambda: False) == 1
+        assert "the gateway cannot run" in capsys.readouterr().err
+    finally:
+        for ch in platform.children:
+            ch.stop(0)
+        shutil.rmtree(platform.tmp, ignore_errors=True)
