@@ -46,7 +46,7 @@ from kvharbor.gateway.predict import adapter_slot, uncached_tokens
 from kvharbor.gateway.proxy import EngineCaller, EngineFailed, with_retries
 from kvharbor.gateway.relay import EngineStream, StreamRelay, StreamStats
 from kvharbor.gateway.router import Route, Router, block_size_for
-from kvharbor.gateway.tenants import Tenant, TenantRegistry
+from kvharbor.gateway.tenants import Tenant, TenantRegistry, over_cap
 
 log = logging.getLogger("kvharbor.gateway.api")
 
@@ -254,6 +254,13 @@ class _Handler:
         model = self.state.models[resolved.base]
         prompts = self._tokenize(kind, body, model)
         longest = max(map(len, prompts))
+        caps = tenant.caps
+        asked = {"max_tokens": body.max_new_tokens(), "n": body.n, "prompt_tokens": longest,
+                 "body_bytes": len(await request.body())}  # fmt: skip
+        if (over := over_cap(caps, asked)) is not None:
+            raise APIError(400, over[0], param=over[1], code="tenant_cap")
+        if caps.max_tokens is not None and body.max_new_tokens() is None:
+            raw["max_tokens"] = caps.max_tokens  # unbounded by the client: bounded by the tenant's cap
         if longest > self.state.max_prompt_tokens:
             raise APIError(
                 400,

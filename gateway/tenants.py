@@ -5,6 +5,7 @@
         api_keys: ["sha256:<hex of sha256(key)>"]   # keys are never stored in clear
         priority: 0                                  # below 0: sheddable
         limits: {rpm: 600, tpm: 200000, max_concurrent: 32}
+        caps: {max_tokens: 4096, n: 4, prompt_tokens: 8000, body_bytes: 1000000}  # per request; each optional
         models: ["*"]                                # or a list of model ids
         adapters: []                                 # LoRA adapters it may ask for by name, or ["*"]; default none
         cache_sharing_group: null                    # tenants of one group share cached prefixes
@@ -44,6 +45,39 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Caps:
+    """What one request of the tenant may ask for (None: the gateway's own limits only)."""
+
+    max_tokens: int | None = None
+    n: int | None = None
+    prompt_tokens: int | None = None
+    body_bytes: int | None = None
+
+
+CAP_FIELDS = ("max_tokens", "n", "prompt_tokens", "body_bytes")
+# Per cap: the request field it names, and what the 400 says ({v}: asked, {cap}: the cap).
+_CAP_ERRORS = {
+    "max_tokens": ("max_tokens", "max_tokens {v} is over this tenant's cap of {cap} (caps.max_tokens): ask for at most"
+                   " {cap}"),
+    "n": ("n", "n {v} is over this tenant's cap of {cap} (caps.n): ask for at most {cap} choices"),
+    "prompt_tokens": ("messages", "the prompt has {v} tokens, over this tenant's cap of {cap} (caps.prompt_tokens):"
+                      " shorten it"),
+    "body_bytes": (None, "the request body is {v} bytes, over this tenant's cap of {cap} (caps.body_bytes)"),
+}
+
+
+def over_cap(caps: Caps, asked: dict[str, int | None]) -> tuple[str, str | None] | None:
+    """The first cap a request's `asked` values (CAP_FIELDS -> value, None: not given) go over,
+    as (message, param); None when they fit."""
+    for name in CAP_FIELDS:
+        cap, value = getattr(caps, name), asked.get(name)
+        if cap is not None and value is not None and value > cap:
+            param, template = _CAP_ERRORS[name]
+            return template.format(v=value, cap=cap), param
+    return None
+
+
+@dataclass(frozen=True)
 class Tenant:
     name: str
     api_keys: frozenset[str]
@@ -53,6 +87,7 @@ class Tenant:
     cache_sharing_group: str | None = None
     # NOTE: none by default, unlike models: adapters are tenants' own fine-tunes, not shared.
     adapters: tuple[str, ...] = ()
+    caps: Caps = field(default_factory=Caps)
 
     @property
     def cache_salt(self) -> str:
@@ -93,7 +128,7 @@ def _parse_tenant(i: int, raw: Any) -> Tenant:
     where = f"tenants[{i}]"
     if not isinstance(raw, dict):
         raise TenantsError(f"{where} must be a mapping")
-    unknown = set(raw) - {"name", "api_keys", "priority", "limits", "models", "adapters", "cache_sharing_group"}
+    unknown = set(raw) - {"name", "api_keys", "priority", "limits", "caps", "models", "adapters", "cache_sharing_group"}
     if unknown:
         raise TenantsError(f"{where}: unknown fields {sorted(unknown)}")
     name = raw.get("name")
@@ -116,7 +151,10 @@ def _parse_tenant(i: int, raw: Any) -> Tenant:
     if group is not None and (not isinstance(group, str) or not _NAME.match(group)):
         raise TenantsError(f"{where}: cache_sharing_group must be a name or null, got {group!r}")
     limits = _parse_limits(where, raw.get("limits") or {})
-    return Tenant(name, frozenset(keys), priority, limits, tuple(models), group, adapters=_parse_adapters(where, raw))
+    return Tenant(
+        name, frozenset(keys), priority, limits, tuple(models), group,
+        adapters=_parse_adapters(where, raw), caps=_parse_caps(where, raw.get("caps") or {}),
+    )  # fmt: skip
 
 
 def _parse_adapters(where: str, raw: dict) -> tuple[str, ...]:
@@ -133,6 +171,15 @@ def _parse_adapters(where: str, raw: dict) -> tuple[str, ...]:
         except ValueError as exc:
             raise TenantsError(f"{where}: adapters: {exc}") from None
     return tuple(adapters)
+
+
+def _parse_caps(where: str, raw: Any) -> Caps:
+    if not isinstance(raw, dict) or set(raw) - set(CAP_FIELDS):
+        raise TenantsError(f"{where}: caps takes {', '.join(CAP_FIELDS)}, got {raw!r}")
+    for name, value in raw.items():
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise TenantsError(f"{where}: caps.{name} must be a positive integer or null, got {value!r}")
+    return Caps(**raw)
 
 
 def _parse_limits(where: str, raw: Any) -> Limits:

@@ -57,6 +57,13 @@ def gateway_tenant(tenant: Mapping[str, Any], secret: Mapping[str, Any]) -> dict
     adapters = granted_adapters(spec.get("adapters"))
     if adapters:  # NOTE: absent, not [], when none: files of tenants without adapters stay byte for byte
         entry["adapters"] = adapters
+    caps = spec.get("caps") or {}
+    if caps:  # absent when none, for the same reason
+        names = {"maxTokens": "max_tokens", "n": "n", "promptTokens": "prompt_tokens", "bodyBytes": "body_bytes"}
+        unknown = set(caps) - set(names)
+        if unknown:
+            raise TenantError(f"spec.caps takes {', '.join(names)}, got {sorted(unknown)}")
+        entry["caps"] = {names[k]: v for k, v in sorted(caps.items())}
     return entry
 
 
