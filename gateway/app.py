@@ -82,6 +82,8 @@ class GatewayState:
     max_attempts: int
     max_prompt_tokens: int
     max_body_bytes: int
+    stream_deadline: float = 1800.0  # seconds a streamed answer may run (ResilienceConfig)
+    stream_idle: float = 60.0  # seconds a stream may go without a token
     index: Any = None
     discovery: Any = None  # KubernetesDiscovery, followed by a lifespan task; None for static engines
     discovery_interval: float = 5.0
@@ -512,12 +514,20 @@ class _Handler:
 
         async def settle(stats: StreamStats) -> None:
             sent.done()
+            if stats.timeout is not None:
+                state.metrics.stream_timeouts.labels(call.model.name, stats.timeout).inc()
             await state.limiter.release(call.tenant, call.slot)
             self._finished(call, stats.usage, stats)
             if call.span is not None:
                 call.span.end()
 
-        relay = StreamRelay(stream, call.rid, call.body.include_usage, debit, settle)
+        async def renew() -> None:
+            await state.limiter.renew_slot(call.tenant, call.slot)
+
+        relay = StreamRelay(
+            stream, call.rid, call.body.include_usage, debit, settle, deadline_s=state.stream_deadline,
+            idle_s=state.stream_idle, renew=renew, renew_every_s=state.limiter.slot_ttl / 3,
+        )  # fmt: skip
         return _GuardedStream(
             relay.lines(),
             relay.close,

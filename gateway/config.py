@@ -94,6 +94,12 @@ class ResilienceConfig:
     connect_timeout: float = opt(2.0, "seconds to connect to an engine")
     first_token_timeout: float = opt(120.0, "seconds an engine may take to start answering")
     request_timeout: float = opt(600.0, "seconds one request may take in all")
+    stream_deadline: float = opt(
+        1800.0, "seconds a streamed answer may run in all; then it ends with an error event and the engine aborts it"
+    )
+    stream_idle_timeout: float = opt(
+        60.0, "seconds a stream may go without a token after its first; then it ends as at its deadline"
+    )
     max_attempts: int = opt(3, "engines tried for one request before it fails (only before its first token)")
     eject_after_failures: int = opt(3, "consecutive failures that eject an engine until it is healthy again")
     max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")
@@ -102,6 +108,8 @@ class ResilienceConfig:
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.eject_after_failures < 1:
             raise ValueError("max_attempts and eject_after_failures must be >= 1")
+        if self.stream_deadline <= 0 or self.stream_idle_timeout <= 0:
+            raise ValueError("stream_deadline and stream_idle_timeout must be > 0 seconds")
 
 
 @dataclass(frozen=True)

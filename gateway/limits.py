@@ -91,6 +91,16 @@ return tostring(tokens)
 _UNROUTABLE = ("must map to the same key slot", "No way to dispatch", "Invalid args in command")
 
 
+# KEYS: concurrency set. ARGV: request id, slot ttl ms. Pushes the slot's expiry out (if it holds it).
+_RENEW = """
+local t = redis.call('TIME')
+local now = t[1] * 1000 + math.floor(t[2] / 1000)
+local kept = redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
+if redis.call('ZSCORE', KEYS[1], ARGV[1]) then redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2])) end
+return kept
+"""
+
+
 class LimiterUnavailable(RuntimeError):
     """Redis is down and the policy is fail-closed."""
 
@@ -128,7 +138,9 @@ class _LocalBuckets:
         tokens, ts = self._levels.get(key, (cap, now))
         return min(cap, tokens + (now - ts) * cap / 60)
 
-    def admit(self, tenant: Tenant, prompt_tokens: int, request_id: str) -> tuple[int, str, float, float, float]:
+    def admit(
+        self, tenant: Tenant, prompt_tokens: int, request_id: str, ttl: float = CONCURRENCY_TTL_S
+    ) -> tuple[int, str, float, float, float]:
         now = time.monotonic()
         lim = tenant.limits
         r = self._level(tenant.name + ":rpm", lim.rpm, now) if lim.rpm else 0.0
@@ -143,7 +155,7 @@ class _LocalBuckets:
             del slots[rid]
         if lim.max_concurrent and len(slots) >= lim.max_concurrent:
             return 0, "concurrency", 1.0, r, k
-        slots[request_id] = now + CONCURRENCY_TTL_S
+        slots[request_id] = now + ttl
         if lim.rpm:
             r -= 1
             self._levels[tenant.name + ":rpm"] = (r, now)
@@ -162,15 +174,24 @@ class _LocalBuckets:
     def release(self, tenant: Tenant, request_id: str) -> None:
         self._slots.get(tenant.name, {}).pop(request_id, None)
 
+    def renew(self, tenant: Tenant, request_id: str, ttl: float) -> None:
+        slots = self._slots.get(tenant.name, {})
+        if request_id in slots:
+            slots[request_id] = time.monotonic() + ttl
+
 
 class RateLimiter:
-    def __init__(self, client=None, policy: str = "open", prefix: str = PREFIX) -> None:
+    def __init__(
+        self, client=None, policy: str = "open", prefix: str = PREFIX, slot_ttl: float = CONCURRENCY_TTL_S
+    ) -> None:
         self.client = client  # redis.asyncio Redis or RedisCluster (common/redis_client.py), or None: local only
         self.policy = policy
         self.prefix = prefix
         self._local = _LocalBuckets()
         self._admit = client.register_script(_ADMIT) if client is not None else None
         self._debit = client.register_script(_DEBIT) if client is not None else None
+        self._renew = client.register_script(_RENEW) if client is not None else None
+        self.slot_ttl = slot_ttl  # a slot's lease; streams renew it while they live (renew_slot)
         self.redis_failures = 0
         # A cluster client read the slot map once before any call (see _ready); a plain one needs nothing.
         self._initialized = client is None or not is_cluster_client(client)
@@ -211,7 +232,7 @@ class RateLimiter:
             lim.max_concurrent or 0,
             prompt_tokens,
             request_id,
-            int(CONCURRENCY_TTL_S * 1000),
+            int(self.slot_ttl * 1000),
         ]
         try:
             if self._admit is None:
@@ -222,7 +243,7 @@ class RateLimiter:
         except Exception as exc:
             if not self._redis_down(exc):
                 raise
-            ok, reason, retry_s, r, k = self._local.admit(tenant, prompt_tokens, request_id)
+            ok, reason, retry_s, r, k = self._local.admit(tenant, prompt_tokens, request_id, self.slot_ttl)
         return Decision(bool(ok), reason, retry_s, _headers(tenant, r, k))
 
     def _redis_down(self, exc: Exception) -> bool:
@@ -253,6 +274,20 @@ class RateLimiter:
             await self._debit(keys=self._keys(tenant)[1:2], args=[tenant.limits.tpm, tokens])
         except Exception:
             self._local.debit(tenant, tokens)
+
+    async def renew_slot(self, tenant: Tenant, request_id: str) -> None:
+        """Push a live request's slot lease out by `slot_ttl` (a stream calls this while it runs:
+        a stream longer than the lease would lose its slot, and the tenant get one too many)."""
+        if not tenant.limits.max_concurrent:
+            return
+        self._local.renew(tenant, request_id, self.slot_ttl)
+        if self._renew is not None:
+            try:
+                await self._ready()
+                await self._renew(keys=self._keys(tenant)[2:3], args=[request_id, int(self.slot_ttl * 1000)])
+            except Exception as exc:
+                if not self._redis_down(exc):
+                    raise
 
     async def release(self, tenant: Tenant, request_id: str) -> None:
         if not tenant.limits.max_concurrent:

@@ -31,6 +31,12 @@ class GatewayMetrics:
         self.rejections = Counter(
             "kvharbor_gateway_rejections", "Refused requests by tenant and reason", ["tenant", "reason"], registry=r
         )
+        self.stream_timeouts = Counter(
+            "kvharbor_gateway_stream_timeouts",
+            "Streams ended by their deadline or an idle timeout (the engine's request aborted)",
+            ["model", "kind"],
+            registry=r,
+        )
         self.queue_seconds = Histogram(
             "kvharbor_gateway_queue_seconds",
             "Time waiting for admission",

@@ -130,6 +130,8 @@ def build_state(config: Any, tracer: Any = None):
         max_attempts=res.max_attempts,
         max_prompt_tokens=res.max_prompt_tokens,
         max_body_bytes=res.max_body_bytes,
+        stream_deadline=res.stream_deadline,
+        stream_idle=res.stream_idle_timeout,
         index=index,
         discovery=_kubernetes_discovery(config, specs) if config.serving.discovery == "kubernetes" else None,
         discovery_interval=config.serving.discovery_interval,

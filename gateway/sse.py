@@ -62,6 +62,6 @@ def _has_text(choice: Any) -> bool:
     return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
 
 
-def error_line(message: str, type_: str = "service_unavailable") -> str:
-    """An OpenAI-shaped error event, as the relay sends when the engine's stream breaks."""
-    return "data: " + json.dumps(error_body(message, type_))
+def error_line(message: str, type_: str = "service_unavailable", code: str | None = None) -> str:
+    """An OpenAI-shaped error event, as the relay sends when the engine's stream breaks or times out."""
+    return "data: " + json.dumps(error_body(message, type_, code=code))

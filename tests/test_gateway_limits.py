@@ -96,6 +96,37 @@ def test_limits_on_redis(any_redis):
     asyncio.run(main())
 
 
+async def _renewed_and_abandoned(limiter: RateLimiter) -> None:
+    one = tenant("renew", max_concurrent=1)
+    assert (await limiter.admit(one, 1, "stream-a")).ok
+    for _ in range(6):  # 0.6 s, twice the lease
+        await asyncio.sleep(0.1)
+        await limiter.renew_slot(one, "stream-a")
+        assert (await limiter.admit(one, 1, "other")).reason == "concurrency"
+    await asyncio.sleep(0.4)  # no renewal: the lease lapses
+    assert (await limiter.admit(one, 1, "other")).ok
+    await limiter.renew_slot(one, "never-admitted")  # renewing a slot it does not hold takes none
+    assert (await limiter.admit(one, 1, "third")).reason == "concurrency"
+
+
+def test_a_renewed_slot_outlives_its_lease_in_this_process():
+    asyncio.run(_renewed_and_abandoned(RateLimiter(None, slot_ttl=0.3)))
+
+
+def test_a_renewed_slot_outlives_its_lease_and_an_abandoned_one_lapses(any_redis):
+    """A stream renews its slot while it lives (gateway/relay.py): past the lease it still holds
+    it; once renewals stop (a gateway died), the slot lapses and the tenant gets it back."""
+
+    async def main():
+        client = connect(any_redis.url, timeout=2)
+        try:
+            await _renewed_and_abandoned(RateLimiter(client, "closed", slot_ttl=0.3))
+        finally:
+            await client.aclose()
+
+    asyncio.run(main())
+
+
 def test_two_gateways_keep_exact_rpm_and_concurrency(any_redis):
     """Two limiters with their own clients (two gateways) on one Redis: admits race from both."""
 

@@ -60,24 +60,29 @@ def test_an_error_events_message_is_read_from_its_fields():
 class _Body(httpx.AsyncByteStream):
     """An engine's SSE body, line by line; `broken`: the connection drops after it."""
 
-    def __init__(self, lines: list[str], broken: bool = False) -> None:
-        self.lines, self.broken = lines, broken
+    def __init__(self, lines: list[str], broken: bool = False, pause: dict[int, float] | None = None) -> None:
+        self.lines, self.broken, self.pause = lines, broken, pause or {}
+        self.closed = False
 
     async def __aiter__(self):
-        for line in self.lines:
+        for i, line in enumerate(self.lines):
+            await asyncio.sleep(self.pause.get(i, 0))  # before line i
             yield (line + "\n\n").encode()
-            await asyncio.sleep(0)
         if self.broken:
             raise httpx.ReadError("connection reset")
 
+    async def aclose(self) -> None:
+        self.closed = True  # the engine sees the disconnect: it aborts the request
 
-def _relay_run(lines: list[str], include_usage: bool, broken: bool = False):
+
+def _relay_run(lines: list[str], include_usage: bool, broken: bool = False, body: _Body | None = None, **relay):
     """Open the stream through EngineCaller, relay it; returns (client lines, debits, settled stats)."""
     debits: list[int] = []
     settled: list = []
+    relay_options = relay
 
     async def main():
-        engine = httpx.MockTransport(lambda r: httpx.Response(200, stream=_Body(lines, broken)))
+        engine = httpx.MockTransport(lambda r: httpx.Response(200, stream=body or _Body(lines, broken)))
         http = httpx.AsyncClient(transport=engine)
         caller = EngineCaller(http, EnginePool(http), 1.0, 5.0, 10.0)
         stream = await caller.open_stream(Engine("http://e", "m"), "/v1/chat/completions", {}, {})
@@ -88,7 +93,7 @@ def _relay_run(lines: list[str], include_usage: bool, broken: bool = False):
         async def settle(stats):
             settled.append(stats)
 
-        relay = StreamRelay(stream, "rid-1", include_usage, debit, settle)
+        relay = StreamRelay(stream, "rid-1", include_usage, debit, settle, **relay_options)
         out = [line async for line in relay.lines()]
         await relay.close()  # again: settles once
         await http.aclose()
@@ -126,6 +131,39 @@ def test_an_engine_error_event_after_the_first_token_is_relayed_and_recorded():
     error = 'data: {"error":{"message":"KV pool exhausted","type":"internal_error"}}'
     out, _, settled = _relay_run([token("a"), error, "data: [DONE]"], include_usage=False)
     assert out[1] == error + "\n\n" and settled[0].error == "KV pool exhausted"
+
+
+def test_a_stream_idle_past_its_timeout_ends_with_an_error_event_and_closes_the_engine():
+    body = _Body([ROLE, token("a"), token("b"), "data: [DONE]"], pause={2: 2.0})  # then 2 s of silence
+    out, debits, settled = _relay_run([], include_usage=False, body=body, idle_s=0.2)
+    assert out[:2] == [ROLE + "\n\n", token("a") + "\n\n"]
+    error = json.loads(out[2].strip()[len("data: "):])["error"]
+    assert error["code"] == "stream_idle_timeout" and "no token for 0.2 s" in error["message"]
+    assert out[3:] == ["data: [DONE]\n\n"]
+    assert settled[0].timeout == "idle" and body.closed  # the engine's connection closed: it aborts
+    assert debits == [1]
+
+
+def test_a_stream_past_its_deadline_ends_although_tokens_still_flow():
+    lines = [token(f"t{i}") for i in range(40)] + ["data: [DONE]"]
+    body = _Body(lines, pause={i: 0.02 for i in range(1, 41)})  # ~0.8 s in all
+    out, _, settled = _relay_run([], include_usage=False, body=body, deadline_s=0.25, idle_s=5.0)
+    assert 3 <= len(out) - 2 < 40  # some tokens, then the deadline
+    assert json.loads(out[-2].strip()[len("data: "):])["error"]["code"] == "stream_deadline_timeout"
+    assert settled[0].timeout == "deadline" and body.closed
+
+
+def test_a_long_stream_renews_its_slot_while_it_lives():
+    renewals = []
+
+    async def renew():
+        renewals.append(1)
+
+    lines = [token(f"t{i}") for i in range(12)] + ["data: [DONE]"]
+    body = _Body(lines, pause={i: 0.03 for i in range(1, 13)})
+    out, _, settled = _relay_run([], include_usage=False, body=body, renew=renew, renew_every_s=0.08)
+    assert len(out) == 13 and settled[0].timeout is None
+    assert 2 <= len(renewals) <= 6
 
 
 
