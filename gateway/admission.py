@@ -46,16 +46,24 @@ def fit_route(
     block_size: int,
     slo_ttft_s: float,
     adapter: str | None = None,
+    slo_itl_s: float = 0.0,
 ) -> Route | None:
-    """The router's choice if its engine is predicted to meet the TTFT SLO; else the engine that
-    does with the lowest predicted TTFT (reason "slo"); None when none does (queue or shed). An
-    engine with nothing to prefill fits whatever the request's length: waiting cannot make its
-    own prefill shorter. For a LoRA `adapter` the TTFT counts its slot cost (predict.py)."""
+    """The router's choice if its engine is predicted to meet the TTFT SLO and (`slo_itl_s` > 0)
+    the ITL SLO; else the engine that does with the lowest predicted TTFT (reason "slo"); None
+    when none does (queue or shed). An engine with nothing to prefill fits the TTFT rule whatever
+    the request's length (waiting cannot make its own prefill shorter), and one that runs nothing
+    fits the ITL rule (waiting cannot make its step faster). The ITL is the engine's measured
+    decode step with one more sequence (predict.py): a flood of long outputs makes an engine with
+    an empty prefill queue not fit, which the TTFT rule alone never saw. For a LoRA `adapter` the
+    TTFT counts its slot cost."""
 
     def ttft(e: Engine) -> float:  # with the blocks the route's index answer says e holds
         return predict(e, prompt_tokens, route.held.get(e.url, 0), block_size, adapter).ttft_s
 
-    fits = [e for e in engines if e.waiting_prefill_tokens == 0 or ttft(e) <= slo_ttft_s]
+    def itl_fits(e: Engine) -> bool:
+        return slo_itl_s <= 0 or e.queue == 0 or e.predicted_itl_s() <= slo_itl_s
+
+    fits = [e for e in engines if (e.waiting_prefill_tokens == 0 or ttft(e) <= slo_ttft_s) and itl_fits(e)]
     if route.engine in fits:
         return route
     if not fits:

@@ -400,7 +400,9 @@ class _Handler:
             )
             if route is None:
                 return None
-            return fit_route(route, engines, prompt, call.block_size, model.slo_ttft_s, call.adapter)
+            return fit_route(
+                route, engines, prompt, call.block_size, model.slo_ttft_s, call.adapter, slo_itl_s=model.slo_itl_s
+            )
 
         try:
             route, queued = await state.admission.admit(

@@ -100,6 +100,37 @@ def test_fit_route_keeps_a_fitting_choice_moves_to_the_fastest_fit_or_gives_none
     assert fit_route(route, [a, idle], 10**6, 16, slo_ttft_s=0.1).engine is idle
 
 
+def _decoding(url: str, running: int, step_ms: float, ms_per_seq: float = 10.0) -> Engine:
+    report = LoadReport(running=running, decode_step_ms=step_ms, decode_batch=running, decode_ms_per_seq=ms_per_seq,
+                        prefill_tokens_per_s=1000.0)  # fmt: skip
+    e = Engine(url, "m", url[-1].upper(), report)
+    e.polled = True
+    return e
+
+
+def test_itl_prediction_follows_the_measured_step_and_its_growth_per_sequence():
+    flooded = _decoding("http://a", running=16, step_ms=180.0, ms_per_seq=10.0)
+    assert flooded.predicted_itl_s() == pytest.approx(0.19)  # one more sequence: +10 ms
+    assert _decoding("http://b", running=0, step_ms=0.0).predicted_itl_s() == 0.0  # unmeasured: no evidence
+
+
+def test_fit_route_admits_against_the_itl_slo_too():
+    """A decode-heavy engine has nothing waiting to prefill: the TTFT rule alone admits there.
+    With the ITL rule it does not fit; a calmer engine does, or the request waits."""
+    flooded = _decoding("http://a", running=16, step_ms=180.0)  # 190 ms with one more
+    calm = _decoding("http://b", running=2, step_ms=60.0)  # 70 ms
+    route = Route(flooded, "prefix", matched_blocks=8, best_matched=8, prompt_blocks=8, held={"http://a": 8})
+    assert fit_route(route, [flooded, calm], 128, 16, slo_ttft_s=2.0) is route  # TTFT only: no objection
+    moved = fit_route(route, [flooded, calm], 128, 16, slo_ttft_s=2.0, slo_itl_s=0.1)
+    assert moved.engine is calm and moved.reason == "slo"
+    assert fit_route(route, [flooded], 128, 16, slo_ttft_s=2.0, slo_itl_s=0.1) is None  # queue, or shed
+    assert fit_route(route, [flooded], 128, 16, slo_ttft_s=2.0, slo_itl_s=0.2) is route
+    # An engine that runs nothing fits even if its measured step is over the SLO: waiting cannot
+    # make that step faster, and refusing would starve every request.
+    slow_machine = _decoding("http://c", running=0, step_ms=300.0)
+    assert fit_route(route.to(slow_machine, "prefix"), [slow_machine], 128, 16, 2.0, slo_itl_s=0.1) is not None
+
+
 def test_queue_serves_priority_first_and_tenants_in_turn():
     async def main():
         queue = AdmissionQueue(max_queue=10, timeout=5)
