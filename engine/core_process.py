@@ -213,6 +213,9 @@ class CoreProcess:
         except (ValueError, EngineDead) as exc:
             self._send(["lora_done", op, str(exc), error_kind(exc), None])
             return
+        # The loop's cached report is refreshed after each step; an idle engine runs none, and the
+        # next periodic report would take the adapter back out of the front end's list.
+        self.loop.load = report
         self._send(["lora_done", op, None, None, report.to_json()])  # the reply carries the new adapter list
 
     async def _report_load(self) -> None:
