@@ -37,6 +37,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _launch(binary: str, port: int, workdir: Path, *extra: str) -> subprocess.Popen:
+    """A redis-server on 127.0.0.1:`port`, no persistence, its files in `workdir`."""
+    args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra]
+    return subprocess.Popen(
+        [binary, *args, "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def _wait_answering(proc: subprocess.Popen, client, port: int, timeout: float, poll_s: float = 0.1) -> None:
+    """Until `client` gets a PING answer; RuntimeError if the server exits, TimeoutError after `timeout`."""
+    import redis
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode} (is port {port} taken?)")
+        with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
+            if client.ping():
+                return
+        time.sleep(poll_s)
+    raise TimeoutError(f"redis-server did not answer on port {port} within {timeout}s")
+
+
 class EmbeddedRedis:
     """Start with `start()` (or `with`); `url` is redis://127.0.0.1:<port>/0. `stop()` is idempotent."""
 
@@ -55,23 +78,12 @@ class EmbeddedRedis:
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="kvharbor-redis-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        if self.password:
-            args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(
-            [self.binary, *args, "--dir", str(self.workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        extra = ("--requirepass", self.password) if self.password else ()
+        self.proc = _launch(self.binary, self.port, self.workdir, *extra)
         client = redis.Redis.from_url(self.url, socket_timeout=1)
-        deadline = time.monotonic() + timeout
         try:
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode} (is port {self.port} taken?)")
-                with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
-                    if client.ping():
-                        return self
-                time.sleep(0.1)
-            raise TimeoutError(f"redis-server did not answer on port {self.port} within {timeout}s")
+            _wait_answering(self.proc, client, self.port, timeout)
+            return self
         except BaseException:
             self.stop()
             raise
@@ -142,17 +154,13 @@ class EmbeddedRedisCluster:
         port = self.ports[i]
         node_dir = self.workdir / f"node-{port}"
         node_dir.mkdir(parents=True, exist_ok=True)
-        args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
+        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]
         # The other masters keep serving their slots while one is away: a node outage costs its
         # slots only, as a Redis outage costs everything.
         args += ["--cluster-node-timeout", str(self.node_timeout_ms), "--cluster-require-full-coverage", "no"]
-        self.procs[i] = subprocess.Popen(
-            [self.binary, *args, "--dir", str(node_dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        self.procs[i] = _launch(self.binary, port, node_dir, *args)
 
     def start(self, timeout: float = 30.0) -> EmbeddedRedisCluster:
-
         if self.workdir is None:
             self.workdir = Path(tempfile.mkdtemp(prefix="kvharbor-redis-cluster-"))
         try:
@@ -176,19 +184,11 @@ class EmbeddedRedisCluster:
         import redis
 
         client = redis.Redis(host="127.0.0.1", port=self.ports[i], socket_timeout=1)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.procs[i].poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.procs[i].returncode} (port {self.ports[i]})")
-            with contextlib.suppress(redis.ConnectionError, redis.TimeoutError):
-                if client.ping():
-                    return client
-            time.sleep(0.05)
-        raise TimeoutError(f"redis-server did not answer on port {self.ports[i]} within {timeout}s")
+        _wait_answering(self.procs[i], client, self.ports[i], timeout, poll_s=0.05)
+        return client
 
     def _wait_ok(self, timeout: float) -> None:
         """Until every running node says cluster_state:ok and knows every master."""
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all(self._node_ok(i) for i in range(len(self.ports)) if self.procs[i] is not None):

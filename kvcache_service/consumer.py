@@ -386,9 +386,9 @@ class EventConsumer:
         keys = [lease_key(m, i) for m, i in swept]
         alive = await self._slots.run([Call(k, ("EXISTS", k)) for k in keys])
         registry = stream_registry_key(self.stream_prefix)
-        gone = [s for s, pair in self._registry.items() if pair in set(swept)]
         back = {pair for pair, hit in zip(swept, alive, strict=True) if int(hit)}
-        gone = [s for s in gone if self._registry[s] not in back]
+        dead = set(swept) - back
+        gone = [s for s, pair in self._registry.items() if pair in dead]
         if gone:
             await self.client.hdel(registry, *gone)
 
