@@ -15,7 +15,7 @@ from servers import EngineServerProcess
 pytestmark = pytest.mark.slow  # a real `kvharbor serve` per test
 
 MODEL = "tiny-chat"  # drain is the point here, not SmolLM2's weights: the tiny model starts in seconds
-ARGS = ("--dtype", "float32", "--num-kv-blocks", "180", "--max-model-len", "512", "--log-level", "info")
+ARGS = ("--dtype", "float32", "--num-kv-blocks", "180", "--max-model-len", "2048", "--log-level", "info")
 LONG = {
     "model": MODEL,
     "messages": [{"role": "user", "content": "Write a long story."}],
@@ -40,7 +40,8 @@ def stream_events(lines) -> list[dict]:
 
 # The stream must outlive the checks after SIGTERM (~1 s), and outlive the 0.5 s drain timeout by
 # far: the tiny model decodes one request at a few ms a token here, and can be told to stop after
-# max_model_len - prompt tokens at most (the length case) or to run to the 512-token limit.
+# max_model_len - prompt tokens at most (the length case) or to run to the 2048-token limit (a
+# 512-token limit was seen to finish within the checks and the 0.5 s on a fast AMD EPYC).
 @pytest.mark.parametrize(("drain_timeout", "max_tokens", "finish"), [(60, 400, "length"), (0.5, None, "abort")])
 def test_sigterm_drains_then_exits_zero(tmp_path, tiny_chat_model, drain_timeout, max_tokens, finish):
     proc = EngineServerProcess(tmp_path, "--model", str(tiny_chat_model), *ARGS, "--drain-timeout", str(drain_timeout))
