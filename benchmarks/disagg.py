@@ -102,8 +102,8 @@ def summarize(results: list[tuple[str, RequestResult]], wall: float, moved: floa
     return out
 
 
-def decisions_of(gateway: str) -> dict[str, float]:
-    text = httpx.get(gateway + "/metrics").text
+def decisions_of(gateway_admin: str) -> dict[str, float]:
+    text = httpx.get(gateway_admin + "/metrics").text
     found = {}
     for line in text.splitlines():
         if line.startswith("kvharbor_gateway_pd_decisions_total{"):
@@ -125,8 +125,9 @@ def run_setup(name: str, args: argparse.Namespace, arrivals: list[Arrival], logs
                    "--redis-url", rds.url, "--dtype", args.dtype, "--num-kv-blocks", str(args.kv_blocks),
                    "--cpu-affinity", str(cpus[i % len(cpus)]), "--max-model-len", str(args.doc_len + 256)]  # fmt: skip
             stack.enter_context(server(cmd, url, "/ready", logs / f"disagg-{name}-{i}.log", {}, 300))
-        gw = f"http://127.0.0.1:{free_port()}"
-        cmd = [*CLI, "gateway", "--port", gw.rsplit(":", 1)[1], "--engines", ",".join(engines),
+        gw, gw_admin = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        cmd = [*CLI, "gateway", "--port", gw.rsplit(":", 1)[1], "--admin-port", gw_admin.rsplit(":", 1)[1],
+               "--engines", ",".join(engines),
                "--tenants-file", str(tenants), "--redis-url", rds.url, "--slo-ttft-ms", str(args.slo_ttft_ms),
                "--pd-min-gain-ms", str(args.pd_min_gain_ms), "--max-prompt-tokens", str(args.doc_len + 64),
                *(["--disaggregation", "off"] if name == "colocated" else [])]  # fmt: skip
@@ -137,10 +138,10 @@ def run_setup(name: str, args: argparse.Namespace, arrivals: list[Arrival], logs
         ]
         asyncio.run(drive(gw, warm))
         print(f"{name}: {len(arrivals)} requests over ~{arrivals[-1].at:.0f} s ...", flush=True)
-        moved0, decided0 = metric_sum(engines, "kvharbor_kv_handoff_pulled_bytes_total"), decisions_of(gw)
+        moved0, decided0 = metric_sum(engines, "kvharbor_kv_handoff_pulled_bytes_total"), decisions_of(gw_admin)
         results, wall = asyncio.run(drive(gw, arrivals))
         moved = metric_sum(engines, "kvharbor_kv_handoff_pulled_bytes_total") - moved0
-        decided = {k: v - decided0.get(k, 0.0) for k, v in decisions_of(gw).items()}  # past the warm-up
+        decided = {k: v - decided0.get(k, 0.0) for k, v in decisions_of(gw_admin).items()}  # past the warm-up
         return summarize(results, wall, moved, decided)
 
 

@@ -222,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         gateways = {}
         for name in STRATEGIES:
             url = f"http://127.0.0.1:{free_port()}"
-            cmd = [*CLI, "gateway", "--port", url.rsplit(":", 1)[1], "--engines", ",".join(engines),
+            cmd = [*CLI, "gateway", "--port", url.rsplit(":", 1)[1], "--admin-port", str(free_port()),
+                   "--engines", ",".join(engines),
                    "--tenants-file", str(tenants), "--redis-url", rds.url, "--routing", name,
                    "--slo-ttft-ms", "60000"]  # fmt: skip
             stack.enter_context(server(cmd, url, "/ready", logs / f"gw-{name}.log", {}, 120))

@@ -1,8 +1,8 @@
 """The server sub-config every command shares: where it listens, how it logs, where it sends traces.
 
 Each part's own server config subclasses one of these and changes only its default port and
-adds its own fields, so `--host`, `--port`, `--log-level`, `--log-json` and `--otlp-endpoint`
-mean the same thing, with the same checks, on every command.
+adds its own fields, so `--host`, `--port`, `--admin-port`, `--log-level`, `--log-json` and
+`--otlp-endpoint` mean the same thing, with the same checks, on every command.
 """
 
 from __future__ import annotations
@@ -30,5 +30,23 @@ class ListenConfig:
 
 
 @dataclass(frozen=True)
-class TracedListenConfig(ListenConfig):
+class ServiceListenConfig(ListenConfig):
+    """A part with operator-facing endpoints (metrics, admin calls) that can move to their own port."""
+
+    admin_port: int | None = opt(
+        None, "TCP port of the admin listener: /metrics and operator-facing endpoints (default: none, all on --port)"
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.admin_port is None:
+            return
+        if not 1 <= self.admin_port < 65536:
+            raise ValueError(f"admin_port must be in 1..65535, got {self.admin_port}")
+        if self.admin_port == self.port:
+            raise ValueError(f"admin_port must differ from port ({self.port}): admin endpoints are kept off it")
+
+
+@dataclass(frozen=True)
+class TracedListenConfig(ServiceListenConfig):
     otlp_endpoint: str | None = opt(None, "OTLP/HTTP endpoint for traces, e.g. http://collector:4318/v1/traces")

@@ -42,6 +42,7 @@ class UpConfig(TracedListenConfig):
 
     host: str = opt("127.0.0.1", "address the gateway listens on")
     port: int = opt(8000, "gateway port: the platform's front door")
+    admin_port: int | None = opt(9090, "the gateway's admin listener (/metrics), off the tenants' port")
     engines: int = opt(2, "engine servers to start (role both; see prefill_engines for P/D)")
     prefill_engines: int = opt(0, "P/D: prefill engines to start (with decode_engines, instead of --engines)")
     decode_engines: int = opt(0, "P/D: decode engines to start (with prefill_engines, instead of --engines)")
@@ -242,6 +243,7 @@ class Platform:
             "kvcache", [*cli, "kvcache", "--port", str(kv_port), *shared],
             f"http://127.0.0.1:{kv_port}", "/ready", self.log_dir / "kvcache.log", "Redis",
         )  # fmt: skip
+        admin_port = c.admin_port or free_port()
         engines = []
         cpus = sorted(os.sched_getaffinity(0))
         for i, role in enumerate(c.roles()):
@@ -266,12 +268,13 @@ class Platform:
         gateway = Child(
             "gateway",
             [*cli, "gateway", "--host", c.host, "--port", str(c.port), "--engines", ",".join(e.url for e in engines),
-             "--tenants-file", self._tenants(), "--routing", c.routing,
+             "--admin-port", str(admin_port), "--tenants-file", self._tenants(), "--routing", c.routing,
              "--slo-ttft-ms", str(c.slo_ttft_ms), "--slo-itl-ms", str(c.slo_itl_ms), *traced]
             + (["--model", c.model] if c.model else []),
             f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}", "/ready",
             self.log_dir / "gateway.log", "the engines",
         )  # fmt: skip
+        self.metrics_url = f"{gateway.url.rsplit(':', 1)[0]}:{admin_port}/metrics"
         children = [kvcache, *engines, gateway]
         for child in children:
             # Through the environment, not the command line: a password in argv is visible in ps.
@@ -404,7 +407,7 @@ class Platform:
             file=sys.stderr,
             flush=True,
         )
-        say(f"logs in {self.log_dir}; Ctrl-C stops everything")
+        say(f"gateway metrics on {self.metrics_url}; logs in {self.log_dir}; Ctrl-C stops everything")
 
     def _shutdown(self) -> None:
         # The gateway first (no new work), then the engines drain, then the rest.

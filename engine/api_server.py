@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from kvharbor.common.admin_listener import PROBES, ListenerSplit
 from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers, send_error
 from kvharbor.common.logs import request_context
 from kvharbor.common.openai_api import (
@@ -92,7 +93,12 @@ class GateMiddleware:
 # -- the app --------------------------------------------------------------------------------------
 
 
-def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
+# On the admin listener when there is one (common/admin_listener.py); /load stays on both: the
+# gateway, a kvharbor part, polls it on the port it routes to.
+ADMIN_PATHS = ("/metrics", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+
+
+def build_app(state: ServerState, lifespan: Any = None, admin_port: int | None = None) -> FastAPI:
     app = FastAPI(title="kvharbor engine", version="1", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.kvharbor = state
     install_error_handlers(app, log, lambda path, status: state.metrics.requests.labels(path, str(status)).inc())
@@ -110,7 +116,8 @@ def build_app(state: ServerState, lifespan: Any = None) -> FastAPI:
     app.get("/load")(routes.load)
     app.get("/metrics")(routes.metrics)
     app.add_middleware(BodyGuardMiddleware, limit=state.max_body_bytes, prefixes=_GUARDED_PREFIXES)
-    app.add_middleware(GateMiddleware, state=state)  # outermost: a draining engine reads no bodies
+    app.add_middleware(GateMiddleware, state=state)  # a draining engine reads no bodies
+    app.add_middleware(ListenerSplit, admin_port=admin_port, admin_paths=ADMIN_PATHS, both=(*PROBES, "/load"))
     return app
 
 

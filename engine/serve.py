@@ -21,7 +21,7 @@ from typing import Any
 import uvicorn
 
 from kvharbor.common.config import config_from_argv
-from kvharbor.common.http_server import uvicorn_config
+from kvharbor.common.http_server import bind_listeners, uvicorn_config
 from kvharbor.common.logs import setup_logging
 from kvharbor.common.machine import pin_to_cpus
 from kvharbor.common.redis_client import check_credentials
@@ -43,18 +43,9 @@ def main(argv: list[str], prog: str = "kvharbor serve", command: str = "serve") 
         print(f"kvharbor serve: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(
-            f"kvharbor serve: error: cannot listen on {config.server.host}:{config.server.port}: {exc}", file=sys.stderr
-        )
+        print(f"kvharbor serve: error: cannot listen on {exc.strerror}; pick another port", file=sys.stderr)
         return 2
     return server.serve_forever()
-
-
-def _check_port_free(host: str, port: int) -> None:
-    # Fail before the model load, not after it, when the port is taken.
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, port))
 
 
 class EngineServer:
@@ -69,6 +60,8 @@ class EngineServer:
         from kvharbor.engine.slo_window import SLOWindow
 
         srv = config.server
+        # Bound before the model load, so a taken port fails at once; held until uvicorn serves on them.
+        self.sockets = bind_listeners(srv.host, srv.port, srv.admin_port)
         self.instance_id = srv.instance_id or f"{socket.gethostname()}-{srv.port}"
         config = dataclasses.replace(config, server=dataclasses.replace(srv, instance_id=self.instance_id))
         if srv.allow_runtime_lora and not config.engine.lora.enabled:  # adapters loaded later need the slots
@@ -89,7 +82,7 @@ class EngineServer:
             slo=SLOWindow(srv.slo_ttft_ms / 1000, srv.slo_itl_ms / 1000, srv.slo_window),
             tracer=setup_tracing("engine", srv.otlp_endpoint),
         )
-        app = build_app(self.state, lifespan=self._lifespan)
+        app = build_app(self.state, lifespan=self._lifespan, admin_port=srv.admin_port)
         uv_config = uvicorn_config(app, srv.host, srv.port)
         self.server = DrainingServer(uv_config, self.state, srv.drain_timeout)
         self.config = config
@@ -109,9 +102,10 @@ class EngineServer:
         srv = self.config.server
         url = f"http://{srv.host}:{srv.port}"
         model = self.core.model_name
-        log.info("serving", extra={"url": url, "model": model, "instance_id": self.instance_id})
+        admin = f"http://{srv.host}:{srv.admin_port}" if srv.admin_port else url
+        log.info("serving", extra={"url": url, "admin_url": admin, "model": model, "instance_id": self.instance_id})
         print(
-            f"[kvharbor] serving {model} on {url}  (Ctrl-C drains and stops)\n"
+            f"[kvharbor] serving {model} on {url}, metrics on {admin}/metrics  (Ctrl-C drains and stops)\n"
             f"[kvharbor] try: curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' "
             f'-d \'{{"model": "{model}", "messages": [{{"role": "user", '
             f'"content": "What is the capital of France?"}}], "temperature": 0}}\'',
@@ -119,14 +113,13 @@ class EngineServer:
             flush=True,
         )
         try:
-            self.server.run()
+            self.server.run(sockets=self.sockets)
         finally:
             self.core.kill()
         return 0 if self.core.error is None else 1
 
 
 def build_server(config: Any) -> EngineServer:
-    _check_port_free(config.server.host, config.server.port)
     return EngineServer(config)
 
 

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
 from pydantic import ValidationError
 
+from kvharbor.common.admin_listener import ListenerSplit
 from kvharbor.common.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
 from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers
 from kvharbor.common.logs import request_context
@@ -97,7 +98,10 @@ class GatewayState:
         return self.tenants
 
 
-def build_app(state: GatewayState, lifespan: Any = None) -> FastAPI:
+ADMIN_PATHS = ("/metrics",)  # on the admin listener only (common/admin_listener.py)
+
+
+def build_app(state: GatewayState, lifespan: Any = None, admin_port: int | None = None) -> FastAPI:
     app = FastAPI(title="kvharbor gateway", version="v1", lifespan=lifespan)
     install_error_handlers(app, log)
     handler = _Handler(state)
@@ -108,6 +112,7 @@ def build_app(state: GatewayState, lifespan: Any = None) -> FastAPI:
     app.get("/ready")(handler.ready)
     app.get("/metrics")(handler.metrics)
     app.add_middleware(BodyGuardMiddleware, limit=state.max_body_bytes, prefixes=("/v1/",))
+    app.add_middleware(ListenerSplit, admin_port=admin_port, admin_paths=ADMIN_PATHS)
     _document_bodies(app)
     return app
 

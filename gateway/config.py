@@ -114,7 +114,13 @@ class ResilienceConfig:
 
 @dataclass(frozen=True)
 class GatewayServerConfig(TracedListenConfig):
-    pass
+    # Always a port of its own: /metrics names every tenant, and tenants reach --port.
+    admin_port: int | None = opt(9090, "TCP port of the admin listener (/metrics): never the tenants' --port")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.admin_port is None:
+            raise ValueError("admin_port is required for the gateway: /metrics must not be on the tenants' port")
 
 
 @dataclass(frozen=True)

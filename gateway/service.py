@@ -190,9 +190,10 @@ def serve(config: Any) -> int:
     engines = {m: [e.url for e in state.pool.all(m)] for m in state.models}
     print(
         f"[kvharbor] gateway on {url}: models {engines}, routing {config.routing.routing}, "
-        f"tenants from {config.tenancy.tenants_file}\n"
+        f"tenants from {config.tenancy.tenants_file}; metrics on http://{srv.host}:{srv.admin_port}/metrics\n"
         f"[kvharbor] try: curl -s {url}/v1/models -H 'Authorization: Bearer <your key>'",
         file=sys.stderr,
         flush=True,
     )
-    return serve_app(build_app(state, lifespan=lifespan_for(state)), srv.host, srv.port, "gateway")
+    app = build_app(state, lifespan=lifespan_for(state), admin_port=srv.admin_port)
+    return serve_app(app, srv.host, srv.port, "gateway", admin_port=srv.admin_port)

@@ -6,6 +6,8 @@
     GET  /stats      index, intake, shared store and reuse figures
     GET  /metrics    the same for Prometheus;  GET /health (alive), GET /ready (Redis answers, intake runs)
 
+With --admin-port, /instances, /stats and /metrics answer there only (the probes on both ports).
+
 While Redis is away, /ready is 503 and lookups answer 503 (`index_unavailable`, Retry-After) within
 the Redis timeout: the gateway then routes by load alone.
 """
@@ -24,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from redis.exceptions import RedisError
 
+from kvharbor.common.admin_listener import ListenerSplit
 from kvharbor.common.block_hash import block_hashes, from_hex
 from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers
 from kvharbor.common.openai_api import APIError
@@ -75,7 +78,10 @@ class ServiceState:
     max_lookup_blocks: int
 
 
-def build_app(state: ServiceState, lifespan: Any = None) -> FastAPI:
+ADMIN_PATHS = ("/metrics", "/stats", "/instances")  # on the admin listener when there is one
+
+
+def build_app(state: ServiceState, lifespan: Any = None, admin_port: int | None = None) -> FastAPI:
     app = FastAPI(title="kvharbor KV cache service", version="v1", lifespan=lifespan)
     install_error_handlers(app, log, lambda path, status: state.metrics.requests.labels(path, str(status)).inc())
     # 16 MiB: a lookup of the longest chain allowed, as token ids, fits several times over.
@@ -87,6 +93,7 @@ def build_app(state: ServiceState, lifespan: Any = None) -> FastAPI:
     app.get("/metrics")(routes.metrics)
     app.get("/health")(routes.health)
     app.get("/ready")(routes.ready)
+    app.add_middleware(ListenerSplit, admin_port=admin_port, admin_paths=ADMIN_PATHS)
     return app
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from kvharbor.common.config import opt, parse_bytes
 from kvharbor.common.redis_client import check_url
 from kvharbor.common.redis_keys import STREAM_PREFIX
-from kvharbor.common.server_config import ListenConfig
+from kvharbor.common.server_config import ServiceListenConfig
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class StoreConfig:
 
 
 @dataclass(frozen=True)
-class ServiceServerConfig(ListenConfig):
+class ServiceServerConfig(ServiceListenConfig):
     port: int = opt(8100, "TCP port to listen on")
     max_lookup_blocks: int = opt(16384, "longest block chain one lookup may ask about (each costs Redis time)")
 

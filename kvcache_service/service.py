@@ -113,11 +113,13 @@ def serve(config: Any) -> int:
 
     srv = config.server
     url = f"http://{srv.host}:{srv.port}"
+    admin = f"http://{srv.host}:{srv.admin_port}" if srv.admin_port else url
     print(
         f"[kvharbor] KV cache service on {url}: events from {redact(config.intake.redis_url)} "
         f"(streams {config.intake.kv_events_stream_prefix}*), store cap {config.store.store_max_bytes}\n"
-        f"[kvharbor] try: curl -s {url}/stats",
+        f"[kvharbor] try: curl -s {admin}/stats",
         file=sys.stderr,
         flush=True,
     )
-    return serve_app(build_app(state, lifespan=lifespan), srv.host, srv.port, "kvcache")
+    app = build_app(state, lifespan=lifespan, admin_port=srv.admin_port)
+    return serve_app(app, srv.host, srv.port, "kvcache", admin_port=srv.admin_port)

@@ -48,9 +48,18 @@ class EngineServerProcess:
     title = "kvharbor serve"
     probe = "/ready"  # answers 200 once the process can take work
 
-    def __init__(self, log_dir: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, log_dir: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None, admin: bool = False
+    ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = self.url  # /metrics and admin calls: here unless the process has --admin-port
+        self.admin_args: tuple[str, ...] = ()
+        if admin:
+            self.admin_port = free_port()
+            self.admin_url = f"http://127.0.0.1:{self.admin_port}"
+            self.admin_args = ("--admin-port", str(self.admin_port))
+        args = (*self.admin_args, *args)
         self.args = [sys.executable, "-m", "kvharbor.common.cli", "serve", "--port", str(self.port), *args]
         self.log_path = log_dir / f"serve-{self.port}.log"
         self.env = {**os.environ, **(env or {})}
@@ -149,24 +158,29 @@ class KVCacheServiceProcess(EngineServerProcess):
     title = "kvharbor kvcache"
     probe = "/health"
 
-    def __init__(self, log_dir: Path, redis_url: str, *args: str, port: int | None = None) -> None:
-        super().__init__(log_dir, port=port)
+    def __init__(self, log_dir: Path, redis_url: str, *args: str, port: int | None = None, admin: bool = False) -> None:
+        super().__init__(log_dir, port=port, admin=admin)
         self.args = [
             sys.executable, "-m", "kvharbor.common.cli", "kvcache",
-            "--redis-url", redis_url, "--port", str(self.port), *args,
+            "--redis-url", redis_url, "--port", str(self.port), *self.admin_args, *args,
         ]  # fmt: skip
         self.log_path = log_dir / f"kvcache-{self.port}.log"
 
 
 class GatewayProcess(EngineServerProcess):
-    """`kvharbor gateway` in a subprocess; `url` once it answers /health."""
+    """`kvharbor gateway` in a subprocess; `url` once it answers /health, /metrics on `admin_url`."""
 
     title = "kvharbor gateway"
     probe = "/health"
 
     def __init__(self, log_dir: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None) -> None:
         super().__init__(log_dir, port=port, env=env)
-        self.args = [sys.executable, "-m", "kvharbor.common.cli", "gateway", "--port", str(self.port), *args]
+        self.admin_port = free_port()
+        self.admin_url = f"http://127.0.0.1:{self.admin_port}"
+        self.args = [
+            sys.executable, "-m", "kvharbor.common.cli", "gateway",
+            "--port", str(self.port), "--admin-port", str(self.admin_port), *args,
+        ]  # fmt: skip
         self.log_path = log_dir / f"gateway-{self.port}.log"
 
 

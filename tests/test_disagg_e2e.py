@@ -63,7 +63,7 @@ def engine_chat(engine, max_tokens: int = 24, **extra) -> dict:
 
 
 def metrics(proc) -> str:
-    return httpx.get(proc.url + "/metrics").text
+    return httpx.get(proc.admin_url + "/metrics").text
 
 
 def load(proc) -> dict:

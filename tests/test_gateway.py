@@ -64,9 +64,9 @@ def cluster(tmp_path_factory, smollm):
         lora += ["--lora", f"{name}={write_random_adapter(logs / name, smollm.arch, 8, seed=i)}"]
     with OTLPCollector() as otlp, RedisProcess(logs / "redis") as rds:
         common = ("--redis-url", rds.url, "--otlp-endpoint", otlp.url, *ENGINE_ARGS, *lora)
-        a = EngineServerProcess(logs, "--instance-id", "A", *common, env=FAST_SPANS)
+        a = EngineServerProcess(logs, "--instance-id", "A", *common, env=FAST_SPANS, admin=True)
         b = EngineServerProcess(logs, "--instance-id", "B", *common, env=FAST_SPANS)
-        svc = KVCacheServiceProcess(logs, rds.url, "--lease-sweep-interval", "0.5")
+        svc = KVCacheServiceProcess(logs, rds.url, "--lease-sweep-interval", "0.5", admin=True)
         procs = [a, b, svc]
         try:
             for p in procs:
@@ -85,11 +85,15 @@ def cluster(tmp_path_factory, smollm):
             for g in (g1, g2, rr):
                 g.wait_ready()
                 wait_for(lambda g=g: httpx.get(g.url + "/ready").status_code == 200, what="gateway sees engines")
-            yield {"a": a, "b": b, "g1": g1, "g2": g2, "rr": rr, "redis": redis.Redis.from_url(rds.url), "otlp": otlp,
-                   "tenants_file": tenants_file, "logs": logs, "redis_url": rds.url}  # fmt: skip
+            yield {"a": a, "b": b, "svc": svc, "g1": g1, "g2": g2, "rr": rr, "redis": redis.Redis.from_url(rds.url),
+                   "otlp": otlp, "tenants_file": tenants_file, "logs": logs, "redis_url": rds.url}  # fmt: skip
         finally:
             for p in reversed(procs):
                 p.stop()
+
+
+def metrics_of(proc) -> str:
+    return httpx.get(proc.admin_url + "/metrics", timeout=10).text
 
 
 def client(gateway, key: str = "sk-acme") -> openai.OpenAI:
@@ -147,6 +151,28 @@ def test_auth_errors_and_model_listing(cluster):
         client(g1).chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert [m.id for m in client(g1).models.list()] == [MODEL]
     assert [m.id for m in client(g1, "sk-elsewhere").models.list()] == []
+
+
+def test_admin_endpoints_answer_only_on_admin_listeners(cluster):
+    """The gateway's /metrics (it names every tenant) is never on the tenants' port; engine A and
+    the KV cache service, started with --admin-port, move theirs too; engine B has one listener."""
+    g1, a, b, svc = cluster["g1"], cluster["a"], cluster["b"], cluster["svc"]
+
+    def status(base: str, path: str) -> int:
+        return httpx.get(base + path, timeout=10).status_code
+
+    for proc, admin_only in ((g1, ["/metrics"]), (a, ["/metrics"]), (svc, ["/metrics", "/stats", "/instances"])):
+        for path in admin_only:
+            assert status(proc.url, path) == 404, (proc.title, path)
+            assert status(proc.admin_url, path) == 200, (proc.title, path)
+        for path in ("/health", "/ready"):
+            assert status(proc.url, path) == status(proc.admin_url, path) == 200, (proc.title, path)
+    assert httpx.get(g1.admin_url + "/v1/models", headers={"Authorization": "Bearer sk-acme"}).status_code == 404
+    assert status(a.admin_url, "/v1/models") == 404 and status(a.admin_url, "/load") == status(a.url, "/load") == 200
+    body = httpx.get(g1.url + "/metrics").json()["error"]
+    assert body["code"] == "not_found" and "admin listener" in body["message"]
+    assert status(b.url, "/metrics") == 200  # no --admin-port: one listener, as before
+    assert "kvharbor_gateway_requests_total" in metrics_of(g1)
 
 
 def test_engines_are_discovered_from_kubernetes_endpoint_slices(cluster, tmp_path):
@@ -253,7 +279,7 @@ def test_a_client_gone_mid_stream_frees_its_slot_and_the_engine(cluster):
     g1 = cluster["g1"]
 
     def aborted() -> float:
-        return sum(metric(httpx.get(cluster[k].url + "/metrics").text, "kvharbor_requests_aborted_total") for k in "ab")
+        return sum(metric(metrics_of(cluster[k]), "kvharbor_requests_aborted_total") for k in "ab")
 
     before = aborted()
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Write an essay."}], "max_tokens": 300,
@@ -330,7 +356,7 @@ def test_a_prompt_cached_under_one_adapter_never_hits_under_another_or_the_base(
         client(g1, "sk-acme").chat.completions.create(
             model="lora-a", messages=[{"role": "user", "content": "hi"}], max_tokens=2
         )
-    text = httpx.get(g1.url + "/metrics").text
+    text = metrics_of(g1)
     assert metric(text, "kvharbor_gateway_adapter_requests_total", 'adapter="lora-a"') >= 2
 
 
@@ -338,7 +364,7 @@ def hit_rate_delta(cluster, run) -> float:
     def totals():
         q = h = 0.0
         for e in (cluster["a"], cluster["b"]):
-            text = httpx.get(e.url + "/metrics").text
+            text = metrics_of(e)
             q += metric(text, "kvharbor_prefix_cache_queries_total")
             h += metric(text, "kvharbor_prefix_cache_hits_total")
         return q, h
@@ -374,7 +400,7 @@ def test_prefix_routing_follows_the_holder_and_beats_round_robin(cluster):
     # Every repeat of a system prompt went where that prompt already was: all of it came from the
     # cache but the last token's block (the last token must run), so at most a block short.
     assert all(p > 200 and c >= p - BLOCK for c, p in cached[4:]), cached
-    text = httpx.get(cluster["g1"].url + "/metrics").text
+    text = metrics_of(cluster["g1"])
     assert 0.3 < metric(text, "kvharbor_gateway_prefix_hit_ratio") <= 1.0
     assert metric(text, "kvharbor_gateway_block_size_mismatches_total") == 0  # engines and gateway agree
     assert prefix_rate > rr_rate + 0.1, (prefix_rate, rr_rate)
@@ -383,7 +409,7 @@ def test_prefix_routing_follows_the_holder_and_beats_round_robin(cluster):
 def served_counts(cluster) -> dict[str, float]:
     """Chat requests each engine ("a", "b") has answered."""
     ok_chats = 'endpoint="/v1/chat/completions",status="200"'
-    return {k: metric(httpx.get(cluster[k].url + "/metrics").text, "kvharbor_requests_total", ok_chats) for k in "ab"}
+    return {k: metric(metrics_of(cluster[k]), "kvharbor_requests_total", ok_chats) for k in "ab"}
 
 
 def served_by(cluster, send) -> str:
@@ -411,9 +437,9 @@ def test_imbalance_routes_by_load(cluster):
             wait_for(lambda: httpx.get(cluster[holder].url + "/load").json()["running"] >= 10, what="load")
             time.sleep(1.2)  # two polls
             decisions = 'reason="imbalance"'
-            before = metric(httpx.get(g1.url + "/metrics").text, "kvharbor_gateway_routing_decisions_total", decisions)
+            before = metric(metrics_of(g1), "kvharbor_gateway_routing_decisions_total", decisions)
             assert served_by(cluster, lambda: chat(g1, "sk-acme", text)) == idle
-            after = metric(httpx.get(g1.url + "/metrics").text, "kvharbor_gateway_routing_decisions_total", decisions)
+            after = metric(metrics_of(g1), "kvharbor_gateway_routing_decisions_total", decisions)
             assert after == before + 1
         finally:
             for s in streams:
@@ -511,7 +537,7 @@ def test_admission_sheds_queues_and_times_out(cluster, tmp_path):
             queued = chat(patient, "sk-vip", "hello")  # waits for the fillers, then is served
             assert queued.choices[0].message.content is not None
             assert all(f.result().status_code == 200 for f in fillers)
-        text = httpx.get(patient.url + "/metrics").text
+        text = metrics_of(patient)
         assert metric(text, "kvharbor_gateway_rejections_total", 'reason="shed_slo"') == 1
         assert metric(text, "kvharbor_gateway_queue_seconds_count", 'tenant="vip"') == 1
     finally:

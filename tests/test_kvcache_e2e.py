@@ -68,7 +68,7 @@ def indexed_blocks(svc) -> int:
 
 
 def scrape(engine) -> str:
-    return httpx.get(engine.url + "/metrics", timeout=10).text
+    return httpx.get(engine.admin_url + "/metrics", timeout=10).text
 
 
 def prefilled(metrics_text: str) -> float:

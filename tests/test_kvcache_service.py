@@ -76,7 +76,7 @@ def test_lookup_instances_stats_and_leases(redis_fresh, tmp_path):
         assert stats["intake"]["malformed"] == {"invalid": 1} and stats["intake"]["leader"]
         assert stats["index"] == {"instances": 2, "alive": 2, "blocks": 6}
         assert httpx.get(svc.url + "/ready").status_code == 200
-        metrics = httpx.get(svc.url + "/metrics").text
+        metrics = httpx.get(svc.admin_url + "/metrics").text
         assert 'kvharbor_kvcache_events_malformed_total{reason="invalid"} 1.0' in metrics
         assert "kvharbor_kvcache_lookups_total" in metrics
         # b's last heartbeat is a short one: its lease lapses, so it drops out of lookups, then out of

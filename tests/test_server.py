@@ -83,7 +83,7 @@ def test_an_adapter_request_answers_as_peft_does_beside_the_base_model(server, c
         assert base.choices[0].text != want
     again = complete(ADAPTER, prompts[0])
     assert again.choices[0].text == runs[1].choices[0].text
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.admin_url + "/metrics").text
     assert metric(text, "kvharbor_lora_requests_total", f'adapter="{ADAPTER}"') >= 3
     assert metric(text, "kvharbor_lora_adapter_loaded", f'active="true",adapter="{ADAPTER}"') == 1
     assert metric(text, "kvharbor_lora_swaps_total") >= 1
@@ -260,7 +260,7 @@ def test_16_concurrent_streams_complete_and_return_every_block(server, offline):
 
 
 def test_a_client_that_disconnects_mid_stream_is_aborted(server):
-    before = metric(httpx.get(server.url + "/metrics").text, "kvharbor_requests_aborted_total")
+    before = metric(httpx.get(server.admin_url + "/metrics").text, "kvharbor_requests_aborted_total")
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "Write a very long essay."}],
@@ -280,7 +280,7 @@ def test_a_client_that_disconnects_mid_stream_is_aborted(server):
             break
         time.sleep(0.2)
     assert load["running"] == 0 and load["kv_blocks_free"] == load["kv_blocks_total"]
-    after = metric(httpx.get(server.url + "/metrics").text, "kvharbor_requests_aborted_total")
+    after = metric(httpx.get(server.admin_url + "/metrics").text, "kvharbor_requests_aborted_total")
     assert after == before + 1
 
 
@@ -288,7 +288,7 @@ def test_metrics_report_load_and_latency(server, client):
     chat(client, QUESTIONS[2], temperature=0, max_tokens=4)
     load = httpx.get(server.url + "/load").json()  # the operator's `slo` autoscaling metric
     assert load["slo_requests"] >= 1 and 0.0 <= load["slo_attainment"] <= 1.0
-    text = httpx.get(server.url + "/metrics").text
+    text = httpx.get(server.admin_url + "/metrics").text
     for name in (
         "kvharbor_requests_running",
         "kvharbor_requests_waiting",

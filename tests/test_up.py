@@ -67,11 +67,13 @@ class Up:
         self.mark = uuid.uuid4().hex
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.admin_url = f"http://127.0.0.1:{free_port()}"
         self.log_path = tmp / f"up-{self.port}.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, **(env or {}), "KVHARBOR_TEST_MARK": self.mark}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvharbor.common.cli", "up", "--port", str(self.port), *args],
+            [sys.executable, "-m", "kvharbor.common.cli", "up", "--port", str(self.port),
+             "--admin-port", self.admin_url.rsplit(":", 1)[1], *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip
 
@@ -127,6 +129,10 @@ def test_the_platform_answers_through_the_gateway(platform):
     url = curl.split()[2]
     answer = httpx.post(url, json=body, headers={"Authorization": "Bearer sk-acme"}, timeout=120).json()
     assert answer["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    # The gateway's metrics are on the admin listener `up` prints, not on the tenants' port.
+    assert f"gateway metrics on {platform.admin_url}/metrics" in text
+    assert "kvharbor_gateway_requests_total" in httpx.get(platform.admin_url + "/metrics", timeout=10).text
+    assert httpx.get(platform.url + "/metrics", timeout=10).status_code == 404
 
 
 def test_a_killed_engine_is_restarted_while_the_other_serves(platform):
