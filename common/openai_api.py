@@ -3,7 +3,7 @@ and OpenAI's error shape. The engine server and the gateway both parse requests 
 
 Extension fields, beyond OpenAI:
     vLLM's          ignore_eos, min_tokens, top_k, min_p, repetition_penalty, stop_token_ids,
-                    include_stop_str_in_output, skip_special_tokens
+                    include_stop_str_in_output, skip_special_tokens, return_token_ids
     kvharbor's      prompt_token_ids (already tokenized; the chat template is not applied again),
                     cache_salt, priority (higher first; < 0 may be shed), request_id,
                     kv_prefix_source ("local" | "shared": where already computed blocks may come from),
@@ -126,6 +126,7 @@ class SamplingFields(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_token_ids: bool = False  # each choice (each streamed delta) carries its token ids
     # kvharbor's extensions
     prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     cache_salt: str | None = None

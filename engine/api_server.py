@@ -278,7 +278,7 @@ class _Routes:
                     "lora": lora,
                 },
             )
-        builder = ResponseBuilder(kind, rid, lora or self.state.model, self.tokenizer, params.n)
+        builder = ResponseBuilder(kind, rid, lora or self.state.model, self.tokenizer, params.n, body.return_token_ids)
         run = _Run(self.state, streams, arrival, request.url.path, rid, span)
         if body.stream:
             return StreamingResponse(

@@ -44,8 +44,11 @@ def finish_reason(sample: CompletionOutput) -> str | None:
 class ResponseBuilder:
     """Shapes for one API request: `kind` is "chat" or "completion"."""
 
-    def __init__(self, kind: str, response_id: str, model: str, tokenizer: Tokenizer | None, n: int) -> None:
+    def __init__(
+        self, kind: str, response_id: str, model: str, tokenizer: Tokenizer | None, n: int, token_ids: bool = False
+    ) -> None:
         self.kind = kind
+        self.token_ids = token_ids  # vLLM's return_token_ids: each choice carries its (delta) token ids
         self.id = response_id
         self.model = model
         self.tokenizer = tokenizer
@@ -103,18 +106,22 @@ class ResponseBuilder:
     def _choice(self, index: int, sample: CompletionOutput, want_logprobs: bool, prefix: str) -> dict:
         lps = sample.logprobs or []
         if self.kind == "chat":
-            return {
+            choice = {
                 "index": index,
                 "message": {"role": "assistant", "content": sample.text},
                 "logprobs": self.chat_logprobs(lps) if want_logprobs else None,
                 "finish_reason": finish_reason(sample),
             }
-        return {
-            "index": index,
-            "text": prefix + sample.text,
-            "logprobs": self.completion_logprobs(lps, len(prefix)) if want_logprobs else None,
-            "finish_reason": finish_reason(sample),
-        }
+        else:
+            choice = {
+                "index": index,
+                "text": prefix + sample.text,
+                "logprobs": self.completion_logprobs(lps, len(prefix)) if want_logprobs else None,
+                "finish_reason": finish_reason(sample),
+            }
+        if self.token_ids:
+            choice["token_ids"] = list(sample.token_ids)
+        return choice
 
     # -- streamed chunks --------------------------------------------------------------------------
 
@@ -133,9 +140,13 @@ class ResponseBuilder:
         if self.kind == "chat":
             lp = self.chat_logprobs(sample.delta_logprobs) if want_logprobs else None
             delta = {"content": sample.delta_text} if sample.delta_text or reason is None else {}
-            return self._chunk([{"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}])
-        lp = self.completion_logprobs(sample.delta_logprobs, text_offset) if want_logprobs else None
-        return self._chunk([{"index": index, "text": sample.delta_text, "logprobs": lp, "finish_reason": reason}])
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
+        else:
+            lp = self.completion_logprobs(sample.delta_logprobs, text_offset) if want_logprobs else None
+            choice = {"index": index, "text": sample.delta_text, "logprobs": lp, "finish_reason": reason}
+        if self.token_ids:
+            choice["token_ids"] = list(sample.delta_token_ids)
+        return self._chunk([choice])
 
     def text_chunk(self, index: int, text: str) -> dict:
         """A completion chunk of plain text (the echoed prompt)."""

@@ -45,7 +45,7 @@ from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
 from kvharbor.gateway.metrics import GatewayMetrics, adapter_label
 from kvharbor.gateway.predict import adapter_slot, uncached_tokens
 from kvharbor.gateway.proxy import EngineCaller, EngineFailed, with_retries
-from kvharbor.gateway.relay import EngineStream, StreamRelay, StreamStats
+from kvharbor.gateway.relay import Continuation, EngineStream, StreamRelay, StreamStats
 from kvharbor.gateway.router import Route, Router, block_size_for
 from kvharbor.gateway.tenants import Tenant, TenantRegistry, over_cap
 
@@ -85,6 +85,7 @@ class GatewayState:
     max_body_bytes: int
     stream_deadline: float = 1800.0  # seconds a streamed answer may run (ResilienceConfig)
     stream_idle: float = 60.0  # seconds a stream may go without a token
+    max_migrations: int = 2  # times one stream may move to another engine when its engine fails
     index: Any = None
     discovery: Any = None  # KubernetesDiscovery, followed by a lifespan task; None for static engines
     discovery_interval: float = 5.0
@@ -461,6 +462,8 @@ class _Handler:
             payload["kv_prefix_source"] = source
         if call.body.stream:
             payload["stream_options"] = {"include_usage": True}  # the gateway counts tokens
+            if self.state.max_migrations and len(call.prompts) == 1 and (call.body.n or 1) == 1:
+                payload["return_token_ids"] = True  # what a migration continues from
         return payload
 
     async def _forward(self, call: _Call, route: Route, limit_headers: dict[str, str], request: Request) -> Response:
@@ -504,25 +507,33 @@ class _Handler:
             headers_out = {"x-request-id": call.rid, **limit_headers}
             return Response(content, media_type="application/json", headers=headers_out)
 
-        async def open_stream(engine: Engine) -> tuple[EngineStream, Sent]:
+        on = _OnEngine()
+
+        async def open_stream(engine: Engine, payload: dict | None = None) -> EngineStream:
             sent = engine.send(uncached(engine), call.adapter)
             try:
-                stream = await state.caller.open_stream(engine, call.path, self._payload(call, route, engine), headers)
+                body = payload if payload is not None else self._payload(call, route, engine)
+                stream = await state.caller.open_stream(engine, call.path, body, headers)
             except BaseException:
                 sent.done()
                 raise
             sent.first_token()
-            return stream, sent
+            on.engine, on.sent = engine, sent
+            return stream
 
-        stream, sent = await with_retries(state.max_attempts, first, pick_next, open_stream)
+        stream = await with_retries(state.max_attempts, first, pick_next, open_stream)
 
         async def debit(tokens: int) -> None:
             await state.limiter.debit_tokens(call.tenant, tokens)
 
         async def settle(stats: StreamStats) -> None:
-            sent.done()
+            on.sent.done()
             if stats.timeout is not None:
                 state.metrics.stream_timeouts.labels(call.model.name, stats.timeout).inc()
+            if stats.migrations:
+                state.metrics.stream_migrations.labels(call.model.name, "moved").inc(stats.migrations)
+            if stats.migration_failed:
+                state.metrics.stream_migrations.labels(call.model.name, "failed").inc()
             await state.limiter.release(call.tenant, call.slot)
             self._finished(call, stats.usage, stats)
             if call.span is not None:
@@ -534,6 +545,7 @@ class _Handler:
         relay = StreamRelay(
             stream, call.rid, call.body.include_usage, debit, settle, deadline_s=state.stream_deadline,
             idle_s=state.stream_idle, renew=renew, renew_every_s=state.limiter.slot_ttl / 3,
+            continuation=self._continuation(call, route, on, open_stream),
         )  # fmt: skip
         return _GuardedStream(
             relay.lines(),
@@ -541,6 +553,35 @@ class _Handler:
             media_type="text/event-stream",
             headers={"x-request-id": call.rid, "Cache-Control": "no-cache", **limit_headers},
         )
+
+    def _continuation(self, call: _Call, route: Route, on: _OnEngine, open_stream) -> Continuation | None:
+        """How this stream goes on if its engine fails mid-way: one prompt, one sample (the prompt
+        plus the tokens streamed so far is one sequence), and migrations allowed."""
+        state = self.state
+        if state.max_migrations == 0 or len(call.prompts) != 1 or (call.body.n or 1) != 1:
+            return None
+        limit = call.body.max_new_tokens() or call.raw.get("max_tokens")
+        moves = 0
+
+        async def resume(streamed: list[int], failure: str) -> EngineStream:
+            nonlocal moves
+            moves += 1
+            failed = on.engine
+            on.sent.done()
+            state.pool.failed(failed, f"failed mid-stream ({failure})", hard=failure == "hard")
+            others = self._candidates(call, exclude={failed.url})
+            if not others:
+                raise EngineFailed("no other engine to continue the stream on")
+            chosen = await state.router.choose(
+                call.model.name, others, call.hashes, len(call.prompts[0]), call.block_size,
+                call.model.slo_itl_s, call.adapter,
+            )  # fmt: skip
+            if chosen is None:
+                raise EngineFailed("no other engine to continue the stream on")
+            payload = continued_payload(self._payload(call, route, chosen.engine), call, streamed, limit, moves)
+            return await open_stream(chosen.engine, payload)
+
+        return Continuation(resume, state.max_migrations, limit, len(call.prompts[0]), not call.body.return_token_ids)
 
     async def _disaggregate(self, call: _Call, route: Route, headers: dict[str, str]) -> None:
         """P/D: decide, and when a prefill engine is worth it, run the prefill there (DESIGN §9).
@@ -645,6 +686,33 @@ async def _unless_disconnected(request: Request, work):
     finally:
         if not task.done():
             task.cancel()
+
+
+@dataclass
+class _OnEngine:
+    """The engine a stream is on now, and its in-flight accounting (a migration moves both)."""
+
+    engine: Engine | None = None
+    sent: Sent | None = None
+
+
+def continued_payload(payload: dict, call: _Call, streamed: list[int], limit: int | None, moves: int) -> dict:
+    """The request that continues a broken stream: its prompt plus the tokens already streamed,
+    as one already-tokenized prompt (no chat template again), with what is left to generate.
+    Sampling settings stay the same, the seed included: a seeded stream stays a valid sample of
+    the model given what was streamed, not the tokens an unbroken run would have drawn."""
+    payload = {**payload, "prompt_token_ids": [*call.prompts[0], *streamed], "return_token_ids": True}
+    payload.pop("prompt", None)
+    payload.pop("kv_transfer_params", None)  # a P/D hand-off is used once; this prefill is new
+    if call.kind == "completion":
+        payload["echo"] = False  # the client has the prompt's echo already
+    if limit is not None:
+        payload.pop("max_completion_tokens", None)
+        payload["max_tokens"] = limit - len(streamed)
+    if payload.get("min_tokens"):
+        payload["min_tokens"] = max(0, int(payload["min_tokens"]) - len(streamed))
+    payload["request_id"] = f"{call.engine_rid}.m{moves}"
+    return payload
 
 
 class _GuardedStream(StreamingResponse):

@@ -101,6 +101,9 @@ class ResilienceConfig:
         60.0, "seconds a stream may go without a token after its first; then it ends as at its deadline"
     )
     max_attempts: int = opt(3, "engines tried for one request before it fails (only before its first token)")
+    max_migrations: int = opt(
+        2, "times one stream may move to another engine when its engine fails mid-way (0: the stream ends instead)"
+    )
     eject_after_failures: int = opt(3, "consecutive failures that eject an engine until it is healthy again")
     max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")
     max_prompt_tokens: int = opt(32768, "longest accepted prompt, in tokens (400 above)")
@@ -108,6 +111,8 @@ class ResilienceConfig:
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.eject_after_failures < 1:
             raise ValueError("max_attempts and eject_after_failures must be >= 1")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.stream_deadline <= 0 or self.stream_idle_timeout <= 0:
             raise ValueError("stream_deadline and stream_idle_timeout must be > 0 seconds")
 

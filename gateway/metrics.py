@@ -31,6 +31,12 @@ class GatewayMetrics:
         self.rejections = Counter(
             "kvharbor_gateway_rejections", "Refused requests by tenant and reason", ["tenant", "reason"], registry=r
         )
+        self.stream_migrations = Counter(
+            "kvharbor_gateway_stream_migrations",
+            "Streams moved to another engine when theirs failed mid-way (moved), or that could not move (failed)",
+            ["model", "result"],
+            registry=r,
+        )
         self.stream_timeouts = Counter(
             "kvharbor_gateway_stream_timeouts",
             "Streams ended by their deadline or an idle timeout (the engine's request aborted)",

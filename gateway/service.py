@@ -132,6 +132,7 @@ def build_state(config: Any, tracer: Any = None):
         max_body_bytes=res.max_body_bytes,
         stream_deadline=res.stream_deadline,
         stream_idle=res.stream_idle_timeout,
+        max_migrations=res.max_migrations,
         index=index,
         discovery=_kubernetes_discovery(config, specs) if config.serving.discovery == "kubernetes" else None,
         discovery_interval=config.serving.discovery_interval,

@@ -37,6 +37,16 @@ def pytest_sessionstart(session):
     cpu_kernels.load(physical_cores())
 
 
+def pytest_terminal_summary(terminalreporter):
+    """The fault suite's table (tests/faults/), when it ran: one row per fault."""
+    import sys
+
+    loaded = sys.modules.get("fault_load")
+    if loaded is not None and loaded.ROWS:
+        terminalreporter.write_sep("-", "fault suite (tests/faults): one row per fault, under load")
+        terminalreporter.write_line(loaded.table(loaded.ROWS))
+
+
 @dataclass
 class ModelCase:
     """One model under test, with its independent reference."""

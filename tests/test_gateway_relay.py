@@ -195,3 +195,166 @@ def test_an_engine_that_lost_the_model_is_retried_elsewhere_but_a_clients_404_is
     with pytest.raises(APIError) as bad:
         asyncio.run(call(None))
     assert bad.value.status == 400
+
+
+# -- migration: a stream whose engine fails mid-way goes on elsewhere ---------------------------------
+
+
+def tok(text: str, ids: list[int], cid: str = "chatcmpl-A") -> str:
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": None, "token_ids": ids}
+    chunk = {"id": cid, "object": "chat.completion.chunk", "created": 1, "model": "m", "choices": [choice]}
+    return "data: " + json.dumps(chunk)
+
+
+def role(cid: str) -> str:
+    choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    created = 9 if cid != "chatcmpl-A" else 1
+    chunk = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": "m", "choices": [choice]}
+    return "data: " + json.dumps(chunk)
+
+
+def finish(cid: str, reason: str = "length") -> str:
+    chunk = {"id": cid, "object": "chat.completion.chunk", "created": 9, "model": "m",
+             "choices": [{"index": 0, "delta": {}, "finish_reason": reason, "token_ids": []}]}  # fmt: skip
+    return "data: " + json.dumps(chunk)
+
+
+def usage(cid: str, prompt: int, completion: int) -> str:
+    body = {"id": cid, "choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion, "prompt_tokens_details": {"cached_tokens": prompt}}}  # fmt: skip
+    return "data: " + json.dumps(body)
+
+
+def _migrating_run(first: _Body, seconds: list[_Body], max_tokens: int | None = 20, limit: int = 2, **options):
+    """Relay `first`; each migration opens the next of `seconds`. Returns (client chunks, opens, stats, debits)."""
+    from kvharbor.gateway.proxy import EngineFailed
+    from kvharbor.gateway.relay import Continuation
+
+    opens: list[tuple[list[int], str]] = []
+    debits: list[int] = []
+    settled: list = []
+
+    async def main():
+        bodies = iter([first, *seconds])
+        http = httpx.AsyncClient(transport=httpx.MockTransport(lambda r: httpx.Response(200, stream=next(bodies))))
+        caller = EngineCaller(http, EnginePool(http), 1.0, 5.0, 10.0)
+        engine = Engine("http://e", "m")
+        stream = await caller.open_stream(engine, "/v1/chat/completions", {}, {})
+
+        async def reopen(ids, failure):
+            opens.append((list(ids), failure))
+            if len(opens) > len(seconds):
+                raise EngineFailed("no other engine")
+            return await caller.open_stream(engine, "/v1/chat/completions", {}, {})
+
+        async def debit(n):
+            debits.append(n)
+
+        async def settle(stats):
+            settled.append(stats)
+
+        continuation = Continuation(reopen, limit, max_tokens, 5, strip_token_ids=True)
+        relay = StreamRelay(stream, "rid", True, debit, settle, continuation=continuation, **options)
+        out = [line async for line in relay.lines()]
+        await http.aclose()
+        return out
+
+    out = asyncio.run(main())
+    chunks = [json.loads(line[6:]) for line in out if line.startswith("data: {")]
+    assert out[-1] == "data: [DONE]\n\n"
+    return chunks, opens, settled[0], debits
+
+
+def _text(chunks: list[dict]) -> str:
+    return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c.get("choices"))
+
+
+def test_a_stream_whose_engine_dies_goes_on_elsewhere_as_one_answer():
+    first = _Body([role("chatcmpl-A"), *(tok(f"t{i} ", [i]) for i in range(5))], broken=True)
+    second = _Body([role("chatcmpl-B"), *(tok(f"t{i} ", [i]) for i in range(5, 9)), finish("chatcmpl-B"),
+                    usage("chatcmpl-B", 5 + 5, 4), "data: [DONE]"])  # fmt: skip
+    chunks, opens, stats, debits = _migrating_run(first, [second])
+    assert opens == [([0, 1, 2, 3, 4], "hard")]  # the prompt's continuation: what was streamed
+    assert _text(chunks) == "".join(f"t{i} " for i in range(9))
+    deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+    assert deltas.count({"role": "assistant", "content": ""}) == 1
+    assert {c["id"] for c in chunks} == {"chatcmpl-A"} and {c["created"] for c in chunks} == {1}
+    assert all("token_ids" not in ch for c in chunks for ch in c["choices"])  # the gateway's own ask: hidden
+    (final,) = [c["usage"] for c in chunks if c.get("usage")]
+    assert final["prompt_tokens"] == 5 and final["completion_tokens"] == 9 and final["total_tokens"] == 14
+    assert final["prompt_tokens_details"]["cached_tokens"] == 5
+    assert stats.migrations == 1 and stats.error is None and not stats.migration_failed
+    assert sum(debits) == 9 and stats.tokens_seen == 9  # TPM counted once, for the whole answer
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length" and chunks[-1]["choices"] == []
+
+
+def test_tokens_whose_text_had_not_reached_the_client_are_generated_again():
+    pending = tok("", [7])  # a token whose bytes end mid-character: no text yet
+    first = _Body([role("chatcmpl-A"), tok("a", [1]), pending], broken=True)
+    second = _Body([role("chatcmpl-B"), tok("é", [7]), finish("chatcmpl-B"), "data: [DONE]"])
+    chunks, opens, _, _ = _migrating_run(first, [second])
+    assert opens == [([1], "hard")] and _text(chunks) == "aé"
+
+
+def test_an_engine_that_reports_itself_unavailable_migrates_but_a_request_error_does_not():
+    dead = 'data: {"error":{"message":"engine core died","type":"service_unavailable"}}'
+    second = _Body([role("chatcmpl-B"), tok("b", [2]), finish("chatcmpl-B"), "data: [DONE]"])
+    chunks, opens, stats, _ = _migrating_run(_Body([tok("a", [1]), dead, "data: [DONE]"]), [second])
+    assert opens == [([1], "hard")] and _text(chunks) == "ab" and stats.error is None
+    failed = 'data: {"error":{"message":"KV pool exhausted","type":"internal_error"}}'
+    chunks, opens, stats, _ = _migrating_run(_Body([tok("a", [1]), failed, "data: [DONE]"]), [])
+    assert opens == [] and chunks[-1]["error"]["message"] == "KV pool exhausted"
+
+
+def test_an_engine_that_aborts_the_request_its_drain_timed_out_migrates():
+    first = _Body([tok("a", [1]), finish("chatcmpl-A", "abort"), "data: [DONE]"])
+    second = _Body([role("chatcmpl-B"), tok("b", [2]), finish("chatcmpl-B", "stop"), "data: [DONE]"])
+    chunks, opens, _, _ = _migrating_run(first, [second])
+    reasons = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
+    assert opens == [([1], "hard")] and _text(chunks) == "ab" and "abort" not in reasons and reasons[-1] == "stop"
+
+
+def test_a_stalled_engine_past_the_idle_timeout_migrates():
+    first = _Body([tok("a", [1]), tok("b", [2])], pause={1: 3.0})
+    second = _Body([role("chatcmpl-B"), tok("b", [2]), finish("chatcmpl-B"), "data: [DONE]"])
+    chunks, opens, stats, _ = _migrating_run(first, [second], idle_s=0.2)
+    assert opens == [([1], "stall")] and _text(chunks) == "ab" and first.closed and stats.timeout is None
+
+
+def test_past_the_migration_limit_or_with_nowhere_to_go_the_stream_ends_with_an_error_event():
+    first = _Body([tok("a", [1])], broken=True)
+    again = _Body([role("chatcmpl-B"), tok("b", [2])], broken=True)
+    chunks, opens, stats, _ = _migrating_run(first, [again], limit=1)
+    assert len(opens) == 1 and _text(chunks) == "ab" and "broke" in chunks[-1]["error"]["message"]
+    assert stats.migrations == 1 and stats.migration_failed
+    chunks, opens, stats, _ = _migrating_run(_Body([tok("a", [1])], broken=True), [])
+    assert len(opens) == 1 and "error" in chunks[-1] and stats.migration_failed and stats.migrations == 0
+
+
+def test_an_engine_that_died_after_its_last_token_just_ends_the_answer():
+    first = _Body([role("chatcmpl-A"), tok("a", [1]), tok("b", [2])], broken=True)
+    chunks, opens, stats, _ = _migrating_run(first, [], max_tokens=2)
+    assert opens == [] and _text(chunks) == "ab" and chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 2 and chunks[-1]["usage"]["prompt_tokens"] == 5
+    assert chunks[-1]["id"] == "chatcmpl-A" and stats.error is None
+
+
+def test_the_continuation_request_carries_the_prompt_and_streamed_tokens_with_what_is_left():
+    from types import SimpleNamespace
+
+    from kvharbor.gateway.app import continued_payload
+
+    call = SimpleNamespace(prompts=[[1, 2, 3]], kind="completion", engine_rid="rid.abcd")
+    sent = {"model": "m", "prompt": "x", "prompt_token_ids": [1, 2, 3], "max_tokens": 10, "min_tokens": 4,
+            "echo": True, "seed": 7, "temperature": 0.7, "kv_transfer_params": {"remote_handle": "h"}}  # fmt: skip
+    out = continued_payload(sent, call, [9, 9, 9], 10, 1)
+    assert out["prompt_token_ids"] == [1, 2, 3, 9, 9, 9] and "prompt" not in out
+    assert out["max_tokens"] == 7 and out["min_tokens"] == 1 and out["echo"] is False
+    assert out["seed"] == 7 and out["temperature"] == 0.7 and out["return_token_ids"] is True
+    assert "kv_transfer_params" not in out and out["request_id"] == "rid.abcd.m1"
+    assert sent["max_tokens"] == 10  # the first request's payload is left as it was
+    chat = continued_payload({"max_completion_tokens": 5}, SimpleNamespace(prompts=[[1]], kind="chat",
+                             engine_rid="r"), [4], 5, 2)  # fmt: skip
+    assert chat["max_tokens"] == 4 and "max_completion_tokens" not in chat and "echo" not in chat
+    assert "max_tokens" not in continued_payload({}, SimpleNamespace(prompts=[[1]], kind="chat", engine_rid="r"),
+                                                 [4], None, 1)  # fmt: skip

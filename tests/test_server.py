@@ -160,6 +160,29 @@ def test_chat_streamed_joins_to_the_unstreamed_answer(client):
     assert reasons[-1] == "stop" and usage.completion_tokens == 8
 
 
+def test_token_ids_returned_and_a_continuation_from_them_ends_the_same(server):
+    """return_token_ids (vLLM's): each choice, and each streamed delta, carries its token ids. The
+    gateway's stream migration rests on this: the prompt's ids plus the first k generated ones,
+    sent again with k fewer max_tokens, end with the same greedy text (gateway/relay.py)."""
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 20, "return_token_ids": True}
+    whole = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    ids = whole["choices"][0]["token_ids"]
+    assert len(ids) == whole["usage"]["completion_tokens"] == 8
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids", [])] == ids
+    assert "token_ids" not in httpx.post(server.url + "/v1/chat/completions", json={**body, "return_token_ids": False},
+                                         timeout=60).json()["choices"][0]  # fmt: skip
+    prompt = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": messages}).json()["tokens"]
+    k = 3
+    rest = {**body, "prompt_token_ids": prompt + ids[:k], "max_tokens": 20 - k}
+    cont = httpx.post(server.url + "/v1/chat/completions", json=rest, timeout=60).json()["choices"][0]
+    assert ids[:k] + cont["token_ids"] == ids
+    done = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": ids[:k]}).json()["prompt"]
+    assert done + cont["message"]["content"] == whole["choices"][0]["message"]["content"]
+
+
 def test_completions_streamed_and_not(client):
     full = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     streamed = "".join(
