@@ -32,6 +32,11 @@ class WatchConfig:
 class EngineDefaults:
     engine_image: str = opt("ghcr.io/kvharbor/engine:0.1.0", "container image of the engine pods")
     redis_url: str | None = opt(None, "Redis of the KV index: engines publish to it, deletion clears it")
+    engine_redis_secret: str | None = opt(
+        None, "Secret (in the engines' namespace) whose key engine_redis_secret_key holds the engines' Redis URL: "
+        "engine pods get KVHARBOR_REDIS_URL from it, and redis_url stays out of their ConfigMap",
+    )  # fmt: skip
+    engine_redis_secret_key: str = opt("url", "key of engine_redis_secret that holds the URL")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,34 @@ class TenantsConfig:
 
 
 @dataclass(frozen=True)
+class LeaderConfig:
+    """Leader election on a coordination.k8s.io/v1 Lease (operator/leader.py), as client-go's does."""
+
+    leader_election: bool = opt(True, "act only while holding the Lease, so that one of several replicas acts")
+    lease_name: str = opt("kvharbor-operator", "name of the Lease the replicas elect their leader on")
+    lease_namespace: str = opt("", "namespace of that Lease (empty: tenants_namespace, the release namespace)")
+    lease_duration: int = opt(15, "whole seconds a standby waits, after the Lease last changed, before taking over")
+    renew_deadline: float = opt(10.0, "seconds a leader keeps acting without a renewal before it stops (and exits 1)")
+    retry_interval: float = opt(2.0, "seconds between a leader's renewals and between a standby's attempts")
+
+    def __post_init__(self) -> None:
+        if not self.lease_name:
+            raise ValueError("lease_name must not be empty")
+        if self.lease_duration < 1:
+            raise ValueError(f"lease_duration must be at least 1 second, not {self.lease_duration}")
+        if not 0 < self.retry_interval < self.renew_deadline:
+            raise ValueError(
+                f"retry_interval ({self.retry_interval:g} s) must be > 0 and shorter than renew_deadline "
+                f"({self.renew_deadline:g} s): a leader renews several times before it gives up"
+            )
+        if self.renew_deadline >= self.lease_duration:
+            raise ValueError(
+                f"renew_deadline ({self.renew_deadline:g} s) must be shorter than lease_duration "
+                f"({self.lease_duration} s): a leader must stop acting before a standby may take over"
+            )
+
+
+@dataclass(frozen=True)
 class OperatorServerConfig(ListenConfig):
     host: str = opt("127.0.0.1", "address of the /healthz liveness endpoint (0.0.0.0 in a pod)")
     port: int = opt(8080, "port of the /healthz liveness endpoint (0: none)")
@@ -66,4 +99,5 @@ class OperatorConfig:
     engine: EngineDefaults = field(default_factory=EngineDefaults)
     scaling: ScalingConfig = field(default_factory=ScalingConfig)
     tenants: TenantsConfig = field(default_factory=TenantsConfig)
+    leader: LeaderConfig = field(default_factory=LeaderConfig)
     server: OperatorServerConfig = field(default_factory=OperatorServerConfig)

@@ -22,6 +22,11 @@ engine on upgrade, and a Deployment's selector cannot change. Its Service says
 
 LoRA adapters (`spec.adapters`, operator/adapters.py) go to every role alike: the engine config's
 `lora` list and limits, and read-only mounts of the ConfigMaps and PVCs they come from.
+
+Every engine serves /metrics (and the runtime adapter calls) on its admin port, ENGINE_ADMIN_PORT,
+a container port named `admin` that the Service leaves out; the pods carry prometheus.io scrape
+annotations for it. With `redis_secret` (NAME, KEY) the Redis URL, which may hold a password, stays
+out of the ConfigMap: the engine reads KVHARBOR_REDIS_URL from that Secret of its namespace.
 """
 
 from __future__ import annotations
@@ -41,10 +46,14 @@ from kvharbor.operator.roles import COLOCATED, RoleSpec, role_specs
 
 GROUP_VERSION = "kvharbor.io/v1alpha1"
 ENGINE_PORT = 8000
+ENGINE_ADMIN_PORT = 9090  # /metrics and operator-facing endpoints (--admin-port); not in the Service
 KV_TRANSFER_PORT = 8200  # prefill engines serve KV hand-offs here; decode engines dial the pod IP
 PRESTOP_PAUSE_S = 5
 ROLE_LABEL = "kvharbor.io/role"  # on a role's pods, Deployment, ConfigMap and PDB
 ROLES_LABEL = "kvharbor.io/roles"  # on the Service: both, or prefill-decode
+# on the engine pods: where Prometheus scrapes them (the admin port)
+SCRAPE = {"prometheus.io/scrape": "true", "prometheus.io/port": str(ENGINE_ADMIN_PORT),
+          "prometheus.io/path": "/metrics"}  # fmt: skip
 
 
 def _label_value(text: str) -> str:
@@ -101,6 +110,7 @@ def engine_config(spec: dict, redis_url: str | None, role: str = COLOCATED) -> d
         "slo_itl_ms": slo.get("itlP95Ms", 200),
         "host": "0.0.0.0",
         "port": ENGINE_PORT,
+        "admin_port": ENGINE_ADMIN_PORT,
         "device": "cuda",
     }
     if redis_url:
@@ -123,15 +133,18 @@ def desired_objects(
     image: str,
     redis_url: str | None = None,
     pool_label: str = POOL_LABEL,
+    redis_secret: tuple[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Every object of the roles `spec` runs (operator/roles.py): per role a ConfigMap and a
     Deployment, then the Service, then per role a PodDisruptionBudget. `placement` and
-    `replicas` map each role to its own, or are one value for every role."""
+    `replicas` map each role to its own, or are one value for every role. The engines' Redis is
+    `redis_secret` (Secret name, key: env KVHARBOR_REDIS_URL from it) when given, else `redis_url`
+    written into their ConfigMap."""
     owner = [owner_reference(name, uid)]
     roles = role_specs(spec)
     per_role = [
         role_objects(name, namespace, owner, spec, role, _of(placement, role.role), _of(replicas, role.role),
-                     image, redis_url, pool_label)
+                     image, None if redis_secret else redis_url, pool_label, redis_secret)
         for role in roles
     ]  # fmt: skip
     service = engine_service(name, namespace, owner, spec, [role.role for role in roles])
@@ -159,6 +172,7 @@ def role_objects(
     image: str,
     redis_url: str | None,
     pool_label: str,
+    redis_secret: tuple[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """[ConfigMap, Deployment, PodDisruptionBudget] of one engine role."""
     labels = engine_labels(name, role.role)
@@ -190,12 +204,12 @@ def role_objects(
             "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": labels, "annotations": {"kvharbor.io/rollout-hash": rollout}},
+                "metadata": {"labels": labels, "annotations": {"kvharbor.io/rollout-hash": rollout, **SCRAPE}},
                 "spec": {
                     "nodeSelector": {pool_label: placement.pool},
                     "tolerations": tolerations,
                     "terminationGracePeriodSeconds": drain + PRESTOP_PAUSE_S + 15,
-                    "containers": [engine_container(image, placement, role.role, lora)],
+                    "containers": [engine_container(image, placement, role.role, lora, redis_secret)],
                     "volumes": [
                         {"name": "config", "configMap": {"name": configmap["metadata"]["name"]}},
                         *lora.volumes(),
@@ -214,15 +228,23 @@ def role_objects(
     return [configmap, deployment, pdb]
 
 
-def engine_container(image: str, placement: PlacementPlan, role: str, lora: LoraSpec | None = None) -> dict[str, Any]:
-    ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}]
+def engine_container(
+    image: str, placement: PlacementPlan, role: str, lora: LoraSpec | None = None,
+    redis_secret: tuple[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    ports = [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+             {"name": "admin", "containerPort": ENGINE_ADMIN_PORT, "protocol": "TCP"}]  # fmt: skip
     if role == "prefill":
         ports.append({"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
+    env: list[dict[str, Any]] = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    if redis_secret:
+        secret, key = redis_secret
+        env.append({"name": "KVHARBOR_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
     return {
         "name": "engine",
         "image": image,
         "args": ["serve", "--config", "/etc/kvharbor/engine.yaml", "--instance-id", "$(POD_NAME)"],
-        "env": [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}],
+        "env": env,
         "ports": ports,
         "resources": {
             "limits": {"nvidia.com/gpu": str(placement.gpus_per_replica)},

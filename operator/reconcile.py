@@ -200,6 +200,7 @@ async def reconcile_service(ctx: OperatorContext, body: dict) -> Outcome:
     objects = desired_objects(
         res.name, res.namespace, res.uid, res.spec, plans, replicas,
         engine.engine_image, engine.redis_url, ctx.config.watch.pool_label,
+        (engine.engine_redis_secret, engine.engine_redis_secret_key) if engine.engine_redis_secret else None,
     )  # fmt: skip
     moved = [role for role, plan in plans.items() if placement_changed(res, role, plan)]
     events = [Event("Normal", "Placed", placement_message(role, plans[role])) for role in moved]

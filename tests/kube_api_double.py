@@ -10,8 +10,10 @@ What it models:
   of every CustomResourceDefinition given to the constructor or created through the API.
 - Built-ins: core v1 namespaces and nodes (cluster-scoped), pods, services, configmaps, secrets, events,
   endpoints, serviceaccounts; apps/v1 deployments and policy/v1 poddisruptionbudgets (with status
-  subresource); discovery.k8s.io/v1 endpointslices; events.k8s.io/v1 events; apiextensions.k8s.io/v1
-  customresourcedefinitions (cluster-scoped; a created CRD is instantly Established and served).
+  subresource); discovery.k8s.io/v1 endpointslices; events.k8s.io/v1 events; coordination.k8s.io/v1 leases
+  (leader election: a PUT or patch carrying a stale metadata.resourceVersion answers 409, so two candidates
+  cannot both win); apiextensions.k8s.io/v1 customresourcedefinitions (cluster-scoped; a created CRD is
+  instantly Established and served).
 - One global resourceVersion counter; uid, creationTimestamp, generateName, generation (starts at 1 for
   custom resources and for objects with `spec`; bumps only when something outside metadata and status
   changes, and when deletion of an object with finalizers starts, as the real server does).
@@ -21,6 +23,8 @@ What it models:
 - The status subresource: /status writes change only .status; main-endpoint writes keep the old .status;
   status is dropped on create. Resources without the subresource keep status written to the main endpoint.
 - No-op writes change nothing: same resourceVersion, no watch event, not recorded in `writes`.
+- More listeners on other loopback ports (`listen()`), one per client process, so a test can tell whose
+  writes were whose: `writes_via` records each write with the URL of the listener it came in on.
 - Finalizers: DELETE sets deletionTimestamp (grace period 0); the object goes away when a later write
   empties its finalizers; no new finalizers may be added while it is being deleted (422).
 - Garbage collection of dependents by metadata.ownerReferences uid (cascading, same finalizer rules), at
@@ -53,6 +57,8 @@ What it does NOT model:
   involvedObject.* and so on); no table output, no protobuf, no `?pretty`, no sub-resources other than
   status (no scale, logs, exec, eviction, binding, proxy, finalize); no OpenAPI (/openapi/*) documents.
 - Core v1 events and events.k8s.io/v1 events are stored separately (the real server shares them).
+- Leases are plain objects: nothing checks their fields or acts on their expiry (electing is the clients' job,
+  as it is against a real server).
 - CRD versions are served without conversion: every version returns the same stored body, only
   apiVersion differs. Deleting a CRD drops its objects at once, without their finalizers.
 """
@@ -132,6 +138,7 @@ BUILTINS = [
     _builtin("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", short=["pdb"], status=True),
     _builtin("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice"),
     _builtin("events.k8s.io", "v1", "events", "Event", short=["ev"]),
+    _builtin("coordination.k8s.io", "v1", "leases", "Lease"),
     _builtin("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition",
              namespaced=False, short=["crd", "crds"], status=True),
 ]
@@ -416,6 +423,7 @@ class KubeAPIDouble:
                  bookmark_interval: float = 10.0) -> None:
         self.url = ""
         self.writes: list[tuple[str, str]] = []  # (method, path) of HTTP writes that changed something
+        self.writes_via: list[tuple[str, str, str]] = []  # the same writes as (method, path, listener URL)
         self.requests: list[tuple[str, str]] = []  # (method, path?query) of every HTTP request, for debugging
         self._lock = threading.RLock()
         self._rv = 0
@@ -428,6 +436,7 @@ class KubeAPIDouble:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
+        self._listeners: dict[int, str] = {}  # local port -> URL of each listener
         self._stopping = False
         for rt in BUILTINS:
             self._types[(rt.group, rt.version, rt.plural)] = rt
@@ -446,20 +455,31 @@ class KubeAPIDouble:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kube-api-double", daemon=True)
         self._thread.start()
-        port = asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=30)
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=30)
         return self
 
-    async def _serve(self) -> int:
+    def listen(self) -> str:
+        """One more listener on a free loopback port, serving the same objects; returns its URL. Give each
+        client process its own (a kubeconfig per listener) to tell their writes apart in `writes_via`."""
+        if self._loop is None:
+            raise RuntimeError("start() the double before adding a listener")
+        return asyncio.run_coroutine_threadsafe(self._add_site(), self._loop).result(timeout=30)
+
+    async def _serve(self) -> str:
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         # A short shutdown timeout: open watches are already told to end before cleanup.
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
         await self._runner.setup()
+        return await self._add_site()
+
+    async def _add_site(self) -> str:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind(("127.0.0.1", 0))  # a free port, known before serving, and loopback only
         await web.SockSite(self._runner, sock).start()
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+        self._listeners[port] = f"http://127.0.0.1:{port}"
+        return self._listeners[port]
 
     def stop(self) -> None:
         if self._thread is None or self._loop is None:
@@ -475,6 +495,7 @@ class KubeAPIDouble:
         if not self._thread.is_alive():
             self._loop.close()
         self._thread = self._loop = self._runner = None
+        self._listeners.clear()
 
     def __enter__(self) -> KubeAPIDouble:
         return self.start()
@@ -482,14 +503,15 @@ class KubeAPIDouble:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def write_kubeconfig(self, path: Path, namespace: str = "default") -> Path:
+    def write_kubeconfig(self, path: Path, namespace: str = "default", url: str | None = None) -> Path:
+        """A kubeconfig for the double at `url` (a listener from `listen()`; default: the first one)."""
         if not self.url:
             raise RuntimeError("start() the double before writing a kubeconfig for it")
         name = "kube-api-double"
         config = {
             "apiVersion": "v1",
             "kind": "Config",
-            "clusters": [{"name": name, "cluster": {"server": self.url}}],
+            "clusters": [{"name": name, "cluster": {"server": url or self.url}}],
             "users": [{"name": name, "user": {}}],
             "contexts": [{"name": name, "context": {"cluster": name, "user": name, "namespace": namespace}}],
             "current-context": name,
@@ -942,6 +964,9 @@ class KubeAPIDouble:
     def _answer(self, request, rt, obj, changed: bool, status: int = 200) -> web.Response:
         if changed:
             self.writes.append((request.method, request.path))
+            sockname = request.transport.get_extra_info("sockname") if request.transport else None
+            via = self._listeners.get(sockname[1], "") if sockname else ""
+            self.writes_via.append((request.method, request.path, via))
         return web.json_response(self._out(rt, obj), status=status)
 
     async def _json_body(self, request: web.Request, required: bool = True):

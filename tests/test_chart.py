@@ -4,6 +4,8 @@ InferenceServices it may carry against our CRD)."""
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
 
 import helm_python
@@ -23,7 +25,19 @@ def render(values: dict) -> list[dict]:
 VALUES = {
     "default": {},
     "external-redis": {"externalRedis": {"url": "redis://my-redis:6379/0"}},
+    "external-redis-secret": {"externalRedis": {"existingSecret": "my-redis", "existingSecretKey": "uri"}},
+    "redis-auth-secret": {"redis": {"auth": {"existingSecret": "my-redis-auth"}}},
     "without-operator": {"operator": {"enabled": False}},
+    "without-network-policies": {"networkPolicy": {"enabled": False}},
+    "engines-elsewhere-monitored": {
+        "gateway": {"discoveryNamespace": "models"},
+        "networkPolicy": {"metrics": {"from": [{"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}]}},
+    },
+}
+# Where each case's parts read KVHARBOR_REDIS_URL: (Secret, key).
+URL_SECRET = {
+    "external-redis-secret": ("my-redis", "uri"),
+    "redis-auth-secret": ("my-redis-auth", "url"),
 }
 
 
@@ -32,14 +46,30 @@ def test_chart_renders_valid_manifests(case):
     docs = render(VALUES[case])
     kinds = sorted(d["kind"] for d in docs)
     assert "Deployment" in kinds and "Service" in kinds
-    assert ("StatefulSet" in kinds) == (case != "external-redis")
+    assert ("StatefulSet" in kinds) == (not case.startswith("external-redis"))
     assert ("ClusterRole" in kinds) == (case != "without-operator")
+    assert ("NetworkPolicy" in kinds) == (case != "without-network-policies")
     for doc in docs:
         for version in ("1.30", "1.37"):
             kubernetes_validate.validate(doc, version, strict=True)
+    # Every part reads the URL from the one Secret, never from a value.
     containers = [c for d in docs if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]]
-    urls = {e["value"] for c in containers for e in c.get("env", []) if e["name"] == "KVHARBOR_REDIS_URL"}
-    assert urls == ({"redis://my-redis:6379/0"} if case == "external-redis" else {"redis://kvh-redis:6379/0"})
+    refs = [e for c in containers for e in c.get("env", []) if e["name"] == "KVHARBOR_REDIS_URL"]
+    assert len(refs) == (2 if case == "without-operator" else 3)
+    name, key = URL_SECRET.get(case, ("kvh-redis", "url"))
+    assert all(e == {"name": "KVHARBOR_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}
+               for e in refs)  # fmt: skip
+    if case in URL_SECRET:  # the user's Secret: the chart makes none
+        assert not [d for d in docs if d["kind"] == "Secret"]
+    else:
+        assert secrets(docs)[name, key].startswith("redis://")
+
+
+def secrets(docs: list[dict], namespace: str = "inference") -> dict[tuple[str, str], str]:
+    """(name, key) -> decoded value of the Secrets the chart renders into `namespace`."""
+    return {(d["metadata"]["name"], k): base64.b64decode(v).decode() for d in docs
+            if d["kind"] == "Secret" and d["metadata"].get("namespace", namespace) == namespace
+            for k, v in d["data"].items()}  # fmt: skip
 
 
 def test_pods_run_unprivileged():
@@ -85,14 +115,22 @@ def _config_of(container: dict, cls: type, env: dict[str, str] | None = None):
 def test_the_chart_passes_options_its_commands_accept(tmp_path):
     from kvharbor.gateway.config import GatewayConfig
     from kvharbor.gateway.discovery import StaticDiscovery
+    from kvharbor.kvcache_service.config import KVCacheServiceConfig
     from kvharbor.operator.config import OperatorConfig
 
     docs = render({})
-    operator = _config_of(_container(docs, "operator"), OperatorConfig)
+    url = {"KVHARBOR_REDIS_URL": secrets(docs)["kvh-redis", "url"]}  # as the kubelet fills it in
+    operator = _config_of(_container(docs, "operator"), OperatorConfig, url)
     assert operator.tenants.tenants_secret == "kvh-tenants" and operator.tenants.tenants_namespace == "inference"
-    assert operator.engine.redis_url == "redis://kvh-redis:6379/0" and operator.server.host == "0.0.0.0"
-    gateway = _config_of(_container(docs, "gateway"), GatewayConfig)
+    assert operator.engine.redis_url == url["KVHARBOR_REDIS_URL"] and operator.server.host == "0.0.0.0"
+    assert (operator.engine.engine_redis_secret, operator.engine.engine_redis_secret_key) == ("kvh-redis", "url")
+    gateway = _config_of(_container(docs, "gateway"), GatewayConfig, url)
     assert gateway.serving.discovery == "kubernetes" and gateway.serving.discovery_namespace == "inference"
+    assert (gateway.server.port, gateway.server.admin_port) == (8000, 9090)
+    assert gateway.tenancy.redis_url == url["KVHARBOR_REDIS_URL"]
+    kvcache = _config_of(_container(docs, "kvcache"), KVCacheServiceConfig, url)
+    assert (kvcache.server.port, kvcache.server.admin_port) == (8100, 9090)
+    assert kvcache.intake.redis_url == url["KVHARBOR_REDIS_URL"]
     # The gateway's models file, from the chart's ConfigMap, is one it can read.
     models = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "kvh-gateway-models")
     (tmp_path / "models.yaml").write_text(models["data"]["models.yaml"])
@@ -143,3 +181,212 @@ def test_a_lora_inference_service_in_values_renders_and_satisfies_the_crd():
     tenant = yaml.safe_load((CHART / "examples" / "tenant-lora.yaml").read_text())
     jsonschema.validate(tenant, spec_schema("tenants"))
     assert set(tenant["spec"]["adapters"]) <= {a["name"] for a in example["spec"]["adapters"]}
+
+
+# --- Redis credentials (issue 20) -----------------------------------------------------------------
+
+PASSWORD_URL = "rediss://kvharbor:s3cret-pw@redis.example.com:6380/0"
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, {"externalRedis": {"url": PASSWORD_URL}}, {"gateway": {"discoveryNamespace": "models"}}],
+    ids=["in-chart", "external-url", "engines-elsewhere"],
+)
+def test_no_redis_credential_appears_outside_its_secret(values):
+    """Neither the password nor the URL that holds it is in any ConfigMap, arg or env value: only
+    in the chart's Secret, which every part (and the operator's engines) reads it from."""
+    from urllib.parse import urlsplit
+
+    docs = render(values)
+    url = secrets(docs)["kvh-redis", "url"]
+    password = urlsplit(url).password
+    assert password and len(password) >= 9
+    for doc in docs:
+        if doc["kind"] == "Secret":
+            continue
+        text = json.dumps(doc)
+        for secret in (password, url, base64.b64encode(password.encode()).decode()):
+            assert secret not in text, f"{doc['kind']} {doc['metadata']['name']}"
+    if "discoveryNamespace" in values.get("gateway", {}):  # the engines read a copy in their namespace
+        assert secrets(docs, "models") == {("kvh-redis", "url"): url}
+    else:
+        assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["namespace"] != "inference"]
+
+
+def test_the_in_chart_redis_requires_the_password_of_its_secret():
+    import string
+    from urllib.parse import urlsplit
+
+    docs = render({})
+    (redis,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    container = redis["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]  # the kubelet expands it
+    ref = {"secretKeyRef": {"name": "kvh-redis", "key": "password"}}
+    assert {e["name"]: e["valueFrom"] for e in container["env"]} == {"REDIS_PASSWORD": ref, "REDISCLI_AUTH": ref}
+    assert container["readinessProbe"]["exec"]["command"] == ["sh", "-c", "redis-cli ping | grep -q PONG"]
+    password = secrets(docs)["kvh-redis", "password"]
+    assert len(password) == 32 and set(password) <= set(string.ascii_letters + string.digits)  # URL-safe
+    url = urlsplit(secrets(docs)["kvh-redis", "url"])
+    assert (url.scheme, url.password, url.hostname, url.port, url.path) == (
+        "redis", password, "kvh-redis.inference.svc", 6379, "/0")  # fmt: skip
+    # No password is written in the chart: offline (no Secret to look up and keep) each render makes one.
+    assert secrets(render({}))["kvh-redis", "password"] != password
+    # Or the user's Secret: redis-server and the parts read its two keys, the chart makes none.
+    docs = render({"redis": {"auth": {"existingSecret": "mine", "existingSecretPasswordKey": "pw"}}})
+    (redis,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    env = redis["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {e["valueFrom"]["secretKeyRef"]["name"] for e in env} == {"mine"}
+    assert {e["valueFrom"]["secretKeyRef"]["key"] for e in env} == {"pw"}
+    assert not [d for d in docs if d["kind"] == "Secret"]
+
+
+# --- NetworkPolicies ---------------------------------------------------------------------------------
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    assert not selector.get("matchExpressions")  # the chart uses matchLabels only
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def _peer_matches(peer: dict, source: tuple[str, dict], policy_namespace: str) -> bool:
+    namespace, labels = source
+    assert "ipBlock" not in peer
+    if "namespaceSelector" in peer:
+        in_namespace = _matches(peer["namespaceSelector"], {"kubernetes.io/metadata.name": namespace})
+    else:
+        in_namespace = namespace == policy_namespace
+    return in_namespace and _matches(peer.get("podSelector") or {}, labels)
+
+
+def allowed(docs: list[dict], source: tuple[str, dict], target: tuple[str, dict], port: str) -> bool:
+    """Whether the rendered NetworkPolicies let a pod (namespace, labels) connect to a named port
+    of another: a pod no policy selects takes anything; else some rule of a policy that selects
+    it must match the source and the port (no `from`: any source; no `ports`: any port)."""
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    selecting = [p for p in policies if p["metadata"].get("namespace", "inference") == target[0]
+                 and _matches(p["spec"]["podSelector"], target[1])
+                 and "Ingress" in p["spec"]["policyTypes"]]  # fmt: skip
+    if not selecting:
+        return True
+    for policy in selecting:
+        for rule in policy["spec"].get("ingress") or []:
+            peers, ports = rule.get("from"), rule.get("ports")
+            namespace = policy["metadata"].get("namespace", "inference")
+            if peers and not any(_peer_matches(peer, source, namespace) for peer in peers):
+                continue
+            if ports and not any(p["port"] == port for p in ports):
+                continue
+            return True
+    return False
+
+
+def _pods(docs: list[dict], engines: str = "inference") -> dict[str, tuple[str, dict]]:
+    from kvharbor.operator.objects import engine_labels
+
+    pods = {d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]:
+            ("inference", d["spec"]["template"]["metadata"]["labels"])
+            for d in docs if d["kind"] in ("Deployment", "StatefulSet")}  # fmt: skip
+    return pods | {
+        "engine": (engines, engine_labels("llama-8b", "prefill")),
+        "tenant": ("tenants", {"app": "client"}),
+        "stranger": ("inference", {"app": "other"}),  # some other pod of the release namespace
+        "prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
+        "other-monitoring": ("monitoring", {"app": "grafana"}),
+    }
+
+
+# target: port -> the sources allowed there (every other source is refused)
+KVHARBOR = {"gateway", "operator", "kvcache", "engine"}
+EVERYONE = {"gateway", "operator", "kvcache", "redis", "engine", "tenant", "stranger", "prometheus", "other-monitoring"}
+POLICY = {
+    "gateway": {"http": EVERYONE, "admin": set()},
+    "engine": {"http": {"gateway", "operator", "engine"}, "kv-transfer": {"engine"}, "admin": {"operator"}},
+    "kvcache": {"http": KVHARBOR, "admin": {"operator"}},
+    "redis": {"redis": KVHARBOR},
+    "operator": {"health": set()},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{}, {"gateway": {"discoveryNamespace": "models"}}, {"networkPolicy": {"metrics": {"from": [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+         "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]}}}],
+    ids=["default", "engines-elsewhere", "with-monitoring"],
+)  # fmt: skip
+def test_network_policies_let_in_only_what_each_part_needs(values):
+    """Tenants reach the gateway's tenant port only; engines take the gateway, the operator and
+    each other; Redis and the KV cache service take kvharbor's parts only; admin ports take the
+    operator (engines, KV cache service) and networkPolicy.metrics.from, by default nobody."""
+    engines = values.get("gateway", {}).get("discoveryNamespace", "inference")
+    docs = render(values)
+    pods = _pods(docs, engines)
+    monitored = "networkPolicy" in values
+    for target, ports in POLICY.items():
+        for port, sources in ports.items():
+            if monitored and port == "admin":
+                sources = sources | {"prometheus"}
+            for source in EVERYONE:
+                expected = source in sources
+                assert allowed(docs, pods[source], pods[target], port) == expected, f"{source} -> {target}:{port}"
+    # The ports the policies name are ports the pods declare.
+    workloads = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("Deployment", "StatefulSet")}
+    declared = {c: {p["name"] for p in workloads[f"kvh-{c}"]["spec"]["template"]["spec"]["containers"][0]["ports"]}
+                for c in ("gateway", "kvcache", "redis", "operator")}  # fmt: skip
+    assert declared == {"gateway": {"http", "admin"}, "kvcache": {"http", "admin"}, "redis": {"redis"},
+                        "operator": {"health"}}  # fmt: skip
+
+
+def test_network_policies_follow_the_values():
+    assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]
+    docs = render({"externalRedis": {"existingSecret": "r"}, "operator": {"enabled": False}})
+    names = sorted(d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy")
+    assert names == ["kvh-engines", "kvh-gateway", "kvh-kvcache"]  # no in-chart Redis, no operator
+    pods = _pods(docs)
+    assert allowed(docs, pods["gateway"], pods["engine"], "http")
+    assert allowed(docs, pods["engine"], pods["kvcache"], "http")
+    assert not allowed(docs, pods["tenant"], pods["engine"], "http")
+
+
+# --- Admin ports ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("admin_port", [None, 9191])
+def test_metrics_are_on_admin_ports_the_services_leave_out(admin_port):
+    values = {} if admin_port is None else {"gateway": {"adminPort": admin_port}, "kvcache": {"adminPort": admin_port}}
+    docs = render(values)
+    port = admin_port or 9090
+    for part in ("gateway", "kvcache"):
+        deployment = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == f"kvh-{part}")
+        container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert container["args"][container["args"].index("--admin-port") + 1] == str(port)
+        assert {p["name"]: p["containerPort"] for p in container["ports"]}["admin"] == port
+        annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+        assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                               "prometheus.io/path": "/metrics"}  # fmt: skip
+        assert container["readinessProbe"]["httpGet"]["port"] == "http"  # the probes answer on both ports
+        service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == f"kvh-{part}")
+        assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+
+
+def test_the_operator_runs_two_replicas_with_lease_rbac_for_leader_election():
+    docs = render({})
+    operator = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "kvh-operator")
+    assert operator["spec"]["replicas"] == 2 and operator["spec"]["strategy"]["type"] == "RollingUpdate"
+    container = operator["spec"]["template"]["spec"]["containers"][0]
+    pod_name = next(e for e in container["env"] if e["name"] == "POD_NAME")
+    assert pod_name["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}  # the election identity
+    from kvharbor.operator.config import OperatorConfig
+
+    leader = _config_of(container, OperatorConfig).leader
+    assert leader.leader_election and leader.lease_name == "kvh-operator" and leader.lease_namespace == ""
+    (role,) = [d for d in docs if d["kind"] == "Role" and d["metadata"]["name"] == "kvh-operator-leader"]
+    assert role["metadata"]["namespace"] == "inference"  # the release namespace: the operator's tenants_namespace
+    (rule,) = [r for r in role["rules"] if "leases" in r["resources"]]
+    assert rule["apiGroups"] == ["coordination.k8s.io"] and {"get", "create", "update", "patch"} <= set(rule["verbs"])
+    (binding,) = [d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["name"] == "kvh-operator-leader"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvh-operator", "namespace": "inference"}]
+    one = next(d for d in render({"operator": {"replicas": 1}}) if d["metadata"]["name"] == "kvh-operator"
+               and d["kind"] == "Deployment")  # fmt: skip
+    assert one["spec"]["replicas"] == 1

@@ -252,7 +252,7 @@ def test_disaggregation_runs_a_deployment_per_role_each_scaled_on_its_own_load(c
         assert api.get("v1", "ConfigMap", f"pd-engine-{role}-config", NS) is not None
     prefill_ports = {p["name"]: p["containerPort"] for p in
                      deployments["prefill"]["spec"]["template"]["spec"]["containers"][0]["ports"]}  # fmt: skip
-    assert prefill_ports == {"http": 8000, "kv-transfer": 8200}
+    assert prefill_ports == {"http": 8000, "admin": 9090, "kv-transfer": 8200}
     assert api.get("v1", "ConfigMap", "pd-engine-config", NS) is None
     assert api.get("v1", "Service", "pd", NS)["spec"]["selector"].keys() == {
         "app.kubernetes.io/instance", "app.kubernetes.io/name"}  # both roles: the gateway finds them all

@@ -41,7 +41,7 @@ def objects_for(spec: dict) -> list[dict]:
     )
 
 
-def pd_objects(spec: dict) -> list[dict]:
+def pd_objects(spec: dict, **kwargs) -> list[dict]:
     """desired_objects of a disaggregated spec, each role placed on its own pool as reconcile does."""
     model = spec["model"]
     shape = EngineShape(model.get("dtype", "bfloat16"), model.get("maxModelLen", 4096), spec["engine"]["maxNumSeqs"])
@@ -51,7 +51,8 @@ def pd_objects(spec: dict) -> list[dict]:
     }
     replicas = {"prefill": 1, "decode": 3}
     return desired_objects(
-        "qwen-7b-pd", "inference", "uid-1", spec, plans, replicas, "kvharbor/engine:0.1.0", "redis://redis:6379/0"
+        "qwen-7b-pd", "inference", "uid-1", spec, plans, replicas, "kvharbor/engine:0.1.0", "redis://redis:6379/0",
+        **kwargs,
     )
 
 
@@ -139,7 +140,8 @@ def test_each_role_gets_its_own_placement_ports_and_engine_config():
     assert decode["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "2"}
     ports = {r: {p["name"]: p["containerPort"] for p in t["spec"]["containers"][0]["ports"]}
              for r, t in (("prefill", prefill), ("decode", decode))}  # fmt: skip
-    assert ports == {"prefill": {"http": 8000, "kv-transfer": 8200}, "decode": {"http": 8000}}
+    assert ports == {"prefill": {"http": 8000, "admin": 9090, "kv-transfer": 8200},
+                     "decode": {"http": 8000, "admin": 9090}}  # fmt: skip
     configs = {r: yaml.safe_load(objs["ConfigMap", f"qwen-7b-pd-engine-{r}-config"]["data"]["engine.yaml"])
                for r in ("prefill", "decode")}  # fmt: skip
     assert (configs["prefill"]["role"], configs["prefill"]["kv_transfer_port"]) == ("prefill", 8200)
