@@ -7,6 +7,7 @@ raised, validation errors and malformed JSON as 400, unknown paths as 404, anyth
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Callable
@@ -52,21 +53,30 @@ def install_error_handlers(
         return respond(APIError(500, "internal error; see the server log", type="internal_error"), request)
 
 
+BODY_READ_TIMEOUT_S = 30.0  # seconds a POST body may take to arrive whole (408 after)
+
+
 class BodyGuardMiddleware:
     """Pure ASGI: POST bodies under `prefixes` over `limit` bytes get 413, and bodies that are not
     valid Unicode text (common/unicode_check.py) get 400 `invalid_unicode`. The body is read (up
     to the limit) before the app runs, then replayed to it."""
 
-    def __init__(self, app, limit: int, prefixes: tuple[str, ...] = ("/",)) -> None:
+    def __init__(self, app, limit: int, prefixes: tuple[str, ...] = ("/",), read_timeout: float | None = None) -> None:
         self.app = app
         self.limit = limit
         self.prefixes = prefixes
+        self.read_timeout = BODY_READ_TIMEOUT_S if read_timeout is None else read_timeout
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].startswith(self.prefixes):
             await self.app(scope, receive, send)
             return
-        body = await self._read(scope, receive)
+        try:  # one deadline for the whole body: a client that stops, or drips, cannot hold it forever
+            body = await asyncio.wait_for(self._read(scope, receive), self.read_timeout)
+        except TimeoutError:
+            message = f"the request body did not arrive within {self.read_timeout:g} s"
+            await send_error(send, APIError(408, message, code="request_timeout", headers={"Connection": "close"}))
+            return
         if body is None:
             await send_error(send, APIError(413, f"request body exceeds {self.limit} bytes", code="request_too_large"))
             return

@@ -383,7 +383,7 @@ class _Routes:
 
 def _request_id(given: str | None, request: Request, prefix: str) -> str:
     rid = given or request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-    if not rid.isprintable():
+    if not (rid.isascii() and rid.isprintable()):  # it goes back as the X-Request-Id header
         raise APIError(400, "request_id must be printable", param="request_id")
     return rid
 

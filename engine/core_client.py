@@ -180,10 +180,13 @@ class CoreClient:
         stream = self._streams[rid] = RequestStream()
         self.processor.add(rid, None, request.prompt_token_ids, request.params)
         params = dataclasses.asdict(request.params)
-        self._send(["add", rid, request.prompt_token_ids, params, request.priority, request.tenant,
-                    request.cache_salt, request.arrival_time, kv_prefix_source, kv_transfer,
-                    request.lora])  # fmt: skip
         try:
+            try:
+                self._send(["add", rid, request.prompt_token_ids, params, request.priority, request.tenant,
+                            request.cache_salt, request.arrival_time, kv_prefix_source, kv_transfer,
+                            request.lora])  # fmt: skip
+            except OverflowError:  # the link packs 64-bit integers (a fuzzed seed of 2**64 reached here)
+                raise ValueError("an integer in the request is out of range (64 bits)") from None
             stream.imported_blocks = await done
         except BaseException:
             self._streams.pop(rid, None)

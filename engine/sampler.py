@@ -145,7 +145,10 @@ def filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: flo
     """The distribution one sampled token is drawn from: softmax(row / T), restricted to the top-k,
     then to the smallest set whose mass reaches top_p, then to tokens >= min_p x the max, and
     renormalized."""
-    probs = torch.softmax(row / temperature, dim=-1)
+    # A tiny temperature or repetition penalty can overflow the logits: inf/nan would fail the
+    # whole batch's draw, so they are clamped (finite rows are unchanged).
+    scaled = torch.nan_to_num(row / temperature, nan=float("-inf"), posinf=torch.finfo(row.dtype).max)
+    probs = torch.softmax(scaled, dim=-1)
     if top_k and top_k < probs.shape[-1]:
         kth = torch.topk(probs, top_k).values[-1]
         probs = torch.where(probs >= kth, probs, 0.0)
@@ -154,6 +157,7 @@ def filtered_probs(row: torch.Tensor, temperature: float, top_k: int, top_p: flo
         sorted_p, order = torch.sort(probs, descending=True)
         # Keep a token if the mass strictly before it is below top_p (the crossing token stays).
         keep_sorted = (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p
+        keep_sorted[0] = True  # a top_p that underflows to 0 still keeps the most likely token
         keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
         probs = torch.where(keep, probs, 0.0)
         probs = probs / probs.sum()

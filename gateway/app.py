@@ -279,7 +279,7 @@ class _Handler:
         if longest == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         rid = body.request_id or request.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}"
-        if not rid.isprintable() or len(rid) > 256:
+        if not (rid.isascii() and rid.isprintable()) or len(rid) > 256:  # it goes on as a header
             raise APIError(400, "request id must be printable and at most 256 characters", param="request_id")
         return _Call(kind, tenant, model, body, raw, prompts, rid, resolved)
 
