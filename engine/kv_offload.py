@@ -98,6 +98,7 @@ class KVStoreClient:
         self.format = engine.kv_io.format
         self._queue: collections.deque[tuple[BlockHash, bytes]] = collections.deque()
         self._queued_bytes = 0
+        self._in_flight = 0  # blocks of the batch being written now
         self._max_queue_bytes = max_queue_bytes
         self.max_pull_bytes = max_pull_bytes
         self._lock = threading.Lock()
@@ -165,6 +166,14 @@ class KVStoreClient:
                 log.warning("shared block store unavailable; dropped %d blocks", len(batch), extra={"error": str(exc)})
                 await self._sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
+            finally:
+                self._in_flight = 0
+
+    @property
+    def pending(self) -> int:
+        """Blocks queued or being written: 0 once every block offered so far was written or dropped."""
+        with self._lock:
+            return len(self._queue) + self._in_flight
 
     def _take_batch(self) -> list[tuple[BlockHash, bytes]]:
         batch: list[tuple[BlockHash, bytes]] = []
@@ -172,6 +181,7 @@ class KVStoreClient:
             while self._queue and len(batch) * self.format.block_bytes < PUSH_BATCH_BYTES:
                 batch.append(self._queue.popleft())
             self._queued_bytes -= len(batch) * self.format.block_bytes
+            self._in_flight = len(batch)  # under the lock: `pending` never misses a batch in hand
         return batch
 
     async def _sleep(self, seconds: float) -> None:

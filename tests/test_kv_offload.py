@@ -31,7 +31,7 @@ async def flush(client: KVStoreClient) -> None:
     task = asyncio.create_task(client.run())
     for _ in range(200):
         await asyncio.sleep(0.01)
-        if not client._queue:
+        if not client.pending:  # written (or dropped), not just taken off the queue
             break
     await asyncio.sleep(0.05)
     await client.stop()
