@@ -1,7 +1,8 @@
 """Running a kvharbor FastAPI app on uvicorn, the same way for every service.
 
 Logging stays kvharbor's (JSON lines, request ids), access logs are off (each service logs its
-own finished requests), and shutdown waits a few seconds for open connections. A part with an
+own finished requests), and shutdown waits for open connections (5 s unless the part says: the
+gateway's --drain-timeout). A part with an
 admin listener (common/admin_listener.py) gets one server on two sockets, bound here.
 """
 
@@ -12,11 +13,11 @@ import sys
 from typing import Any
 
 
-def uvicorn_config(app: Any, host: str, port: int) -> Any:
+def uvicorn_config(app: Any, host: str, port: int, drain_s: float = 5.0) -> Any:
     import uvicorn
 
     return uvicorn.Config(
-        app, host=host, port=port, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=5
+        app, host=host, port=port, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=drain_s
     )
 
 
@@ -46,8 +47,11 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_app(app: Any, host: str, port: int, command: str, admin_port: int | None = None) -> int:
-    """Serve until stopped; 0, or 2 with a message when an address cannot be bound."""
+def serve_app(
+    app: Any, host: str, port: int, command: str, admin_port: int | None = None, drain_s: float = 5.0
+) -> int:
+    """Serve until stopped; 0, or 2 with a message when an address cannot be bound. On SIGTERM,
+    open connections get `drain_s` seconds to finish."""
     import uvicorn
 
     try:
@@ -55,5 +59,5 @@ def serve_app(app: Any, host: str, port: int, command: str, admin_port: int | No
     except OSError as exc:
         print(f"kvharbor {command}: error: cannot listen on {exc.strerror}; pick another port", file=sys.stderr)
         return 2
-    uvicorn.Server(uvicorn_config(app, host, port)).run(sockets=sockets)
+    uvicorn.Server(uvicorn_config(app, host, port, drain_s)).run(sockets=sockets)
     return 0

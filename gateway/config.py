@@ -121,11 +121,17 @@ class ResilienceConfig:
 class GatewayServerConfig(TracedListenConfig):
     # Always a port of its own: /metrics names every tenant, and tenants reach --port.
     admin_port: int | None = opt(9090, "TCP port of the admin listener (/metrics): never the tenants' --port")
+    # Within Kubernetes' default 30 s grace period: a pod that drains longer is SIGKILLed anyway.
+    drain_timeout: float = opt(
+        25.0, "seconds SIGTERM lets open streams finish (new connections are refused) before closing them"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.admin_port is None:
             raise ValueError("admin_port is required for the gateway: /metrics must not be on the tenants' port")
+        if self.drain_timeout < 0:
+            raise ValueError(f"drain_timeout must be >= 0 seconds, got {self.drain_timeout}")
 
 
 @dataclass(frozen=True)

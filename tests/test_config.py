@@ -95,6 +95,16 @@ def test_every_command_shares_one_server_sub_config():
     assert issubclass(GatewayConfig.__dataclass_fields__["server"].default_factory, ListenConfig)
 
 
+def test_the_gateway_drains_as_long_as_asked_on_sigterm():
+    from kvharbor.gateway.config import GatewayConfig
+
+    assert load_config(GatewayConfig, env={}).server.drain_timeout == 25.0  # inside Kubernetes' 30 s grace
+    env = {"KVHARBOR_DRAIN_TIMEOUT": "40"}
+    assert load_config(GatewayConfig, env=env).server.drain_timeout == 40.0
+    with pytest.raises(ConfigError, match="drain_timeout must be >= 0"):
+        load_config(GatewayConfig, env={}, overrides={"drain_timeout": -1})
+
+
 def test_every_part_takes_one_redis_or_a_cluster_by_url_and_refuses_other_urls():
     from kvharbor.engine.config import ServeConfig
     from kvharbor.gateway.config import GatewayConfig
