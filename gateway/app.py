@@ -534,6 +534,8 @@ class _Handler:
                 state.metrics.stream_migrations.labels(call.model.name, "moved").inc(stats.migrations)
             if stats.migration_failed:
                 state.metrics.stream_migrations.labels(call.model.name, "failed").inc()
+            if stats.finished_here:
+                state.metrics.stream_migrations.labels(call.model.name, "finished").inc()
             await state.limiter.release(call.tenant, call.slot)
             self._finished(call, stats.usage, stats)
             if call.span is not None:

@@ -33,7 +33,8 @@ class GatewayMetrics:
         )
         self.stream_migrations = Counter(
             "kvharbor_gateway_stream_migrations",
-            "Streams moved to another engine when theirs failed mid-way (moved), or that could not move (failed)",
+            "Streams moved to another engine when theirs failed mid-way (moved), that could not move (failed), "
+            "or that the gateway ended because the engine had sent every token allowed (finished)",
             ["model", "result"],
             registry=r,
         )

@@ -47,6 +47,7 @@ class StreamStats:
     timeout: str | None = None  # "deadline" or "idle" when a timeout ended the stream
     migrations: int = 0  # times the stream moved to another engine
     migration_failed: bool = False  # an engine failed and the stream could not move on
+    finished_here: bool = False  # an engine failed after its last token: the gateway ended the answer
 
     @property
     def tokens_seen(self) -> int:
@@ -300,7 +301,7 @@ class StreamRelay:
         lines = ["data: " + json.dumps(chunk), "data: " + json.dumps({**self.identity, "choices": [], "usage": usage})]
         self.stream = _Finished([*lines, "data: [DONE]"])
         self.ids, self.pending, self.offset = self.ids[:streamed], 0, streamed
-        self.stats.migrations += 1  # counted as moved: the client's stream did not break
+        self.stats.finished_here = True  # no engine took it over: counted apart from moves
 
     async def _debit(self, total: int) -> None:
         if total > self.counted:

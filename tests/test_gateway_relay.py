@@ -337,6 +337,7 @@ def test_an_engine_that_died_after_its_last_token_just_ends_the_answer():
     assert opens == [] and _text(chunks) == "ab" and chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["usage"]["completion_tokens"] == 2 and chunks[-1]["usage"]["prompt_tokens"] == 5
     assert chunks[-1]["id"] == "chatcmpl-A" and stats.error is None
+    assert stats.finished_here and stats.migrations == 0  # no engine took it over: not a move
 
 
 def test_the_continuation_request_carries_the_prompt_and_streamed_tokens_with_what_is_left():
