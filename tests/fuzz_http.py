@@ -193,29 +193,14 @@ class Surface:
         async def go() -> httpx.Response:
             return await self.client(over_http).request(method, path, content=content, headers=pairs, params=params)
 
-        started = time.monotonic()
+        what = f"{method} {path} headers={_show(pairs)} body={_show(content)}"
         try:
-            resp = self.loop.run(go(), timeout)
-        except TimeoutError:
-            self.tally.count(self.name, kind, "hang")
-            raise BadAnswer(
-                f"{self.name} {kind}: no answer within {timeout:.0f}s to {method} {path} body={_show(content)}"
-            ) from None
+            resp = self._answer(kind, what, go(), timeout)
         except httpx.TransportError as exc:
             self.tally.count(self.name, kind, "dropped")
-            raise BadAnswer(
-                f"{self.name} {kind}: the connection closed without an answer ({exc!r}) to {method} {path} "
-                f"body={_show(content)}"
-            ) from None
-        finally:
-            with self.tally.lock:
-                self.tally.seconds[self.name] += time.monotonic() - started
-        self.tally.count(self.name, kind, resp.status_code)
-        if not acceptable(resp.status_code, resp.headers):
-            raise BadAnswer(
-                f"{self.name} {kind}: {resp.status_code} for {method} {path} headers={_show(pairs)} "
-                f"body={_show(content)} -> {resp.text[:500]}"
-            )
+            closed = f"the connection closed without an answer ({exc!r})"
+            raise BadAnswer(f"{self.name} {kind}: {closed} to {what}") from None
+        self._judge(kind, resp.status_code, resp.headers, f"{what} -> {resp.text[:500]}")
         return resp
 
     def send_raw(
@@ -232,22 +217,28 @@ class Surface:
         pairs = [(k.encode(), v.encode()) for k, v in self.headers.items()]
         names = {n.lower() for n, _ in headers}
         pairs = [(n, v) for n, v in pairs if n.lower() not in names] + list(headers)
+        what = f"raw {method} {path} headers={_show(pairs)} body={_show(body)}"
+        status, got = self._answer(kind, what, raw_request(self.url, method, path, pairs, body), timeout)
+        self._judge(kind, status, got, what)
+        return status, got
+
+    def _answer(self, kind: str, what: str, request: Any, timeout: float) -> Any:
+        """Await one request's coroutine within `timeout`, timed; no answer in time is a hang."""
         started = time.monotonic()
         try:
-            status, got = self.loop.run(raw_request(self.url, method, path, pairs, body), timeout)
+            return self.loop.run(request, timeout)
         except TimeoutError:
             self.tally.count(self.name, kind, "hang")
-            raise BadAnswer(
-                f"{self.name} {kind}: no answer within {timeout:.0f}s to raw {method} {path} "
-                f"headers={_show(pairs)} body={_show(body)}"
-            ) from None
+            raise BadAnswer(f"{self.name} {kind}: no answer within {timeout:.0f}s to {what}") from None
         finally:
             with self.tally.lock:
                 self.tally.seconds[self.name] += time.monotonic() - started
+
+    def _judge(self, kind: str, status: int | str, headers: Any, what: str) -> None:
+        """Count the answer; a 5xx (save 503 + Retry-After) is a BadAnswer."""
         self.tally.count(self.name, kind, status)
-        if isinstance(status, int) and not acceptable(status, got):
-            raise BadAnswer(f"{self.name} {kind}: {status} for raw {method} {path} headers={_show(pairs)}")
-        return status, got
+        if isinstance(status, int) and not acceptable(status, headers):
+            raise BadAnswer(f"{self.name} {kind}: {status} for {what}")
 
     def post_json(self, kind: str, path: str, body: Any, **kw: Any) -> httpx.Response:
         raw = body if isinstance(body, bytes) else json.dumps(body).encode()

@@ -19,7 +19,6 @@ At the end the module prints how many cases each surface ran, per class.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import time
@@ -27,6 +26,7 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
+import session_report
 from fuzz_http import (
     NUMBER_TOKENS,
     TALLY,
@@ -64,18 +64,12 @@ def loop():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def case_table(request):
-    """Print the cases each surface ran (per class) when the module ends."""
+def case_table():
+    """Leave the cases each surface ran (per class) for the end of the session."""
     yield
-    plugins = request.config.pluginmanager
-    reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
-    if not TALLY.cases or reporter is None:
-        return
-    spent = ", ".join(f"{s} {t:.1f}s" for s, t in sorted(TALLY.seconds.items()))
-    with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
-        reporter.write_line("")
-        for line in [*TALLY.table().splitlines(), *([f"time in requests: {spent}"] if spent else [])]:
-            reporter.write_line(line)
+    if TALLY.cases:
+        spent = ", ".join(f"{s} {t:.1f}s" for s, t in sorted(TALLY.seconds.items()))
+        session_report.add("fuzzing: cases per surface and class", TALLY.table() + f"\ntime in requests: {spent}")
 
 
 # -- the gateway: in-process, fake engines -------------------------------------------------------------
@@ -106,19 +100,11 @@ def _fake_engine(request: httpx.Request) -> httpx.Response:
 
 def build_gateway(max_body_bytes: int = 1 << 20, engine_urls: list[str] | None = None, model: str | None = None):
     """The gateway's app over fake engines (httpx.MockTransport), or over the real `engine_urls`."""
-    from opentelemetry import trace
+    from gateway_state import gateway_state, polled_pool
 
-    from kvharbor.common.load_report import LoadReport
     from kvharbor.common.model_files import load_tokenizer
-    from kvharbor.gateway.admission import AdmissionQueue
-    from kvharbor.gateway.app import GatewayState, ModelEntry, build_app
-    from kvharbor.gateway.config import RoutingConfig
-    from kvharbor.gateway.engines import EnginePool
-    from kvharbor.gateway.limits import RateLimiter
-    from kvharbor.gateway.metrics import GatewayMetrics
-    from kvharbor.gateway.proxy import EngineCaller
-    from kvharbor.gateway.router import Router
-    from kvharbor.gateway.tenants import TenantRegistry, hash_key, parse_tenants
+    from kvharbor.gateway.app import build_app
+    from kvharbor.gateway.tenants import hash_key
 
     name, tokenizer = _gateway_tokenizer(load_tokenizer)
     name = model or name
@@ -132,25 +118,8 @@ def build_gateway(max_body_bytes: int = 1 << 20, engine_urls: list[str] | None =
     else:
         http = httpx.AsyncClient(transport=httpx.MockTransport(_fake_engine))
         engine_urls = ["http://engine-a", "http://engine-b"]
-    pool = EnginePool(http)
-    pool.set_engines(name, engine_urls)
-    for e in pool.all(name):
-        e.load = LoadReport(model=name, instance_id=e.url[-1].upper(), kv_blocks_total=100, kv_blocks_free=100)
-        e.instance_id, e.polled = e.load.instance_id, True
-    state = GatewayState(
-        models={name: ModelEntry(name, tokenizer, 2.0, 0.2)},
-        tenants=TenantRegistry(None, parse_tenants(tenants)),
-        limiter=RateLimiter(None),
-        pool=pool,
-        router=Router(RoutingConfig(), None),
-        admission=AdmissionQueue(8, 1.0),
-        caller=EngineCaller(http, pool, 1.0, 5.0, 10.0),
-        metrics=GatewayMetrics(),
-        tracer=trace.get_tracer("fuzz"),
-        max_attempts=2,
-        max_prompt_tokens=1000,
-        max_body_bytes=max_body_bytes,
-    )
+    pool = polled_pool(http, name, engine_urls, lambda url: {"kv_blocks_total": 100, "kv_blocks_free": 100})
+    state = gateway_state(http, pool, {name: tokenizer}, tenants, max_body_bytes=max_body_bytes)
     app = build_app(state)
     app.state.fuzz_pool, app.state.fuzz_http = pool, http
     return app, name

@@ -12,13 +12,13 @@ import re
 
 import httpx
 import pytest
-from opentelemetry import trace
+from gateway_state import gateway_state, polled_pool
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.common.load_report import LoadReport
 from kvharbor.common.openai_api import APIError
-from kvharbor.gateway.admission import AdmissionQueue, fit_route
-from kvharbor.gateway.app import GatewayState, ModelEntry, build_app
+from kvharbor.gateway.admission import fit_route
+from kvharbor.gateway.app import build_app
 from kvharbor.gateway.catalog import (
     Resolved,
     adapter_engines,
@@ -29,12 +29,9 @@ from kvharbor.gateway.catalog import (
 )
 from kvharbor.gateway.config import RoutingConfig
 from kvharbor.gateway.engines import Engine, EnginePool
-from kvharbor.gateway.limits import RateLimiter
-from kvharbor.gateway.metrics import GatewayMetrics
 from kvharbor.gateway.predict import LORA_SWAP_S, AdapterSlot, adapter_cost_s, adapter_slot, predict
-from kvharbor.gateway.proxy import EngineCaller
 from kvharbor.gateway.router import Router
-from kvharbor.gateway.tenants import Tenant, TenantRegistry, TenantsError, hash_key, parse_tenants
+from kvharbor.gateway.tenants import Tenant, TenantsError, hash_key, parse_tenants
 
 BASE = "base-m"
 
@@ -365,27 +362,12 @@ class FakeEngines:
 
 def gateway(fake: FakeEngines, index: Index):
     http = httpx.AsyncClient(transport=httpx.MockTransport(fake))
-    pool = fake.pool = EnginePool(http)
-    pool.set_engines(BASE, list(SERVED))
     active = {"http://a": ("sql",)}
-    for e in pool.all(BASE):
-        e.load = LoadReport(model=BASE, instance_id=e.url[-1].upper(), lora_adapters=SERVED[e.url],
-                            lora_active=active.get(e.url, ()), lora_slots=2)  # fmt: skip
-        e.instance_id, e.polled = e.load.instance_id, True
-    state = GatewayState(
-        models={BASE: ModelEntry(BASE, None, 2.0, 0.2), "other-m": ModelEntry("other-m", None, 2.0, 0.2)},
-        tenants=TenantRegistry(None, parse_tenants(TENANTS)),
-        limiter=RateLimiter(None),
-        pool=pool,
-        router=Router(RoutingConfig(), index),
-        admission=AdmissionQueue(8, 1.0),
-        caller=EngineCaller(http, pool, 1.0, 5.0, 10.0),
-        metrics=GatewayMetrics(),
-        tracer=trace.get_tracer("test"),
-        max_attempts=2,
-        max_prompt_tokens=1000,
-        max_body_bytes=100_000,
-    )
+    pool = fake.pool = polled_pool(
+        http, BASE, list(SERVED),
+        lambda url: {"lora_adapters": SERVED[url], "lora_active": active.get(url, ()), "lora_slots": 2},
+    )  # fmt: skip
+    state = gateway_state(http, pool, {BASE: None, "other-m": None}, TENANTS, index)
     return build_app(state), http
 
 
