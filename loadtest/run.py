@@ -55,8 +55,10 @@ class Platform:
         self.log_path = out / "platform.log"
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         # 384 blocks of 16 tokens per engine, in whatever dtype this CPU runs.
+        # Its own admin port too: a `make up` already running holds the default 9090.
         cmd = [sys.executable, "-m", "kvharbor.common.cli", "up", "--port", str(self.port), "--engines", str(engines),
-               "--routing", routing, "--loadtest-tenants", "--num-kv-blocks", "384"]  # fmt: skip
+               "--admin-port", str(free_port()), "--routing", routing, "--loadtest-tenants",
+               "--num-kv-blocks", "384"]  # fmt: skip
         if model_path:
             cmd += ["--model", model_path]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)

@@ -37,14 +37,40 @@ def pytest_sessionstart(session):
     cpu_kernels.load(physical_cores())
 
 
-def pytest_terminal_summary(terminalreporter):
-    """The fault suite's table (tests/faults/), when it ran: one row per fault."""
+def pytest_sessionfinish(session):
+    """Gather the session's tables; an xdist worker hands them to the controller."""
+    import json
     import sys
+
+    import session_report
 
     loaded = sys.modules.get("fault_load")
     if loaded is not None and loaded.ROWS:
-        terminalreporter.write_sep("-", "fault suite (tests/faults): one row per fault, under load")
-        terminalreporter.write_line(loaded.table(loaded.ROWS))
+        session_report.add("fault suite (tests/faults): one row per fault, under load", loaded.table(loaded.ROWS))
+        loaded.ROWS.clear()
+    worker_output = getattr(session.config, "workeroutput", None)
+    if worker_output is not None:
+        worker_output["kvharbor_reports"] = json.dumps(session_report.REPORTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """xdist's controller: a worker finished; keep its tables for the summary."""
+    import json
+
+    import session_report
+
+    for title, text in json.loads(getattr(node, "workeroutput", {}).get("kvharbor_reports", "[]")):
+        session_report.add(title, text)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The tables tests left (tests/session_report.py): the fault suite's, the fuzzers'."""
+    import session_report
+
+    for title, text in session_report.REPORTS:
+        terminalreporter.write_sep("-", title)
+        terminalreporter.write_line(text)
 
 
 @dataclass

@@ -548,7 +548,7 @@ def test_admission_sheds_queues_and_times_out(cluster, tmp_path):
 def test_failover_ejects_a_dead_engine_and_takes_it_back(cluster):
     g1 = cluster["g1"]
     stream = client(g1).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Write a long story."}], max_tokens=400, temperature=0,
+        model=MODEL, messages=[{"role": "user", "content": "Write a long story."}], max_tokens=150, temperature=0,
         stream=True, extra_body={"ignore_eos": True},
     )  # fmt: skip
     chunks = iter(stream)

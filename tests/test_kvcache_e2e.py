@@ -105,9 +105,9 @@ def test_the_gateway_routes_a_repeated_prefix_to_its_holder_through_the_cluster_
 
 def test_b_reuses_a_prefill_through_the_shared_store(cluster):
     a, b = cluster["a"], cluster["b"]
-    shared = prompt_ids(2, 1024)
-    complete(a, [*shared, 1500, 1600, 1700])  # A computes the 1,024-token prefix and pushes it
-    blocks = 1024 // 16
+    shared = prompt_ids(2, 512)
+    complete(a, [*shared, 1500, 1600, 1700])  # A computes the 512-token prefix and pushes it
+    blocks = 512 // 16
     wait_for(lambda: metric(scrape(a), "kvharbor_kv_store_pushed_blocks_total") >= blocks, what="push")
 
     question = [*shared, 2500, 2600, 2700, 2800, 2900]
@@ -118,8 +118,8 @@ def test_b_reuses_a_prefill_through_the_shared_store(cluster):
         metric(after, "kvharbor_kv_store_pulled_blocks_total") - metric(before, "kvharbor_kv_store_pulled_blocks_total")
         == blocks
     )
-    assert prefilled(after) - prefilled(before) == len(question) - 1024  # only the uncached tail was prefilled
-    assert pulled.usage.prompt_tokens_details.cached_tokens == 1024
+    assert prefilled(after) - prefilled(before) == len(question) - 512  # only the uncached tail was prefilled
+    assert pulled.usage.prompt_tokens_details.cached_tokens == 512
 
     # B recomputing from scratch (another salt: nothing cached, nothing pulled) says the same.
     scratch = complete(b, question, cache_salt="from-scratch")
