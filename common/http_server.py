@@ -12,8 +12,10 @@ import socket
 import sys
 from typing import Any
 
+DRAIN_S = 5.0  # what SIGTERM gives open connections, unless the part sets its own
 
-def uvicorn_config(app: Any, host: str, port: int, drain_s: float = 5.0) -> Any:
+
+def uvicorn_config(app: Any, host: str, port: int, drain_s: float = DRAIN_S) -> Any:
     import uvicorn
 
     return uvicorn.Config(
@@ -48,7 +50,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def serve_app(
-    app: Any, host: str, port: int, command: str, admin_port: int | None = None, drain_s: float = 5.0
+    app: Any, host: str, port: int, command: str, admin_port: int | None = None, drain_s: float = DRAIN_S
 ) -> int:
     """Serve until stopped; 0, or 2 with a message when an address cannot be bound. On SIGTERM,
     open connections get `drain_s` seconds to finish."""

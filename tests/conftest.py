@@ -47,7 +47,6 @@ def pytest_sessionfinish(session):
     loaded = sys.modules.get("fault_load")
     if loaded is not None and loaded.ROWS:
         session_report.add("fault suite (tests/faults): one row per fault, under load", loaded.table(loaded.ROWS))
-        loaded.ROWS.clear()
     worker_output = getattr(session.config, "workeroutput", None)
     if worker_output is not None:
         worker_output["kvharbor_reports"] = json.dumps(session_report.REPORTS)
