@@ -267,10 +267,9 @@ class EngineCore:
         """The adapter slots and the --lora adapters, and the bytes LoRA reserves of the KV budget."""
         if not lora.enabled:
             return None, 0
-        gemm = self._cpu_gemm(threads)
         manager = LoRAManager(
             self.arch, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.dtype, self.device,
-            gemm.linear if gemm is not None else None,
+            self._lora_kernels(threads),
         )  # fmt: skip
         for name, path in lora.adapters:
             say(f"loading LoRA adapter {name} from {path} ...")
@@ -282,6 +281,17 @@ class EngineCore:
             f"loaded ({len(manager.adapters)} now); {reserved / 2**20:.0f} MiB reserved of the KV budget"
         )
         return manager, reserved
+
+    def _lora_kernels(self, threads: int):
+        """The AVX2 kernels for the decode rows' LoRA deltas (cpu_kernels.lora_decode), on slots in
+        the model's dtype, float32 or bfloat16; None where they do not run (torch's products then)."""
+        if not (self.config.runtime.cpu_kernels and self.device.type == "cpu"):
+            return None
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        from kvharbor.engine import cpu_kernels
+
+        return cpu_kernels.load(threads)
 
     def _cpu_gemm(self, threads: int):
         """The AVX2 kernels (cpu_kernels.CpuKernels) where they run: float32 on the CPU, with

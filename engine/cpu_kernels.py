@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from kvharbor.engine.quantize import FORMATS, QuantWeight
 log = logging.getLogger("kvharbor.engine.cpu_kernels")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+BF16 = 4  # the kernel's format number of a bfloat16 weight (cpu_kernels.c)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-lpthread", "-lm")
 # Rows up to which the kernel beats torch's float32 matmul here (2 cores, SmolLM2's shapes, weights
 # streamed from memory): decode steps. Prefill chunks keep MKL, which blocks for large M.
@@ -95,6 +97,9 @@ class CpuKernels:
         lib.kvharbor_rope.restype = None
         lib.kvharbor_silu_mul.argtypes = [ptr, i64, ptr, i64, i64]
         lib.kvharbor_silu_mul.restype = None
+        lib.kvharbor_lora_decode.argtypes = [c_int, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, c_int,
+                                             ptr, i64]  # fmt: skip
+        lib.kvharbor_lora_decode.restype = c_int
         lib.kvharbor_set_spin.argtypes = [ctypes.c_int]
         lib.kvharbor_set_spin.restype = None
         if (spin := os.environ.get("KVHARBOR_KERNEL_SPIN")) is not None:
@@ -109,17 +114,58 @@ class CpuKernels:
         self.threads = self._lib.kvharbor_set_threads(threads)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [m, k] @ weight [n, k]^T (+ bias), float32, CPU; x rows may be strided, weight contiguous."""
+        """x [m, k] @ weight [n, k]^T (+ bias), CPU; x float32 with rows that may be strided, weight
+        float32 or bfloat16 (widened in registers: half the bytes read), contiguous; y float32."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
         n = weight.shape[0]
+        if x.dtype != torch.float32 or weight.shape[1] != k or not weight.is_contiguous():
+            raise ValueError(f"linear takes float32 x [m, k] and a contiguous [n, {k}] weight, got {x.dtype} "
+                             f"{tuple(x.shape)} and {tuple(weight.shape)}")  # fmt: skip
         y = torch.empty(m, n, dtype=torch.float32)
-        self._lib.kvharbor_linear(
-            x.data_ptr(), x.stride(0), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
-            y.data_ptr(), n, m, k, n,
-        )  # fmt: skip
+        b = bias.data_ptr() if bias is not None else None
+        if weight.dtype == torch.bfloat16:
+            self._lib.kvharbor_linear_quant(BF16, x.data_ptr(), x.stride(0), weight.data_ptr(), None, None, b,
+                                            y.data_ptr(), n, m, k, n)  # fmt: skip
+        elif weight.dtype == torch.float32:
+            self._lib.kvharbor_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), b, y.data_ptr(), n, m, k, n)
+        else:
+            raise ValueError(f"linear takes a float32 or bfloat16 weight, not {weight.dtype}")
         return y
+
+    def lora_plan(self, a: torch.Tensor, bt: list[torch.Tensor], offsets: list[int]) -> LoRAPlan:
+        """What lora_decode needs of one projection's slots: a [subs, slots, rank, k] and bt[j]
+        [out_j, slots * rank], contiguous, all float32 or all bfloat16 (checked once, here)."""
+        subs, slots, rank, _ = a.shape
+        if a.dtype not in (torch.float32, torch.bfloat16) or not a.is_contiguous() or len(bt) != subs:
+            raise ValueError(f"lora_plan takes a contiguous float32 or bfloat16 A and {subs} B^T, got {a.dtype}")
+        for b in bt:
+            if b.dtype != a.dtype or not b.is_contiguous() or b.shape[1] != slots * rank:
+                raise ValueError(f"lora_plan takes contiguous B^T [out, {slots * rank}] of {a.dtype}")
+        ptrs = (ctypes.c_void_p * subs)(*(b.data_ptr() for b in bt))
+        outs = (ctypes.c_int64 * subs)(*(b.shape[0] for b in bt))
+        return LoRAPlan(a, tuple(bt), ptrs, outs, (ctypes.c_int64 * subs)(*offsets))
+
+    def lora_decode(self, plan: LoRAPlan, x: torch.Tensor, row_slot: torch.Tensor, enabled: int, y: torch.Tensor):
+        """y[r, offsets[j]:][: out_j] += x[r] A[j, slot]^T B_j[slot]^T for each row r and each sub-projection
+        j with bit j of `enabled` set, slot = row_slot[r] (int32; -1: the row is left alone). x and y
+        in the plan's dtype, rows strided, columns contiguous; y's rows wide enough for every offset."""
+        a = plan.a
+        subs, slots, rank, k = a.shape
+        m = x.shape[0]
+        if x.dtype != a.dtype or y.dtype != a.dtype or x.stride(1) != 1 or y.stride(1) != 1 or x.shape[1] != k:
+            raise ValueError(f"lora_decode takes x [m, {k}] and y of {a.dtype} with contiguous columns")
+        if row_slot.dtype != torch.int32 or row_slot.shape != (m,) or y.shape[0] != m:
+            raise ValueError(f"lora_decode takes an int32 slot per row of x and y ({m})")
+        code = self._lib.kvharbor_lora_decode(
+            int(a.dtype == torch.bfloat16), x.data_ptr(), x.stride(0), row_slot.data_ptr(), m, k, a.data_ptr(), subs,
+            slots, rank, plan.bt_ptrs, plan.outs, plan.offsets, enabled, y.data_ptr(), y.stride(0),
+        )  # fmt: skip
+        if code == -2:
+            raise MemoryError(f"no memory for the shrink of {m} rows")
+        if code != 0:
+            raise ValueError(f"the kernel does not take {subs} sub-projections")
 
     def linear_quant(self, x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [m, k] float32 @ w^T (+ bias) for a weight in a kernel format (engine/quantize.py)."""
@@ -260,6 +306,18 @@ class CpuKernels:
     def takes_attention(heads: int, kv_heads: int, dim: int) -> bool:
         """Whether decode_attention takes this shape (GQA groups up to 16, dim a multiple of 8 up to 256)."""
         return heads % kv_heads == 0 and heads // kv_heads <= 16 and dim % 8 == 0 and dim <= 256
+
+
+@dataclass(frozen=True)
+class LoRAPlan:
+    """One projection's slot weights for CpuKernels.lora_decode, with the C arrays of its B^T
+    pointers, widths and column offsets (the tensors are held so the pointers stay valid)."""
+
+    a: torch.Tensor
+    bt: tuple[torch.Tensor, ...]
+    bt_ptrs: ctypes.Array
+    outs: ctypes.Array
+    offsets: ctypes.Array
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -16,8 +16,9 @@ import time
 import torch
 
 from kvharbor.engine.core_io import AdapterInUse, UnknownModel
+from kvharbor.engine.cpu_kernels import CpuKernels
 from kvharbor.engine.lora import AdapterError, LoRAAdapter, sub_shapes
-from kvharbor.engine.lora_slots import Linear, LoRASlots, LoRAStep
+from kvharbor.engine.lora_slots import LoRASlots, LoRAStep
 from kvharbor.engine.model_arch import ModelArch
 
 
@@ -38,11 +39,11 @@ class LoRAManager:
         max_loaded: int,
         dtype: torch.dtype,
         device: torch.device,
-        linear: Linear | None = None,  # the CPU kernel's float32 linear, where it runs
+        kernels: CpuKernels | None = None,  # the CPU kernels, where they run
     ) -> None:
         self.arch = arch
         self.max_rank, self.max_loaded = max_rank, max_loaded
-        self.slots = LoRASlots(arch, num_slots, max_rank, dtype, device, linear)
+        self.slots = LoRASlots(arch, num_slots, max_rank, dtype, device, kernels)
         self.adapters: dict[str, LoRAAdapter] = {}
         self.holder: list[str | None] = [None] * num_slots
         self.refs = [0] * num_slots

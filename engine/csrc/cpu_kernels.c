@@ -42,7 +42,9 @@ static int spin_rounds = 2000;  // _mm_pause rounds an idle worker spins before 
 //     j + 16 (high nibble), as GGUF's Q4_0/Q4_1 blocks do; w = q * scale[g] + min[g]
 //     with one float scale and min per (row, group)                 (--quantization int4, gguf)
 //   3 int8 [n, k] in groups of 32, w = q * scale[g]                  (gguf's Q8_0)
+//   4 bfloat16 [n, k], unscaled                   (LoRA slots under a bfloat16 model: lora_slots.py)
 #define GROUP 32
+#define GROUPED(Q) ((Q) == 2 || (Q) == 3)
 
 typedef struct {
     const float *x;
@@ -63,9 +65,22 @@ typedef struct {
 } attention_job_t;
 
 static int job_kind;  // 0 linear, 1 decode attention, 2 linear of weight format job_q, 3 dequantize,
-                      // 4 the same linear through integer dot products
+                      // 4 the same linear through integer dot products, 5 LoRA shrink, 6 LoRA expand
+// One projection's LoRA deltas for decode rows (kvharbor_lora_decode): x, a, bt and y all float32
+// or all bfloat16 (`bf16`); row_slot[r] is row r's slot, or -1 for the base model.
+#define LORA_MAX_SUBS 4
+typedef struct {
+    int bf16, enabled;  // enabled: bit j set for each sub-projection j to add
+    const void *x, *a, *bt[LORA_MAX_SUBS];
+    void *y;
+    const int32_t *row_slot;
+    float *s;  // [m, subs, rank]: each row's shrink by its own slot
+    int64_t ldx, ldy, m, k, subs, slots, rank, outs[LORA_MAX_SUBS], offsets[LORA_MAX_SUBS];
+} lora_job_t;
+
 static int job_q;
 static linear_job_t job;
+static lora_job_t ljob;
 static attention_job_t ajob;
 static atomic_int generation;  // bumped for every job; workers wait for it to change
 static atomic_int pending;     // workers still busy with the current job
@@ -79,6 +94,25 @@ static inline float hsum(__m256 v) {
     s = _mm_hadd_ps(s, s);
     s = _mm_hadd_ps(s, s);
     return _mm_cvtss_f32(s);
+}
+
+// A bfloat16 (the int8 KV rows' scale, engine/kv_quant.py) as a float: its 16 bits are the top
+// half of the float's.
+static inline float bf16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+// float -> bfloat16 bits, round to nearest even (as torch's .to(torch.bfloat16)).
+static inline uint16_t float_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
+}
+
+// 8 bfloat16 weights as 8 floats (the same shift, 8 lanes at once).
+static inline __m256 load_bf16(const uint16_t *p) {
+    const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
 }
 
 // 8 int8 weights as 8 floats.
@@ -183,7 +217,7 @@ static inline __attribute__((always_inline)) void tile(const int Q, const int R,
                                                        int64_t ldx, const void *w, const float *scale,
                                                        const float *mins, int64_t k, int64_t n, float *y,
                                                        int64_t ldy, const float *bias) {
-    if (Q >= 2) {
+    if (GROUPED(Q)) {
         grouped_tile(Q, R, C, x, ldx, w, scale, mins, k, n, y, ldy, bias, xsums + (x - job.x) / ldx * (k / GROUP));
         return;
     }
@@ -192,18 +226,22 @@ static inline __attribute__((always_inline)) void tile(const int Q, const int R,
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     const float *wf = (const float *)w + n * k;
     const int8_t *wq = (const int8_t *)w + n * k;
+    const uint16_t *wb = (const uint16_t *)w + n * k;
     // The next tile's C weight rows follow these in memory: prefetch them a line at a time, as
-    // fast as this tile consumes its own (C half-lines a step in float, C eighth-lines in int8),
-    // so the next tile starts warm.
-    const char *next = Q ? (const char *)(wq + C * k) : (const char *)(wf + C * k);
+    // fast as this tile consumes its own (C half-lines a step in float, C quarter-lines in
+    // bfloat16, C eighth-lines in int8), so the next tile starts warm.
+    const char *next = Q == 1 ? (const char *)(wq + C * k) : Q == 4 ? (const char *)(wb + C * k) : (const char *)(wf + C * k);
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
         if (!Q)
             for (int q = 0; q < (C + 1) / 2; q++) _mm_prefetch(next + ((i / 8) * ((C + 1) / 2) + q) * 64, _MM_HINT_T0);
-        else if ((i & 63) == 0)
+        else if (Q == 4 && (i & 31) == 0)
+            for (int q = 0; q < C; q++) _mm_prefetch(next + ((i / 32) * C + q) * 64, _MM_HINT_T0);
+        else if (Q == 1 && (i & 63) == 0)
             for (int q = 0; q < C; q++) _mm_prefetch(next + ((i / 64) * C + q) * 64, _MM_HINT_T0);
         __m256 wv[8];
-        for (int c = 0; c < C; c++) wv[c] = Q ? load_q8(wq + c * k + i) : _mm256_loadu_ps(wf + c * k + i);
+        for (int c = 0; c < C; c++)
+            wv[c] = Q == 1 ? load_q8(wq + c * k + i) : Q == 4 ? load_bf16(wb + c * k + i) : _mm256_loadu_ps(wf + c * k + i);
         for (int r = 0; r < R; r++) {
             __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -212,8 +250,9 @@ static inline __attribute__((always_inline)) void tile(const int Q, const int R,
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float s = hsum(acc[r][c]);
-            for (int64_t j = i; j < k; j++) s += x[r * ldx + j] * (Q ? (float)wq[c * k + j] : wf[c * k + j]);
-            if (Q) s *= scale[n + c];
+            for (int64_t j = i; j < k; j++)
+                s += x[r * ldx + j] * (Q == 1 ? (float)wq[c * k + j] : Q == 4 ? bf16_to_float(wb[c * k + j]) : wf[c * k + j]);
+            if (Q == 1) s *= scale[n + c];
             y[r * ldy + n + c] = bias ? s + bias[n + c] : s;
         }
 }
@@ -250,7 +289,7 @@ static inline __attribute__((always_inline)) void columns(const int Q, int64_t n
         for (; n < n1; n++) tile(Q, 2, 1, j.x, j.ldx, j.w, j.scale, j.mins, j.k, n, j.y, j.ldy, j.bias);
         return;
     }
-    if (Q >= 2) {  // 4 code vectors per column: 2 columns keep 8 sums in the 16 registers
+    if (GROUPED(Q)) {  // 4 code vectors per column: 2 columns keep 8 sums in the 16 registers
         for (; n + 2 <= n1; n += 2) column_group(Q, 2, &j, n);
     } else {
         for (; n + 3 <= n1; n += 3) column_group(Q, 3, &j, n);
@@ -264,6 +303,7 @@ static void run_columns(int q, int64_t n0, int64_t n1) {
         case 1: columns(1, n0, n1); break;
         case 2: columns(2, n0, n1); break;
         case 3: columns(3, n0, n1); break;
+        case 4: columns(4, n0, n1); break;
     }
 }
 
@@ -453,6 +493,77 @@ static void run_dequantize(int q, int64_t n0, int64_t n1) {
     }
 }
 
+// ---- LoRA deltas of decode rows (engine/lora_slots.py) ------------------------------------------
+//
+// BGMV: each row reads only its own slot's A and B. Phase 1 (units: one (row, sub, t) dot each):
+// s[r, j, t] = x[r] . A[j, slot_r, t]. Phase 2 (units: output columns of all subs, in order):
+// y[r, offset_j + n] += s[r, j, :] . Bt_j[n, slot_r * rank : slot_r * rank + rank]. One call per
+// projection, in place of torch's mask-multiply, casts and adds around two to four products.
+
+static inline __m256 lora_load8(int bf16, const void *p, int64_t i) {
+    return bf16 ? load_bf16((const uint16_t *)p + i) : _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline float lora_load1(int bf16, const void *p, int64_t i) {
+    return bf16 ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static void lora_shrink(int64_t u0, int64_t u1) {
+    const lora_job_t *j = &ljob;
+    const int64_t k = j->k, per_row = j->subs * j->rank;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t r = u / per_row, sub = u % per_row / j->rank, t = u % j->rank;
+        const int slot = j->row_slot[r];
+        if (slot < 0) {
+            j->s[u] = 0.0f;
+            continue;
+        }
+        const int64_t row = ((sub * j->slots + slot) * j->rank + t) * k, xr = r * j->ldx;
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= k; i += 16) {
+            acc0 = _mm256_fmadd_ps(lora_load8(j->bf16, j->x, xr + i), lora_load8(j->bf16, j->a, row + i), acc0);
+            acc1 = _mm256_fmadd_ps(lora_load8(j->bf16, j->x, xr + i + 8), lora_load8(j->bf16, j->a, row + i + 8), acc1);
+        }
+        float sum = hsum(_mm256_add_ps(acc0, acc1));
+        for (; i < k; i++) sum += lora_load1(j->bf16, j->x, xr + i) * lora_load1(j->bf16, j->a, row + i);
+        j->s[u] = sum;
+    }
+}
+
+static inline void lora_add(const lora_job_t *j, int64_t index, float d) {
+    if (j->bf16) {
+        uint16_t *y = (uint16_t *)j->y + index;
+        *y = float_to_bf16(bf16_to_float(*y) + d);
+    } else {
+        ((float *)j->y)[index] += d;
+    }
+}
+
+static void lora_expand(int64_t c0, int64_t c1) {
+    const lora_job_t *j = &ljob;
+    const int64_t width = j->slots * j->rank;
+    int64_t first = 0;  // the first column of sub `sub` in the units' order
+    for (int64_t sub = 0; sub < j->subs; first += j->outs[sub], sub++) {
+        const int64_t n0 = c0 > first ? c0 - first : 0, n1 = c1 - first < j->outs[sub] ? c1 - first : j->outs[sub];
+        if (!(j->enabled >> sub & 1) || n0 >= n1) continue;
+        for (int64_t n = n0; n < n1; n++) {
+            for (int64_t r = 0; r < j->m; r++) {
+                const int slot = j->row_slot[r];
+                if (slot < 0) continue;
+                const float *s = j->s + (r * j->subs + sub) * j->rank;
+                const int64_t w = n * width + slot * j->rank;
+                __m256 acc = _mm256_setzero_ps();
+                int64_t t = 0;
+                for (; t + 8 <= j->rank; t += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(s + t), lora_load8(j->bf16, j->bt[sub], w + t), acc);
+                float d = hsum(acc);
+                for (; t < j->rank; t++) d += s[t] * lora_load1(j->bf16, j->bt[sub], w + t);
+                lora_add(j, r * j->ldy + j->offsets[sub] + n, d);
+            }
+        }
+    }
+}
+
 static void run_attention(int64_t first, int64_t last);
 static void start_workers(int n);
 static int wanted;
@@ -466,6 +577,10 @@ static void run_share(int t) {
         a = a < job.n ? a : job.n, b = b < job.n ? b : job.n;
         if (job_kind == 3)
             run_dequantize(job_q, a, b);
+        else if (job_kind == 5)
+            lora_shrink(a, b);
+        else if (job_kind == 6)
+            lora_expand(a, b);
         else if (job_kind == 4)
             run_int_columns(job_q, a, b);
         else
@@ -576,14 +691,14 @@ static int fill_xsums(const float *x, int64_t ldx, int64_t m, int64_t k) {
     return 0;
 }
 
-// The same with a quantized weight of format q (1-3, above): scale [n] (format 1) or [n, k / 32],
-// mins [n, k / 32] (format 2) or NULL. Returns -1 for a format it does not know or a k that is
-// not a multiple of 32 in a grouped one, -2 when out of memory.
+// The same with a weight of format q (1-4, above): scale [n] (format 1) or [n, k / 32], mins
+// [n, k / 32] (format 2) or NULL. Returns -1 for a format it does not know or a k that is not a
+// multiple of 32 in a grouped one, -2 when out of memory.
 int kvharbor_linear_quant(int q, const float *x, int64_t ldx, const void *w, const float *scale, const float *mins,
                           const float *bias, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n) {
-    if (q < 1 || q > 3 || (q >= 2 && k % GROUP)) return -1;
+    if (q < 1 || q > 4 || (GROUPED(q) && k % GROUP)) return -1;
     pthread_mutex_lock(&call_lock);
-    const int integer = m >= 1 && m <= INT_ROWS && k % GROUP == 0;
+    const int integer = q != 4 && m >= 1 && m <= INT_ROWS && k % GROUP == 0;  // bfloat16 stays float
     if (integer ? fill_xcodes(x, ldx, m, k) != 0 : q == 2 && fill_xsums(x, ldx, m, k) != 0) {
         pthread_mutex_unlock(&call_lock);
         return -2;
@@ -598,7 +713,7 @@ int kvharbor_linear_quant(int q, const float *x, int64_t ldx, const void *w, con
 // Rows of a quantized weight of format q as float32: y [n, k] (row stride ldy) = dequantized w.
 int kvharbor_dequantize(int q, const void *w, const float *scale, const float *mins, float *y, int64_t ldy,
                         int64_t k, int64_t n) {
-    if (q < 1 || q > 3 || (q >= 2 && k % GROUP)) return -1;
+    if (q < 1 || q > 3 || (GROUPED(q) && k % GROUP)) return -1;
     pthread_mutex_lock(&call_lock);
     job = (linear_job_t){NULL, w, scale, mins, NULL, y, 0, k, n, 0, ldy};
     job_q = q;
@@ -607,21 +722,42 @@ int kvharbor_dequantize(int q, const void *w, const float *scale, const float *m
     return 0;
 }
 
+// y[r, offsets[j] + n] += (x[r] A[j, slot_r]^T) Bt_j[n, slot_r]^T for the decode rows r < m and
+// each sub-projection j < subs whose bit is set in `enabled` (see lora_job_t). a [subs, slots, rank, k];
+// bt[j] [outs[j], slots * rank]; x and y rows at strides ldx and ldy. Returns -1 for more than
+// LORA_MAX_SUBS subs, -2 when out of memory.
+int kvharbor_lora_decode(int bf16, const void *x, int64_t ldx, const int32_t *row_slot, int64_t m, int64_t k,
+                         const void *a, int64_t subs, int64_t slots, int64_t rank, const void *const *bt,
+                         const int64_t *outs, const int64_t *offsets, int enabled, void *y, int64_t ldy) {
+    if (subs < 1 || subs > LORA_MAX_SUBS) return -1;
+    pthread_mutex_lock(&call_lock);
+    static float *scratch;
+    static int64_t scratch_len;
+    float *sbuf = grown(scratch, &scratch_len, m * subs * rank, sizeof(float));
+    if (!sbuf) {
+        pthread_mutex_unlock(&call_lock);
+        return -2;
+    }
+    scratch = sbuf;
+    lora_job_t lj = {bf16, enabled, x, a, {NULL}, y, row_slot, sbuf, ldx, ldy, m, k, subs, slots, rank, {0}, {0}};
+    int64_t columns = 0;
+    for (int64_t j = 0; j < subs; j++) {
+        lj.bt[j] = bt[j], lj.outs[j] = outs[j], lj.offsets[j] = offsets[j];
+        columns += outs[j];
+    }
+    ljob = lj;
+    job.n = m * subs * rank;
+    run_job(5);
+    job.n = columns;
+    run_job(6);
+    pthread_mutex_unlock(&call_lock);
+    return 0;
+}
+
 // ---- int8 KV rows (engine/kv_quant.py) -----------------------------------------------------------
 
-// A bfloat16 (the int8 KV rows' scale, engine/kv_quant.py) as a float: its 16 bits are the top
-// half of the float's.
-static inline float bf16_to_float(uint16_t h) {
-    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
-    return v.f;
-}
 
 
-// float -> bfloat16 bits, round to nearest even (as torch's .to(torch.bfloat16)).
-static inline uint16_t float_to_bf16(float f) {
-    union { float f; uint32_t u; } v = {.f = f};
-    return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
-}
 
 // Each of the n rows (token t, head h) of src, at src + t * tok_stride + h * head_stride floats,
 // quantized to dim int8 codes + a bf16 scale and written at its slot: cache [heads][slots][dim + 2]
