@@ -52,7 +52,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from kvharbor.common.block_hash import BlockHash
+from kvharbor.common.block_hash import DIGEST_SIZE, BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
 from kvharbor.common.redis_client import Call, Script, SlotPipelines, connect, pairs
 from kvharbor.common.redis_keys import (
@@ -322,11 +322,18 @@ return changed
 # hash. Returns each block's holders ('' for none, '=' for the block before's), up to where it
 # stopped. The bucket keys come
 # computed from the client: string work per block in Lua cost more than the reads themselves.
+# KEYS: the shards' anchors (all SHARDS, in order, on a single Redis; the one shard read, on a
+# cluster). ARGV: '1' to stop at the first block nobody holds, then the chain's 16-byte hashes as
+# one string: one argument instead of two per block (a bucket key and a field) took the client's
+# packing and Redis's parsing out of a 256-block lookup.
 _READ = Script(
-    """
-local out, stop, last = {}, ARGV[1] == '1', nil
-for j = 2, #ARGV, 2 do
-  local v = redis.call('HGET', ARGV[j], ARGV[j + 1])
+    _LUA_BUCKET
+    + f"""
+local out, stop, last, chain = {{}}, ARGV[1] == '1', nil, ARGV[2]
+for j = 1, #chain, 16 do
+  local h = string.sub(chain, j, j + 15)
+  local anchor = #KEYS == 1 and KEYS[1] or KEYS[string.byte(h, 1) % {SHARDS} + 1]
+  local v = redis.call('HGET', anchor .. ':' .. bucket(h), h)
   if not v and stop then break end
   v = v or ''
   -- '=': the same holders as the block before. A shared prefix's blocks all have the same
@@ -337,11 +344,6 @@ end
 return out
 """
 )
-
-
-def bucket_key(anchor: str, block_hash: BlockHash) -> str:
-    """The bucket of a block inside its shard: what _LUA_BUCKET computes, on the client side."""
-    return f"{anchor}:{(block_hash[1] * 256 + block_hash[2]) % BUCKETS}"
 
 
 @functools.lru_cache(maxsize=65536)  # asked for every event; a fleet has few (instance, lease) pairs
@@ -591,11 +593,11 @@ class RedisIndex:
         shard (a slot each) reads its blocks, nodes in parallel."""
         anchors = [index_shard_key(model, t, shard, self._prefix) for shard in range(SHARDS)]
         values: list[bytes | None] = [None] * len(hashes)
+        chain = b"".join(hashes)
+        if len(chain) != DIGEST_SIZE * len(hashes):
+            raise ValueError(f"block hashes are {DIGEST_SIZE} bytes each (common/block_hash.py)")
         if not self._slots.cluster:
-            args = ["1"]
-            for h in hashes:
-                args += [bucket_key(anchors[h[0] % SHARDS], h), h]
-            (reply,) = await self._run([Call(anchors[0], tuple(args), _READ, tuple(anchors))])
+            (reply,) = await self._run([Call(anchors[0], ("1", chain), _READ, tuple(anchors))])
             for i, value in enumerate(_expand(reply)):
                 values[i] = value or None
             return values
@@ -604,10 +606,8 @@ class RedisIndex:
             by_shard.setdefault(h[0] % SHARDS, []).append(i)
         calls = []
         for shard, idx in by_shard.items():
-            args = ["0"]
-            for i in idx:
-                args += [bucket_key(anchors[shard], hashes[i]), hashes[i]]
-            calls.append(Call(anchors[shard], tuple(args), _READ, (anchors[shard],)))
+            args = ("0", b"".join(hashes[i] for i in idx))
+            calls.append(Call(anchors[shard], args, _READ, (anchors[shard],)))
         for idx, reply in zip(by_shard.values(), await self._run(calls), strict=True):
             for i, value in zip(idx, _expand(reply), strict=True):
                 values[i] = value or None
