@@ -24,11 +24,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvharbor.common.block_hash import BlockHash
+from kvharbor.common.block_hash import DIGEST_SIZE, BlockHash
 from kvharbor.common.kv_events import EventEnvelope, Tier
 
 FORGET_TTL_S = 3600.0  # longer than any event can wait in a stream before it is consumed
 FORGOTTEN = "forgotten"  # the lease a forgotten instance holds: no event carries it
+
+
+def joined_chain(block_hashes: Sequence[BlockHash]) -> bytes:
+    """The chain's hashes as one string; ValueError unless each is DIGEST_SIZE bytes (a lookup
+    of another hash could never match, and the Redis script reads the string 16 bytes at a time)."""
+    chain = b"".join(block_hashes)
+    if len(chain) != DIGEST_SIZE * len(block_hashes) or any(len(h) != DIGEST_SIZE for h in block_hashes):
+        raise ValueError(f"block hashes are {DIGEST_SIZE} bytes each (common/block_hash.py)")
+    return chain
 
 
 class IndexUnavailable(RuntimeError):

@@ -8,7 +8,14 @@ from collections.abc import Callable, Sequence
 
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
-from kvharbor.kvcache_service.index import FORGET_TTL_S, FORGOTTEN, InstanceInfo, StreamEvent, stream_position
+from kvharbor.kvcache_service.index import (
+    FORGET_TTL_S,
+    FORGOTTEN,
+    InstanceInfo,
+    StreamEvent,
+    joined_chain,
+    stream_position,
+)
 
 Holder = tuple[Tier, str]  # (tier, instance)
 
@@ -83,6 +90,7 @@ class MemoryIndex:
         instances: Sequence[str] | None = None,
         tier: Tier = "device",
     ) -> dict[str, int]:
+        joined_chain(block_hashes)  # the same refusal of a malformed hash as RedisIndex
         wanted = set(instances) if instances is not None else None
         counts: dict[str, int] = {}
         holders = self._holders.get(model, {})

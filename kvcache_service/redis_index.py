@@ -52,7 +52,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from kvharbor.common.block_hash import DIGEST_SIZE, BlockHash
+from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
 from kvharbor.common.redis_client import Call, Script, SlotPipelines, connect, pairs
 from kvharbor.common.redis_keys import (
@@ -72,6 +72,7 @@ from kvharbor.kvcache_service.index import (
     InstanceInfo,
     LeadershipLost,
     StreamEvent,
+    joined_chain,
 )
 
 log = logging.getLogger("kvharbor.kvcache.index")
@@ -593,9 +594,7 @@ class RedisIndex:
         shard (a slot each) reads its blocks, nodes in parallel."""
         anchors = [index_shard_key(model, t, shard, self._prefix) for shard in range(SHARDS)]
         values: list[bytes | None] = [None] * len(hashes)
-        chain = b"".join(hashes)
-        if len(chain) != DIGEST_SIZE * len(hashes):
-            raise ValueError(f"block hashes are {DIGEST_SIZE} bytes each (common/block_hash.py)")
+        chain = joined_chain(hashes)
         if not self._slots.cluster:
             (reply,) = await self._run([Call(anchors[0], ("1", chain), _READ, tuple(anchors))])
             for i, value in enumerate(_expand(reply)):

@@ -88,6 +88,19 @@ def test_chain_matching_stops_at_first_break(backend):
     run(backend, body)
 
 
+def test_a_hash_of_another_length_is_refused(backend):
+    async def body(index):
+        h = chain(3)
+        await alive(index, "a")
+        await index.apply([stored("a", h)])
+        for bad in ([h[0], h[1][:8], h[2]], [h[0] + b"x"], [b""]):
+            with pytest.raises(ValueError, match="16 bytes each"):
+                await index.lookup(MODEL, bad)
+        assert await index.lookup(MODEL, h) == {"a": 3}
+
+    run(backend, body)
+
+
 def test_several_instances_and_filter(backend):
     async def body(index):
         h = chain(5)
