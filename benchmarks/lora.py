@@ -149,19 +149,12 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="16 requests, 1 repeat: a smoke run")
-    ap.add_argument("--requests", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--out", type=Path, default=RESULTS / "lora.json")
-    args = ap.parse_args()
+def measure(args: argparse.Namespace, scratch: Path) -> dict:
+    """Every configuration's runs and the swap figures, with the adapters written under `scratch`."""
     n, repeats = (16, 1) if args.quick else (args.requests, args.repeats)
     loaded = load_model(None)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, loaded.arch.vocab_size) for _ in range(PROMPT_LEN)] for _ in range(n)]
-    scratch = Path(tempfile.mkdtemp(prefix="kvharbor-lora-bench-"))
     folders = [scratch / f"a{i}" for i in range(NUM_ADAPTERS)]
     for i, folder in enumerate(folders):
         write_adapter(folder, loaded.arch, RANK, seed=i)
@@ -198,6 +191,20 @@ def main() -> int:
         "runs": best,
         "swap": swap,
     }
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="16 requests, 1 repeat: a smoke run")
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", type=Path, default=RESULTS / "lora.json")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvharbor-lora-bench-") as scratch:  # the adapters, removed after
+        result = measure(args, Path(scratch))
+    best, swap = result["runs"], result["swap"]
     print(f"\n{'configuration':<22} {'output tok/s':>12} {'vs base':>8} {'mean ITL ms':>12}")
     for name, got in best.items():
         print(f"{name:<22} {got['output_tok_s']:>12.1f} {got['ratio_to_base']:>7.2f}x {got['itl_mean_ms']:>12.1f}")
