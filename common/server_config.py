@@ -1,8 +1,8 @@
 """The server sub-config every command shares: where it listens, how it logs, where it sends traces.
 
 Each part's own server config subclasses one of these and changes only its default port and
-adds its own fields, so `--host`, `--port`, `--admin-port`, `--log-level`, `--log-json` and
-`--otlp-endpoint` mean the same thing, with the same checks, on every command.
+adds its own fields, so `--host`, `--port`, `--admin-port`, `--header-timeout`, `--log-level`,
+`--log-json` and `--otlp-endpoint` mean the same thing, with the same checks, on every command.
 """
 
 from __future__ import annotations
@@ -36,9 +36,14 @@ class ServiceListenConfig(ListenConfig):
     admin_port: int | None = opt(
         None, "TCP port of the admin listener: /metrics and operator-facing endpoints (default: none, all on --port)"
     )
+    header_timeout: float = opt(
+        10.0, "seconds a client has to send a request's headers, from connecting or from its last response"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not 0 < self.header_timeout <= 3600:
+            raise ValueError(f"header_timeout must be in (0, 3600] seconds, got {self.header_timeout}")
         if self.admin_port is None:
             return
         if not 1 <= self.admin_port < 65536:

@@ -236,7 +236,8 @@ class Platform:
 
         c = self.config
         cli = [sys.executable, "-m", "kvharbor.common.cli"]
-        shared = ["--log-level", c.log_level, "--log-json" if c.log_json else "--no-log-json"]
+        shared = ["--log-level", c.log_level, "--log-json" if c.log_json else "--no-log-json",
+                  "--header-timeout", str(c.header_timeout)]  # fmt: skip
         traced = [*shared, *(["--otlp-endpoint", c.otlp_endpoint] if c.otlp_endpoint else [])]
         kv_port = free_port()
         kvcache = Child(

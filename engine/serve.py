@@ -83,7 +83,7 @@ class EngineServer:
             tracer=setup_tracing("engine", srv.otlp_endpoint),
         )
         app = build_app(self.state, lifespan=self._lifespan, admin_port=srv.admin_port)
-        uv_config = uvicorn_config(app, srv.host, srv.port)
+        uv_config = uvicorn_config(app, srv.host, srv.port, header_timeout=srv.header_timeout)
         self.server = DrainingServer(uv_config, self.state, srv.drain_timeout)
         self.config = config
 

@@ -197,4 +197,7 @@ def serve(config: Any) -> int:
         flush=True,
     )
     app = build_app(state, lifespan=lifespan_for(state), admin_port=srv.admin_port)
-    return serve_app(app, srv.host, srv.port, "gateway", admin_port=srv.admin_port, drain_s=srv.drain_timeout)
+    return serve_app(
+        app, srv.host, srv.port, "gateway", admin_port=srv.admin_port, drain_s=srv.drain_timeout,
+        header_timeout=srv.header_timeout,
+    )  # fmt: skip

@@ -122,4 +122,4 @@ def serve(config: Any) -> int:
         flush=True,
     )
     app = build_app(state, lifespan=lifespan, admin_port=srv.admin_port)
-    return serve_app(app, srv.host, srv.port, "kvcache", admin_port=srv.admin_port)
+    return serve_app(app, srv.host, srv.port, "kvcache", admin_port=srv.admin_port, header_timeout=srv.header_timeout)
