@@ -36,6 +36,7 @@ from kvharbor.common.openai_api import (
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_client import CoreClient, RequestStream
 from kvharbor.engine.core_io import AdapterInUse, EngineDead, HandoffFailed, NewRequest, UnknownModel
+from kvharbor.engine.kv_handoff import sign_handle
 from kvharbor.engine.metrics import ServerMetrics
 from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
 from kvharbor.engine.outputs import RequestOutput
@@ -297,7 +298,7 @@ class _Routes:
         return {
             "remote_host": request.url.hostname or "127.0.0.1",
             "remote_port": self.engine.kv_transfer_port,
-            "remote_handle": rid,
+            "remote_handle": sign_handle(self.engine.kv_transfer_secret, rid),
             "first_token_id": output.outputs[0].token_ids[0],
         }
 

@@ -68,6 +68,7 @@ class CoreInfo:
     block_size: int
     role: str = "both"
     kv_transfer_port: int = 0  # where decode engines pull this engine's hand-offs (0: none)
+    kv_transfer_secret: bytes = dataclasses.field(default=b"", repr=False)  # signs the handles (kv_handoff.py)
 
 
 class CoreClient:
@@ -123,8 +124,9 @@ class CoreClient:
             self.proc.wait(30)
             raise ValueError(first[1])
         info = first[1]
+        secret = bytes.fromhex(info["kv_transfer_secret"])
         self.info = CoreInfo(info["model"], info["max_model_len"], info["vocab_size"], info["block_size"],
-                             info["role"], info["kv_transfer_port"])  # fmt: skip
+                             info["role"], info["kv_transfer_port"], secret)  # fmt: skip
         return self.info
 
     async def attach(self) -> None:

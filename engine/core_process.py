@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import pickle
+import secrets
 import signal
 import socket
 import time
@@ -55,6 +56,7 @@ class CoreProcess:
             event_sink=self.publisher.sink if self.publisher else None,
             on_death=self._died,
         )
+        self.handoff_secret = secrets.token_bytes(32)  # signs hand-off handles; only the API server learns it
         self.handoff_server, self.handoff_puller = self._handoffs(srv.host, engine_config.disagg)
         self.aio: asyncio.AbstractEventLoop | None = None
         self._pending: dict[str, bool] = {}  # adds not in the engine yet -> aborted meanwhile
@@ -94,7 +96,7 @@ class CoreProcess:
         server = None
         if disagg.transfer_port is not None:
             server = HandoffServer(self._ask, self.core.handoffs, self.core.kv_io.format, host, disagg.transfer_port,
-                                   self.board)  # fmt: skip
+                                   self.board, self.handoff_secret)  # fmt: skip
         puller = HandoffPuller(self.core, self._ask, self.board, disagg.kv_load_failure_policy,
                                disagg.kv_transfer_timeout)  # fmt: skip
         return server, puller
@@ -130,7 +132,8 @@ class CoreProcess:
         self.loop.start()
         info = {"model": core.model_name, "max_model_len": core.max_model_len, "vocab_size": core.arch.vocab_size,
                 "block_size": core.capacity.block_size, "instance_id": self.instance_id,
-                "role": core.config.disagg.role, "kv_transfer_port": core.kv_transfer_port}  # fmt: skip
+                "role": core.config.disagg.role, "kv_transfer_port": core.kv_transfer_port,
+                "kv_transfer_secret": self.handoff_secret.hex()}  # fmt: skip
         self._send(["ready", info])
         if self.publisher is not None:
             self._spawn(self.publisher.run(self.loop, core.capacity.block_size))

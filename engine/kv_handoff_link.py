@@ -10,6 +10,9 @@ length, msgpack list):
                                                ["end"]
     ["release", handle]                        ["released", bool]
 
+A handle is the prefill request's id signed with the core's secret (kv_handoff.sign_handle): one
+that is not answers "gone", as an expired one does. Logs name the request id, never the handle.
+
 Each block travels as the shared store's self-describing blob (kvcache_service.block_store:
 model, weights fingerprint, layout, dtype, its block hash and a checksum), so the decode side
 checks every block against the hash it computed from its own prompt: a block that is damaged,
@@ -31,6 +34,7 @@ from typing import Any
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.engine.core_io import HandoffFailed
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
+from kvharbor.engine.kv_handoff import handle_request_id
 from kvharbor.kvcache_service.block_store import BlockFormat, BlockRefused, decode_block, encode_block
 
 log = logging.getLogger("kvharbor.engine.kv_handoff")
@@ -47,8 +51,11 @@ Ask = Callable[[Callable[[Any], Any]], Awaitable[Any]]  # run fn(core) in the en
 class HandoffServer:
     """Serves the core's hand-off leases to decode engines (in the core process's event loop)."""
 
-    def __init__(self, ask: Ask, leases: Any, fmt: BlockFormat, host: str, port: int, counters: Any) -> None:
+    def __init__(
+        self, ask: Ask, leases: Any, fmt: BlockFormat, host: str, port: int, counters: Any, secret: bytes
+    ) -> None:
         self._ask = ask
+        self._secret = secret  # signs the handles (kv_handoff.sign_handle)
         self.leases = leases  # the core's HandoffLeases: export() may run off the engine thread
         self.format = fmt
         self.host = host
@@ -72,10 +79,11 @@ class HandoffServer:
         try:
             while True:
                 message = await read_message(reader)
+                rid = handle_request_id(self._secret, str(message[1])) if len(message) > 1 else None
                 if message[0] == "get":
-                    await self._send_blocks(writer, str(message[1]), int(message[2]))
+                    await self._send_blocks(writer, rid, int(message[2]))
                 elif message[0] == "release":
-                    released = await self._ask(lambda core, h=str(message[1]): core.handoffs.release(h))
+                    released = rid is not None and await self._ask(lambda core, r=rid: core.handoffs.release(r))
                     writer.write(encode(["released", released]))
                 else:
                     return
@@ -85,10 +93,11 @@ class HandoffServer:
         finally:
             writer.close()
 
-    async def _send_blocks(self, writer: asyncio.StreamWriter, handle: str, start: int) -> None:
-        size = self.leases.size(handle)  # a dict read: no need to wait for the engine thread
+    async def _send_blocks(self, writer: asyncio.StreamWriter, handle: str | None, start: int) -> None:
+        """`handle`: the lease's request id (None: the handle presented was not signed here)."""
+        size = None if handle is None else self.leases.size(handle)  # a dict read: not the engine thread's
         if size is None:
-            writer.write(encode(["gone", f"no hand-off {handle!r} here (it expired or was released)"]))
+            writer.write(encode(["gone", "no such hand-off here (unknown, expired or released)"]))
             return
         writer.write(encode(["head", size]))
         for first in range(max(0, start), size, SLICE_BLOCKS):
@@ -199,19 +208,21 @@ class HandoffPuller:
         hashes = block_hashes(prompt_ids, core.capacity.block_size, core.model_name, cache_salt, adapter)
         k = await self._ask(lambda c: c.kv.cached_run(hashes))
         host, port, handle = params["remote_host"], int(params["remote_port"]), str(params["remote_handle"])
+        rid = handle.rpartition(".")[0] or "?"  # what logs and errors name: the handle is a capability
         try:
             got = await pull_handoff(host, port, handle, core.kv_io.format, hashes, k, self.timeout)
         except (OSError, LinkClosed, TimeoutError) as exc:
             self.counters.inc("kv_handoff_pulls", label="unreachable")
-            return self._failed(f"the prefill engine at {host}:{port} did not hand over {handle!r}: {exc!r}")
+            return self._failed(f"the prefill engine at {host}:{port} did not hand over {rid!r}: {exc!r}")
         self._record(got, k, len(hashes))
-        log.info("hand-off pulled", extra={"handle": handle, "blocks": len(got.payloads), "bytes": got.nbytes,
+        log.info("hand-off pulled", extra={"prefill_request_id": rid, "blocks": len(got.payloads), "bytes": got.nbytes,
                                            "seconds": round(got.seconds, 4), "refused": got.refused})  # fmt: skip
         await self._ask(lambda c: c.stats.record_transfer(got.nbytes, got.seconds))
         if got.refused and self.policy == "fail":
-            raise HandoffFailed(f"the hand-off {handle!r} from {host}:{port} was refused: {got.refused}")
+            raise HandoffFailed(f"the hand-off of {rid!r} from {host}:{port} was refused: {got.refused}")
         if got.refused:
-            log.warning("hand-off KV refused; recomputing the rest", extra={"handle": handle, "why": got.refused})
+            log.warning("hand-off KV refused; recomputing the rest",
+                        extra={"prefill_request_id": rid, "why": got.refused})  # fmt: skip
         if not got.payloads:
             return None
         return ExternalPrefix(hashes[:k], hashes[k : k + len(got.payloads)], got.payloads)

@@ -1,12 +1,18 @@
 """P/D hand-offs inside the engine: a prefill engine pins its prompt's KV under a lease, a decode
 engine imports those blocks and continues from the prefill's first token. The tokens equal one
-engine's, only the prompt's tail runs on the decode side, and no pinned block outlives its lease."""
+engine's, only the prompt's tail runs on the decode side, and no pinned block outlives its lease.
+A lease is only served for its signed handle."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 
 from kvharbor.engine import SamplingParams
+from kvharbor.engine.kv_handoff import handle_request_id, sign_handle
+from kvharbor.engine.kv_handoff_link import HandoffServer, pull_handoff
+from kvharbor.engine.metrics import CounterBoard
 
 PROMPT = [(i * 37) % 500 + 3 for i in range(150)]  # 9 full blocks of 16 and a 6-token tail
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -94,3 +100,48 @@ def test_bad_handoff_requests_are_refused(tiny_llama, make_llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         b.engine.add_request("x", prompt_token_ids=PROMPT, **{"params": SamplingParams(), **kwargs})
     assert not b.engine.has_unfinished()
+
+
+def test_a_handle_is_the_request_id_signed_with_the_cores_secret():
+    secret, other = b"s" * 32, b"t" * 32
+    handle = sign_handle(secret, "chatcmpl-1.a")  # a request id may hold dots: the MAC is after the last
+    assert handle.startswith("chatcmpl-1.a.") and handle_request_id(secret, handle) == "chatcmpl-1.a"
+    for forged in ("chatcmpl-1.a", sign_handle(other, "chatcmpl-1.a"), handle[:-1] + "0", handle + "0", ""):
+        assert handle_request_id(secret, forged) is None
+
+
+def test_the_hand_off_server_answers_only_a_signed_handle():
+    """A real HandoffServer on 127.0.0.1 and the decode side's pull_handoff: a request id alone, or
+    a handle signed by another engine, gets 'gone', and no lease is looked up or released."""
+    secret = b"k" * 32
+    looked_up, released = [], []
+
+    class Leases:
+        def size(self, rid):
+            looked_up.append(rid)
+            return 0 if rid == "p1" else None  # p1's lease holds no blocks: the pull is only head and end
+
+    class Core:
+        class handoffs:  # what HandoffServer._ask's functions read
+            @staticmethod
+            def release(rid):
+                released.append(rid)
+                return True
+
+    async def ask(fn):
+        return fn(Core)
+
+    async def main():
+        server = HandoffServer(ask, Leases(), None, "127.0.0.1", 0, CounterBoard(), secret)
+        port = await server.start()
+        try:
+            return [await pull_handoff("127.0.0.1", port, h, None, [], 0, 10.0)
+                    for h in (sign_handle(secret, "p1"), "p1", sign_handle(b"x" * 32, "p1"))]  # fmt: skip
+        finally:
+            await server.stop()
+
+    signed, bare, foreign = asyncio.run(main())
+    assert signed.refused is None and signed.released
+    for pulled in (bare, foreign):
+        assert "no such hand-off" in pulled.refused and not pulled.released
+    assert looked_up == ["p1"] and released == ["p1"]
