@@ -36,7 +36,7 @@ from kvharbor.common.openai_api import (
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_client import CoreClient, RequestStream
 from kvharbor.engine.core_io import AdapterInUse, EngineDead, HandoffFailed, NewRequest, UnknownModel
-from kvharbor.engine.kv_handoff import sign_handle
+from kvharbor.engine.handoff_handles import sign_handle
 from kvharbor.engine.metrics import ServerMetrics
 from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
 from kvharbor.engine.outputs import RequestOutput

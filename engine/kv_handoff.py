@@ -7,18 +7,13 @@ while the decode engine pulls them (engine/kv_handoff_link.py). The lease ends w
 side confirms (`release`) or when it expires; either way the blocks go back to the pool as
 ordinary cached blocks, still good for prefix hits here.
 
-The handle a decode engine presents is `sign_handle`'s: the request id and an HMAC of it under a
-secret the core process draws at start and tells only its API server. A request id alone is no
-capability: clients may choose it (X-Request-Id) and it is logged, and a lease's blocks are the
-tenant's prompt in KV form.
+The handle a decode engine presents names the lease signed (engine/handoff_handles.py).
 
 Everything here runs in the engine thread (the pool is only consistent there), except `export`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,25 +21,6 @@ from dataclasses import dataclass
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.engine.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv_transfer import KVBlockIO
-
-MAC_HEX = 32  # 128 bits of HMAC-SHA256
-
-
-def sign_handle(secret: bytes, request_id: str) -> str:
-    """The hand-off handle of `request_id`'s lease: what the prefill's answer gives the decode side."""
-    return f"{request_id}.{_mac(secret, request_id)}"
-
-
-def handle_request_id(secret: bytes, handle: str) -> str | None:
-    """The request id a handle signs, or None when it is not one `sign_handle` made with `secret`."""
-    request_id, dot, mac = handle.rpartition(".")
-    if not dot or not hmac.compare_digest(mac, _mac(secret, request_id)):
-        return None
-    return request_id
-
-
-def _mac(secret: bytes, request_id: str) -> str:
-    return hmac.new(secret, request_id.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:MAC_HEX]
 
 
 @dataclass

@@ -34,7 +34,7 @@ from typing import Any
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.engine.core_io import HandoffFailed
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
-from kvharbor.engine.kv_handoff import handle_request_id
+from kvharbor.engine.handoff_handles import handle_request_id
 from kvharbor.kvcache_service.block_store import BlockFormat, BlockRefused, decode_block, encode_block
 
 log = logging.getLogger("kvharbor.engine.kv_handoff")

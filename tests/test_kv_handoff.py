@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.kv_handoff import handle_request_id, sign_handle
+from kvharbor.engine.handoff_handles import handle_request_id, sign_handle
 from kvharbor.engine.kv_handoff_link import HandoffServer, pull_handoff
 from kvharbor.engine.metrics import CounterBoard
 
@@ -106,7 +106,8 @@ def test_a_handle_is_the_request_id_signed_with_the_cores_secret():
     secret, other = b"s" * 32, b"t" * 32
     handle = sign_handle(secret, "chatcmpl-1.a")  # a request id may hold dots: the MAC is after the last
     assert handle.startswith("chatcmpl-1.a.") and handle_request_id(secret, handle) == "chatcmpl-1.a"
-    for forged in ("chatcmpl-1.a", sign_handle(other, "chatcmpl-1.a"), handle[:-1] + "0", handle + "0", ""):
+    for forged in ("chatcmpl-1.a", sign_handle(other, "chatcmpl-1.a"), handle[:-1] + "0", handle + "0", "",
+                   handle[:-1] + "é", "x.\ud800"):  # fmt: skip
         assert handle_request_id(secret, forged) is None
 
 
