@@ -145,7 +145,8 @@ class CpuKernels:
                 raise ValueError(f"lora_plan takes contiguous B^T [out, {slots * rank}] of {a.dtype}")
         ptrs = (ctypes.c_void_p * subs)(*(b.data_ptr() for b in bt))
         outs = (ctypes.c_int64 * subs)(*(b.shape[0] for b in bt))
-        return LoRAPlan(a, tuple(bt), ptrs, outs, (ctypes.c_int64 * subs)(*offsets))
+        width = max(o + b.shape[0] for o, b in zip(offsets, bt, strict=True))
+        return LoRAPlan(a, tuple(bt), ptrs, outs, (ctypes.c_int64 * subs)(*offsets), width)
 
     def lora_decode(self, plan: LoRAPlan, x: torch.Tensor, row_slot: torch.Tensor, enabled: int, y: torch.Tensor):
         """y[r, offsets[j]:][: out_j] += x[r] A[j, slot]^T B_j[slot]^T for each row r and each sub-projection
@@ -158,12 +159,16 @@ class CpuKernels:
             raise ValueError(f"lora_decode takes x [m, {k}] and y of {a.dtype} with contiguous columns")
         if row_slot.dtype != torch.int32 or row_slot.shape != (m,) or y.shape[0] != m:
             raise ValueError(f"lora_decode takes an int32 slot per row of x and y ({m})")
+        if y.shape[1] < plan.width:
+            raise ValueError(f"lora_decode writes columns up to {plan.width}: y has {y.shape[1]}")
         code = self._lib.kvharbor_lora_decode(
             int(a.dtype == torch.bfloat16), x.data_ptr(), x.stride(0), row_slot.data_ptr(), m, k, a.data_ptr(), subs,
             slots, rank, plan.bt_ptrs, plan.outs, plan.offsets, enabled, y.data_ptr(), y.stride(0),
         )  # fmt: skip
         if code == -2:
             raise MemoryError(f"no memory for the shrink of {m} rows")
+        if code == -3:
+            raise ValueError(f"a row's slot is outside -1..{slots - 1}: {row_slot.tolist()}")
         if code != 0:
             raise ValueError(f"the kernel does not take {subs} sub-projections")
 
@@ -318,6 +323,7 @@ class LoRAPlan:
     bt_ptrs: ctypes.Array
     outs: ctypes.Array
     offsets: ctypes.Array
+    width: int  # the output columns the plan writes up to
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -246,3 +246,48 @@ def test_pointwise_kernels_refuse_what_they_do_not_take():
         KERNELS.rope(torch.zeros(2, 16), 2, 7, torch.zeros(2, 3), torch.zeros(2, 3))
     with pytest.raises(ValueError, match="gate and up"):
         KERNELS.silu_mul(torch.zeros(2, 7))
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rank", "k"), [(5, 37), (16, 64), (8, 13)])  # tails past the 8- and 16-wide loops
+def test_lora_decode_adds_each_rows_own_slot_delta(dtype, rank, k):
+    gen = torch.Generator().manual_seed(rank * 100 + k)
+    subs, slots, outs = 3, 3, [11, 4, 6]
+    a = torch.randn(subs, slots, rank, k, generator=gen).to(dtype)
+    bt = [torch.randn(n, slots * rank, generator=gen).to(dtype) for n in outs]
+    offsets = [2, 13, 17]  # each sub's columns in a fused output of 25 (columns 0-1 and 23-24 untouched)
+    plan = KERNELS.lora_plan(a, bt, offsets)
+    row_slot = torch.tensor([2, -1, 0, 1, 1, -1, 2], dtype=torch.int32)
+    wide = torch.randn(7, k + 3, generator=gen).to(dtype)
+    x = wide[:, 1 : 1 + k]  # rows strided
+    for enabled in (0b111, 0b101, 0b010):
+        y = torch.randn(7, 25, generator=gen).to(dtype)
+        want = y.double().clone()
+        for r, slot in enumerate(row_slot.tolist()):
+            for j in range(subs):
+                if slot >= 0 and enabled >> j & 1:
+                    b = bt[j][:, slot * rank : (slot + 1) * rank].double()
+                    want[r, offsets[j] : offsets[j] + outs[j]] += x[r].double() @ a[j, slot].double().T @ b.T
+        KERNELS.lora_decode(plan, x, row_slot, enabled, y)
+        tol = 1e-4 if dtype == torch.float32 else 0.02 * want.abs().max().item()  # bfloat16 y: 8 bits
+        torch.testing.assert_close(y.double(), want, rtol=0, atol=tol)
+
+
+@needs_kernels
+def test_lora_decode_refuses_what_it_does_not_take():
+    a = torch.zeros(2, 2, 4, 8)
+    with pytest.raises(ValueError, match="B\\^T"):
+        KERNELS.lora_plan(a, [torch.zeros(3, 8)], [0, 3])
+    with pytest.raises(ValueError, match="contiguous B"):
+        KERNELS.lora_plan(a, [torch.zeros(3, 8), torch.zeros(3, 7)], [0, 3])
+    plan = KERNELS.lora_plan(a, [torch.zeros(3, 8), torch.zeros(3, 8)], [0, 3])
+    with pytest.raises(ValueError, match="x \\[m, 8\\]"):
+        KERNELS.lora_decode(plan, torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32), 3,
+                            torch.zeros(2, 6))  # fmt: skip
+    with pytest.raises(ValueError, match="int32 slot per row"):
+        KERNELS.lora_decode(plan, torch.zeros(2, 8), torch.zeros(2, dtype=torch.int64), 3, torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="columns up to 6"):
+        KERNELS.lora_decode(plan, torch.zeros(2, 8), torch.zeros(2, dtype=torch.int32), 3, torch.zeros(2, 5))
+    with pytest.raises(ValueError, match=r"outside -1\.\.1"):
+        KERNELS.lora_decode(plan, torch.zeros(2, 8), torch.tensor([0, 2], dtype=torch.int32), 3, torch.zeros(2, 6))

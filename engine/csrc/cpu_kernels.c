@@ -725,11 +725,13 @@ int kvharbor_dequantize(int q, const void *w, const float *scale, const float *m
 // y[r, offsets[j] + n] += (x[r] A[j, slot_r]^T) Bt_j[n, slot_r]^T for the decode rows r < m and
 // each sub-projection j < subs whose bit is set in `enabled` (see lora_job_t). a [subs, slots, rank, k];
 // bt[j] [outs[j], slots * rank]; x and y rows at strides ldx and ldy. Returns -1 for more than
-// LORA_MAX_SUBS subs, -2 when out of memory.
+// LORA_MAX_SUBS subs, -2 when out of memory, -3 for a row slot outside [-1, slots).
 int kvharbor_lora_decode(int bf16, const void *x, int64_t ldx, const int32_t *row_slot, int64_t m, int64_t k,
                          const void *a, int64_t subs, int64_t slots, int64_t rank, const void *const *bt,
                          const int64_t *outs, const int64_t *offsets, int enabled, void *y, int64_t ldy) {
     if (subs < 1 || subs > LORA_MAX_SUBS) return -1;
+    for (int64_t r = 0; r < m; r++)
+        if (row_slot[r] < -1 || row_slot[r] >= slots) return -3;
     pthread_mutex_lock(&call_lock);
     static float *scratch;
     static int64_t scratch_len;
