@@ -2,7 +2,10 @@
 
 A call is retried on another engine when the engine cannot be reached, answers 5xx (draining
 included), answers 404 `model_not_found` (it unloaded a LoRA adapter after its last /load said
-it had it), or its stream sends an error or ends before the first token. Once a token has reached
+it had it), or its stream sends an error or ends before the first token. An engine is blamed for
+a 500 or an error event (other than `service_unavailable`) only once another engine has served the
+same request: a request that fails that way on every engine tried is its own fault (the client
+gets a 500), so one poison request sent a few times cannot eject the whole fleet. Once a token has reached
 the client the request is bound to its engine (gateway/relay.py relays the rest: if that stream
 breaks, the client gets an OpenAI error event and `data: [DONE]`, never a hang; every read has a
 timeout).
@@ -10,6 +13,7 @@ timeout).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -26,7 +30,13 @@ log = logging.getLogger("kvharbor.gateway.proxy")
 
 
 class EngineFailed(Exception):
-    """This engine could not serve the request before its first token: try another."""
+    """This engine could not serve the request before its first token: try another. `blame`
+    counts the failure against the engine, called by with_retries only once another engine
+    serves the request; None when it was counted already (or is not the engine's: draining)."""
+
+    def __init__(self, message: str, blame: Callable[[], None] | None = None) -> None:
+        super().__init__(message)
+        self.blame = blame
 
 
 def _engine_error(resp_status: int, text: str) -> APIError:
@@ -91,8 +101,8 @@ class EngineCaller:
             self.pool.failed(engine, type(exc).__name__)
             raise EngineFailed(f"{engine.url}: {type(exc).__name__}") from exc
         if resp.status_code >= 500:
-            self._server_error(engine, resp.status_code)
-            raise EngineFailed(f"{engine.url} answered {resp.status_code}")
+            blame = self._server_error(engine, resp.status_code)
+            raise EngineFailed(f"{engine.url} answered {resp.status_code}", blame)
         if resp.status_code != 200:
             raise _lost_model(engine, _engine_error(resp.status_code, resp.text))
         self.pool.succeeded(engine)
@@ -102,11 +112,16 @@ class EngineCaller:
             usage = {}
         return resp.content, usage
 
-    def _server_error(self, engine: Engine, status: int) -> None:
+    def _server_error(self, engine: Engine, status: int) -> Callable[[], None] | None:
+        """Count a 5xx against the engine now, or (500: the engine's handler raised, maybe for this
+        request alone) return the blame for with_retries to count if another engine serves it."""
         if status == 503:
             engine.draining = True  # until the next poll says otherwise
+        elif status == 500:
+            return lambda: self.pool.failed(engine, "HTTP 500")
         else:
             self.pool.failed(engine, f"HTTP {status}")
+        return None
 
     async def open_stream(self, engine: Engine, path: str, payload: dict, headers: dict[str, str]) -> EngineStream:
         """Open a stream and read up to its first token. Raises EngineFailed (retry elsewhere: no
@@ -127,8 +142,8 @@ class EngineCaller:
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 if resp.status_code >= 500:
-                    self._server_error(engine, resp.status_code)
-                    raise EngineFailed(f"{engine.url} answered {resp.status_code}")
+                    blame = self._server_error(engine, resp.status_code)
+                    raise EngineFailed(f"{engine.url} answered {resp.status_code}", blame)
                 raise _lost_model(engine, _engine_error(resp.status_code, text))
             lines = resp.aiter_lines()
             head, first_token = await self._head(engine, lines)
@@ -149,8 +164,11 @@ class EngineCaller:
             event = sse.parse(line)
             if event.kind == sse.ERROR:
                 # The engine failed before any token reached the client: another may not.
-                self.pool.failed(engine, "error before the first token")
-                raise EngineFailed(f"{engine.url} failed before the first token: {event.error_message}")
+                blame = functools.partial(self.pool.failed, engine, "error before the first token")
+                if _error_type(event) == "service_unavailable":  # the engine says it is at fault
+                    blame()
+                    blame = None
+                raise EngineFailed(f"{engine.url} failed before the first token: {event.error_message}", blame)
             head.append(event)
             if event.kind == sse.TOKEN:
                 return head, time.monotonic()
@@ -165,22 +183,37 @@ async def with_retries(
     pick_next: Callable[[set[str]], Awaitable[Engine | None]],
     run: Callable[[Engine], Awaitable],
 ):
-    """run(engine) on `first`, then on other engines while it raises EngineFailed."""
+    """run(engine) on `first`, then on other engines while it raises EngineFailed. The failures
+    whose blame was deferred count against their engines once one engine succeeds."""
     tried: set[str] = set()
     engine: Engine | None = first
-    last: EngineFailed | None = None
+    failures: list[EngineFailed] = []
     for attempt in range(attempts):
         if engine is None:
             break
         tried.add(engine.url)
         try:
-            return await run(engine)
+            result = await run(engine)
         except EngineFailed as exc:
-            last = exc
+            failures.append(exc)
             if attempt == attempts - 1:
                 break
             log.warning("engine failed before the first token; trying another", extra={"error": str(exc)})
             engine = await pick_next(tried)
+            continue
+        for failed in failures:
+            if failed.blame is not None:
+                failed.blame()
+        return result
+    last = failures[-1] if failures else None
+    if len(tried) > 1 and all(f.blame is not None for f in failures):  # two engines at least, alike
+        raise APIError(
+            500,
+            f"the request failed on each of the {len(tried)} engines tried, so it is taken for the cause, "
+            f"not the engines ({last}); check it, or report it with its x-request-id",
+            type="internal_error",
+            code="request_failed_on_every_engine",
+        )
     raise APIError(
         503,
         f"no engine could serve the request ({last})",
@@ -188,3 +221,8 @@ async def with_retries(
         code="engines_unavailable",
         headers={"Retry-After": "2"},
     )
+
+
+def _error_type(event: sse.Event) -> str | None:
+    err = event.chunk.get("error") if event.chunk else None
+    return err.get("type") if isinstance(err, dict) else None

@@ -367,9 +367,9 @@ def test_an_error_before_the_first_token_moves_the_request():
     async def main():
         caller, _pool = _caller(handler)
         bad, good, busy, picky = (Engine(f"http://{h}", "m") for h in ("bad", "good", "busy", "picky"))
-        with pytest.raises(EngineFailed, match="before the first token: engine died"):
+        with pytest.raises(EngineFailed, match="before the first token: engine died") as failed:
             await caller.open_stream(bad, "/v1/chat/completions", {}, {})
-        assert bad.failures == 1
+        assert bad.failures == 0 and failed.value.blame is not None  # counted once another engine serves it
         with pytest.raises(EngineFailed):
             await caller.open_stream(busy, "/v1/chat/completions", {}, {})
         assert busy.draining and busy.failures == 0  # draining is not a failure
@@ -389,6 +389,7 @@ def test_an_error_before_the_first_token_moves_the_request():
 
         out = await with_retries(3, bad, pick_next, run)
         assert any('"Hi"' in line for line in out) and picked == ["http://bad"]
+        assert bad.failures == 1 and good.failures == 0  # another engine served it: bad is to blame
 
         async def nowhere(tried):
             picked.append("again")
@@ -398,6 +399,49 @@ def test_an_error_before_the_first_token_moves_the_request():
         with pytest.raises(APIError) as err:
             await with_retries(2, bad, nowhere, run)
         assert err.value.status == 503 and picked == ["again"]  # no pick after the last attempt
+        await caller.http.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_request_that_fails_on_every_engine_is_blamed_not_the_engines():
+    """A poison request (500, or an error event before the first token, from each engine tried)
+    ends in a 500 for the client and counts against no engine: sent a few times, it would
+    otherwise eject every engine. An engine that says it is unavailable is blamed at once."""
+    import httpx
+
+    from kvharbor.common.openai_api import APIError
+    from kvharbor.gateway.proxy import with_retries
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "raises":
+            return httpx.Response(500, json={"error": {"message": "boom", "type": "internal_error"}})
+        if request.url.host == "down":
+            return httpx.Response(200, content=_sse('{"error":{"message":"core died","type":"service_unavailable"}}'))
+        return httpx.Response(200, content=_sse('{"error":{"message":"sampling failed","type":"internal_error"}}'))
+
+    async def main():
+        caller, _pool = _caller(handler)
+        raises, errs, down = (Engine(f"http://{h}", "m") for h in ("raises", "errs", "down"))
+        order = iter([errs, raises, errs])
+
+        async def pick_next(tried):
+            return next(order)
+
+        async def run(engine):
+            return await caller.open_stream(engine, "/v1/chat/completions", {}, {})
+
+        for _ in range(4):  # the same poison request again and again
+            order = iter([errs])
+            with pytest.raises(APIError) as err:
+                await with_retries(2, raises, pick_next, run)
+            assert err.value.status == 500 and err.value.code == "request_failed_on_every_engine"
+        assert raises.failures == errs.failures == 0 and not raises.ejected and not errs.ejected
+
+        order = iter([down])
+        with pytest.raises(APIError) as err:
+            await with_retries(2, raises, pick_next, run)
+        assert err.value.status == 503 and down.failures == 1 and raises.failures == 0
         await caller.http.aclose()
 
     asyncio.run(main())
