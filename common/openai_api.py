@@ -8,7 +8,8 @@ Extension fields, beyond OpenAI:
                     cache_salt, priority (higher first; < 0 may be shed), request_id,
                     kv_prefix_source ("local" | "shared": where already computed blocks may come from),
                     speculative (false: opt out of the engine's speculative decoding),
-                    kv_transfer_params (P/D, vLLM's name: see KVTransferParams)
+                    kv_transfer_params (P/D, vLLM's name: see KVTransferParams),
+                    continued_text (a migrated stream's text the client has not had: it opens the output)
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvharbor.common import sampling_limits as lim
-from kvharbor.common.sampling_limits import MAX_LOGPROBS, MAX_STOP_STRINGS
+from kvharbor.common.sampling_limits import MAX_CONTINUED_TEXT, MAX_LOGPROBS, MAX_STOP_STRINGS
 
 
 class APIError(Exception):
@@ -135,6 +136,7 @@ class SamplingFields(BaseModel):
     kv_prefix_source: Literal["local", "shared"] | None = None
     speculative: bool = True
     kv_transfer_params: KVTransferParams | None = None
+    continued_text: Annotated[str, Field(max_length=MAX_CONTINUED_TEXT)] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -173,6 +175,7 @@ class SamplingFields(BaseModel):
             "skip_special_tokens": self.skip_special_tokens,
             "logprobs": self.num_logprobs(),
             "speculative": self.speculative,
+            "continued_text": self.continued_text or "",
         }
         return kwargs
 

@@ -38,3 +38,4 @@ REPETITION_PENALTY = Limit(0.0, 10.0, low_open=True)
 LOGIT_BIAS = Limit(-100.0, 100.0)  # anything else (inf, NaN) would turn a whole row into NaN
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_CONTINUED_TEXT = 1024  # a migrated stream's held-back text: shorter than its longest stop string

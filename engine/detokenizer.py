@@ -2,7 +2,9 @@
 
 Text is decoded token by token (multi-byte characters wait for their last byte). When stop strings
 exist, the last `max(len(stop)) - 1` characters are held back from the stream until they cannot
-be the start of a stop string, so a client never sees half of one.
+be the start of a stop string, so a client never sees half of one. A migrated stream's held-back
+text (`continued_text`, from the gateway) opens the text: it is handed out and searched as if this
+engine had decoded it, so a stop string that straddles the break is still found.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ class Detokenizer:
         self.tokenizer = tokenizer
         self.params = params
         self._stream = tokenizer.decode_stream(params.skip_special_tokens) if tokenizer else None
-        self.text = ""  # everything decoded so far, cut at a stop string once one is found
+        self.text = params.continued_text  # everything decoded so far, cut at a stop string once one is found
         self._emitted = 0  # characters of `text` already handed out as deltas
         self._searched = 0  # characters of `text` already searched for stop strings
         self._hold = max((len(s) for s in params.stop), default=1) - 1

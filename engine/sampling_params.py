@@ -47,6 +47,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None
     speculative: bool = True  # False: this request opts out of the engine's speculative decoding
+    # A migrated stream's text the client has not had yet (the last engine held it back: it could
+    # start a stop string): it opens this output, and stop strings are searched across it.
+    continued_text: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,6 +74,10 @@ class SamplingParams:
             raise bad(f"n must be an integer >= 1, got {self.n!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.continued_text, str) or len(self.continued_text) > lim.MAX_CONTINUED_TEXT:
+            raise bad(f"continued_text must be a string of at most {lim.MAX_CONTINUED_TEXT} characters")
+        if self.continued_text and self.n != 1:
+            raise bad("continued_text continues one sample: it needs n = 1")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

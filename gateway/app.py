@@ -34,6 +34,7 @@ from kvharbor.common.block_hash import DEFAULT_BLOCK_SIZE, block_hashes
 from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers
 from kvharbor.common.logs import request_context
 from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, message_dicts
+from kvharbor.common.sampling_limits import MAX_CONTINUED_TEXT
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.common.tracing import inject
 from kvharbor.gateway.admission import AdmissionQueue, QueueTimeout, Shed, fit_route
@@ -56,7 +57,8 @@ log = logging.getLogger("kvharbor.gateway.api")
 # other tenants' cache); request_id is made unique per attempt (the client's stays in the logs
 # and x-request-id); kv_prefix_source and kv_transfer_params make an engine pull KV from elsewhere
 # or connect out, so only the router may set them.
-GATEWAY_FIELDS = ("cache_salt", "priority", "request_id", "kv_prefix_source", "kv_transfer_params")
+# continued_text opens an engine's output with text of the gateway's choosing (a migrated stream's).
+GATEWAY_FIELDS = ("cache_salt", "priority", "request_id", "kv_prefix_source", "kv_transfer_params", "continued_text")
 
 
 @dataclass
@@ -565,7 +567,7 @@ class _Handler:
         limit = call.body.max_new_tokens() or call.raw.get("max_tokens")
         moves = 0
 
-        async def resume(streamed: list[int], failure: str) -> EngineStream:
+        async def resume(streamed: list[int], failure: str, delivered: str) -> EngineStream:
             nonlocal moves
             moves += 1
             failed = on.engine
@@ -580,7 +582,8 @@ class _Handler:
             )  # fmt: skip
             if chosen is None:
                 raise EngineFailed("no other engine to continue the stream on")
-            payload = continued_payload(self._payload(call, route, chosen.engine), call, streamed, limit, moves)
+            payload = self._payload(call, route, chosen.engine)
+            payload = continued_payload(payload, call, streamed, limit, moves, delivered)
             return await open_stream(chosen.engine, payload)
 
         return Continuation(resume, state.max_migrations, limit, len(call.prompts[0]), not call.body.return_token_ids)
@@ -698,11 +701,15 @@ class _OnEngine:
     sent: Sent | None = None
 
 
-def continued_payload(payload: dict, call: _Call, streamed: list[int], limit: int | None, moves: int) -> dict:
+def continued_payload(
+    payload: dict, call: _Call, streamed: list[int], limit: int | None, moves: int, delivered: str | None = None
+) -> dict:
     """The request that continues a broken stream: its prompt plus the tokens already streamed,
     as one already-tokenized prompt (no chat template again), with what is left to generate.
     Sampling settings stay the same, the seed included: a seeded stream stays a valid sample of
-    the model given what was streamed, not the tokens an unbroken run would have drawn."""
+    the model given what was streamed, not the tokens an unbroken run would have drawn. With
+    `delivered` (the text the client has), the text the failed engine held back opens the new
+    output (`continued_text`), so a stop string that straddles the break is still found."""
     payload = {**payload, "prompt_token_ids": [*call.prompts[0], *streamed], "return_token_ids": True}
     payload.pop("prompt", None)
     payload.pop("kv_transfer_params", None)  # a P/D hand-off is used once; this prefill is new
@@ -714,7 +721,23 @@ def continued_payload(payload: dict, call: _Call, streamed: list[int], limit: in
     if payload.get("min_tokens"):
         payload["min_tokens"] = max(0, int(payload["min_tokens"]) - len(streamed))
     payload["request_id"] = f"{call.engine_rid}.m{moves}"
+    held = held_text(call, streamed, delivered) if delivered is not None else ""
+    if held:
+        payload["continued_text"] = held
     return payload
+
+
+def held_text(call: _Call, streamed: list[int], delivered: str) -> str:
+    """The text of `streamed` the client has not had: what the failed engine held back because
+    it could start a stop string. "" without stop strings, without a tokenizer, or when the
+    decoded tokens do not extend what was delivered (then the break is as before)."""
+    body, tokenizer = call.body, call.model.tokenizer
+    if not body.stop or tokenizer is None or not streamed:
+        return ""
+    full = tokenizer.decode(streamed, skip_special_tokens=body.skip_special_tokens)
+    if not full.startswith(delivered) or len(full) - len(delivered) > MAX_CONTINUED_TEXT:
+        return ""
+    return full[len(delivered) :]
 
 
 class _GuardedStream(StreamingResponse):

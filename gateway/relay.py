@@ -88,12 +88,14 @@ class EngineLost(Exception):
 class Continuation:
     """How a stream goes on when its engine fails (gateway/app.py makes one per streamed call).
 
-    `open(ids, failure)` opens the stream again on another engine, from the prompt plus `ids` (the
-    tokens already streamed), read up to its first token; it raises (EngineFailed, APIError) when
-    it cannot. `limit`: migrations allowed for the request. `max_tokens`: the request's cap, when
-    it has one: a stream that broke with nothing left to generate just ends (finish "length")."""
+    `open(ids, failure, delivered)` opens the stream again on another engine, from the prompt plus
+    `ids` (the tokens already streamed; `delivered`: the text the client has of them, so the text
+    the last engine held back can open the new output), read up to its first token; it raises
+    (EngineFailed, APIError) when it cannot. `limit`: migrations allowed for the request.
+    `max_tokens`: the request's cap, when it has one: a stream that broke with nothing left to
+    generate just ends (finish "length")."""
 
-    open: Callable[[list[int], str], Awaitable[EngineStream]]
+    open: Callable[[list[int], str, str], Awaitable[EngineStream]]
     limit: int
     max_tokens: int | None
     prompt_tokens: int
@@ -130,6 +132,7 @@ class StreamRelay:
         self.continuation = continuation
         self.ids: list[int] = []  # token ids streamed so far (when the engine sends them)
         self.pending = 0  # of those, the last ones whose text has not reached the client yet
+        self.text = ""  # the answer's text sent to the client (choice 0: only n = 1 migrates)
         self.offset = 0  # tokens generated before the current engine's stream began
         self.identity: dict = {}  # the first chunk's id, object, created and model: a migrated stream keeps them
         self.head_token = stream.first_token is not None  # the current stream's first token is first_token
@@ -254,7 +257,9 @@ class StreamRelay:
                 continue
             ids = choice["token_ids"] if isinstance(choice["token_ids"], list) else []
             self.ids += ids
-            has_text = bool(choice.get("text") or (choice.get("delta") or {}).get("content"))
+            text = choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+            self.text += text if isinstance(text, str) else ""
+            has_text = bool(text)
             self.pending = 0 if has_text else self.pending + len(ids)
             if self.continuation is not None and self.continuation.strip_token_ids:
                 del choice["token_ids"]
@@ -279,7 +284,7 @@ class StreamRelay:
             self._finish_here(len(done))
             return True
         try:
-            stream = await self.continuation.open(done, "hard" if hard else "stall")
+            stream = await self.continuation.open(done, "hard" if hard else "stall", self.text)
         except Exception as exc:  # EngineFailed, APIError: nowhere to go
             log.warning("stream could not migrate", extra={"failure": failure, "error": str(exc)[:300]})
             self.stats.migration_failed = True

@@ -321,3 +321,16 @@ def test_the_api_and_the_engine_take_the_same_sampling_ranges():
                 "presence_penalty": 2.0, "frequency_penalty": -2.0}[name]  # fmt: skip
         CompletionRequest(model="m", prompt="x", **{name: edge})
         SamplingParams(**{name: edge})
+
+
+def test_continued_text_reaches_the_engine_within_the_same_bound_on_both_sides():
+    from pydantic import ValidationError
+
+    from kvharbor.common.openai_api import CompletionRequest
+    from kvharbor.common.sampling_limits import MAX_CONTINUED_TEXT
+
+    ok = CompletionRequest(model="m", prompt="x", continued_text="EN", stop=["END"])
+    assert SamplingParams(**ok.sampling_kwargs()).continued_text == "EN"
+    assert SamplingParams(**CompletionRequest(model="m", prompt="x").sampling_kwargs()).continued_text == ""
+    with pytest.raises(ValidationError, match="continued_text"):
+        CompletionRequest(model="m", prompt="x", continued_text="x" * (MAX_CONTINUED_TEXT + 1))

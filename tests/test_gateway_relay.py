@@ -231,6 +231,7 @@ def _migrating_run(first: _Body, seconds: list[_Body], max_tokens: int | None = 
     from kvharbor.gateway.relay import Continuation
 
     opens: list[tuple[list[int], str]] = []
+    delivered: list[str] = []
     debits: list[int] = []
     settled: list = []
 
@@ -241,8 +242,9 @@ def _migrating_run(first: _Body, seconds: list[_Body], max_tokens: int | None = 
         engine = Engine("http://e", "m")
         stream = await caller.open_stream(engine, "/v1/chat/completions", {}, {})
 
-        async def reopen(ids, failure):
+        async def reopen(ids, failure, text):
             opens.append((list(ids), failure))
+            delivered.append(text)
             if len(opens) > len(seconds):
                 raise EngineFailed("no other engine")
             return await caller.open_stream(engine, "/v1/chat/completions", {}, {})
@@ -262,6 +264,7 @@ def _migrating_run(first: _Body, seconds: list[_Body], max_tokens: int | None = 
     out = asyncio.run(main())
     chunks = [json.loads(line[6:]) for line in out if line.startswith("data: {")]
     assert out[-1] == "data: [DONE]\n\n"
+    _migrating_run.delivered = delivered  # what each migration was told the client had
     return chunks, opens, settled[0], debits
 
 
@@ -275,6 +278,7 @@ def test_a_stream_whose_engine_dies_goes_on_elsewhere_as_one_answer():
                     usage("chatcmpl-B", 5 + 5, 4), "data: [DONE]"])  # fmt: skip
     chunks, opens, stats, debits = _migrating_run(first, [second])
     assert opens == [([0, 1, 2, 3, 4], "hard")]  # the prompt's continuation: what was streamed
+    assert _migrating_run.delivered == ["t0 t1 t2 t3 t4 "]  # and the text the client has of it
     assert _text(chunks) == "".join(f"t{i} " for i in range(9))
     deltas = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
     assert deltas.count({"role": "assistant", "content": ""}) == 1
@@ -359,3 +363,37 @@ def test_the_continuation_request_carries_the_prompt_and_streamed_tokens_with_wh
     assert chat["max_tokens"] == 4 and "max_completion_tokens" not in chat and "echo" not in chat
     assert "max_tokens" not in continued_payload({}, SimpleNamespace(prompts=[[1]], kind="chat", engine_rid="r"),
                                                  [4], None, 1)  # fmt: skip
+
+
+def _call_with_stop(stop):
+    from types import SimpleNamespace
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            pieces = {1: "The ", 2: "E", 3: "N", 4: "<s>"}
+            return "".join(pieces[i] for i in ids if not (skip_special_tokens and i == 4))
+
+    body = SimpleNamespace(stop=stop, skip_special_tokens=True)
+    model = SimpleNamespace(tokenizer=Tok())
+    return SimpleNamespace(prompts=[[7]], kind="chat", engine_rid="r", body=body, model=model)
+
+
+def test_a_continuation_opens_with_the_text_the_failed_engine_held_back():
+    from kvharbor.gateway.app import continued_payload
+
+    out = continued_payload({}, _call_with_stop(["END"]), [1, 2, 3], None, 1, "The ")
+    assert out["continued_text"] == "EN" and out["prompt_token_ids"] == [7, 1, 2, 3]
+    assert "continued_text" not in continued_payload({}, _call_with_stop(["END"]), [1, 2, 3], None, 1, "The EN")
+
+
+def test_the_text_a_failed_engine_held_back_is_what_the_continuation_opens_with():
+    """gateway/app.py's held_text: the streamed tokens' text beyond what the client has (the engine
+    held it back: it could start a stop string); nothing without stop strings or when the decoded
+    text does not extend the delivered one."""
+    from kvharbor.gateway.app import held_text
+
+    assert held_text(_call_with_stop(["END"]), [1, 2, 3], "The ") == "EN"
+    assert held_text(_call_with_stop(["END"]), [1, 2, 3, 4], "The ") == "EN"  # special tokens skipped, as engines do
+    assert held_text(_call_with_stop(["END"]), [1, 2, 3], "The EN") == ""
+    assert held_text(_call_with_stop(None), [1, 2, 3], "The ") == ""  # no stop string: nothing is held back
+    assert held_text(_call_with_stop(["END"]), [1, 2, 3], "Other") == ""  # not an extension: as before

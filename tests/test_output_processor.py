@@ -40,6 +40,29 @@ def test_a_stop_string_across_deltas_cuts_the_sample_and_tells_the_core(tok):
     assert proc.process([CoreOutput("r", [SampleDelta(0, [5], [], "stop")], True)]) == ([], [])  # late: ignored
 
 
+def test_a_migrated_streams_held_text_opens_the_output_and_a_straddling_stop_is_found(tok):
+    """The gateway's continued_text: what the failed engine held back ("EN" of a stop "END") comes
+    first, and the stop string that straddles the break ends the sample where it starts."""
+    proc = OutputProcessor(tok)
+    proc.add("r", None, [1], SamplingParams(max_tokens=20, stop=["END"], continued_text="EN"))
+    outs, stops = step(proc, "r", 0, ids(tok, "D of it"))
+    assert stops == [StopAt("r", 0, 1, "END")]
+    (sample,) = outs[0].outputs
+    assert sample.finish_reason == "stop" and sample.text == "" and sample.delta_text == ""
+
+    proc.add("q", None, [1], SamplingParams(max_tokens=20, stop=["END"], continued_text="EN"))
+    outs, stops = step(proc, "q", 0, ids(tok, "dless"), reason="length", finished=True)
+    assert stops == [] and outs[0].outputs[0].text == "ENdless"  # no stop: the held text is handed out
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"continued_text": "x" * 1025}, "at most 1024"), ({"continued_text": "x", "n": 2}, "n = 1"),
+])  # fmt: skip
+def test_continued_text_is_bounded_and_for_one_sample(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
 def test_a_stop_string_on_the_last_allowed_token_wins_without_a_stop_command(tok):
     proc = OutputProcessor(tok)
     proc.add("r", None, [1], SamplingParams(max_tokens=3, stop=["is"]))
