@@ -734,7 +734,9 @@ def held_text(call: _Call, streamed: list[int], delivered: str) -> str:
     body, tokenizer = call.body, call.model.tokenizer
     if not body.stop or tokenizer is None or not streamed:
         return ""
-    full = tokenizer.decode(streamed, skip_special_tokens=body.skip_special_tokens)
+    # A last token that ends mid-character decodes to U+FFFD here; its bytes are completed by the
+    # next engine's tokens, so the replacement character is not text to hand out.
+    full = tokenizer.decode(streamed, skip_special_tokens=body.skip_special_tokens).rstrip("\ufffd")
     if not full.startswith(delivered) or len(full) - len(delivered) > MAX_CONTINUED_TEXT:
         return ""
     return full[len(delivered) :]

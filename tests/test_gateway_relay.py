@@ -370,7 +370,7 @@ def _call_with_stop(stop):
 
     class Tok:
         def decode(self, ids, skip_special_tokens=True):
-            pieces = {1: "The ", 2: "E", 3: "N", 4: "<s>"}
+            pieces = {1: "The ", 2: "E", 3: "N", 4: "<s>", 5: "\ufffd"}  # 5: a character's first byte
             return "".join(pieces[i] for i in ids if not (skip_special_tokens and i == 4))
 
     body = SimpleNamespace(stop=stop, skip_special_tokens=True)
@@ -395,5 +395,6 @@ def test_the_text_a_failed_engine_held_back_is_what_the_continuation_opens_with(
     assert held_text(_call_with_stop(["END"]), [1, 2, 3], "The ") == "EN"
     assert held_text(_call_with_stop(["END"]), [1, 2, 3, 4], "The ") == "EN"  # special tokens skipped, as engines do
     assert held_text(_call_with_stop(["END"]), [1, 2, 3], "The EN") == ""
+    assert held_text(_call_with_stop(["END"]), [1, 2, 3, 5], "The ") == "EN"  # not an unfinished character
     assert held_text(_call_with_stop(None), [1, 2, 3], "The ") == ""  # no stop string: nothing is held back
     assert held_text(_call_with_stop(["END"]), [1, 2, 3], "Other") == ""  # not an extension: as before
