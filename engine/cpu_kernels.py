@@ -33,6 +33,11 @@ log = logging.getLogger("kvharbor.engine.cpu_kernels")
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 BF16 = 4  # the kernel's format number of a bfloat16 weight (cpu_kernels.c)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-lpthread", "-lm")
+# Added where the CPU reports avx_vnni: the integer dots of quantized decode products in one
+# instruction per 32 codes (cpu_kernels.c dot_u8s8), the same sums. Measured on a 2-core Xeon,
+# SmolLM2's four projection shapes x 30 layers at 8 rows: int8 weights 15.2 -> 11.4 ms, int4
+# 14.8 -> 13.6 ms (noisy runs: 6-25%).
+VNNI_FLAGS = ("-mavxvnni",)
 # Rows up to which the kernel beats torch's float32 matmul here (2 cores, SmolLM2's shapes, weights
 # streamed from memory): decode steps. Prefill chunks keep MKL, which blocks for large M.
 MAX_ROWS = 16
@@ -55,16 +60,18 @@ def _compiler() -> str | None:
     return None
 
 
-def build(cc: str, out_dir: Path) -> Path:
-    """Compile the kernel into out_dir (atomically) unless it is there already; returns the .so."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *FLAGS)).encode()).hexdigest()[:16]
+def build(cc: str, out_dir: Path, flags: tuple[str, ...] | None = None) -> Path:
+    """Compile the kernel into out_dir (atomically) unless it is there already; returns the .so.
+    `flags`: the compiler's (FLAGS unless given)."""
+    flags = FLAGS if flags is None else flags
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *flags)).encode()).hexdigest()[:16]
     target = out_dir / f"cpu_kernels-{digest}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
-        done = subprocess.run([cc, str(SOURCE), "-o", str(partial), *FLAGS], capture_output=True, text=True)
+        done = subprocess.run([cc, str(SOURCE), "-o", str(partial), *flags], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(partial, target)
@@ -343,11 +350,21 @@ def load(threads: int) -> CpuKernels | None:
         log.warning("no C compiler (cc, gcc, clang or $CC) found: float32 decode linears use torch's matmul")
         return None
     try:
-        path = build(cc, cache_dir())
+        path = _build_for(cc, cpu)
     except (OSError, RuntimeError) as exc:
         log.warning("could not build the AVX2 kernels, float32 steps use torch's matmul and attention: %s", exc)
         return None
     return CpuKernels(path, threads)
+
+
+def _build_for(cc: str, cpu) -> Path:
+    """The build for this CPU: with VNNI_FLAGS where it has AVX-VNNI and the compiler knows them."""
+    if "avx_vnni" in cpu.flags:
+        try:
+            return build(cc, cache_dir(), (*FLAGS, *VNNI_FLAGS))
+        except RuntimeError as exc:
+            log.info("building without AVX-VNNI (the compiler refused it): %s", str(exc)[:200])
+    return build(cc, cache_dir())
 
 
 class SkinnyLinear:

@@ -291,3 +291,27 @@ def test_lora_decode_refuses_what_it_does_not_take():
         KERNELS.lora_decode(plan, torch.zeros(2, 8), torch.zeros(2, dtype=torch.int32), 3, torch.zeros(2, 5))
     with pytest.raises(ValueError, match=r"outside -1\.\.1"):
         KERNELS.lora_decode(plan, torch.zeros(2, 8), torch.tensor([0, 2], dtype=torch.int32), 3, torch.zeros(2, 6))
+
+
+@needs_kernels
+@pytest.mark.slow  # two builds of the real kernel, ~10 s each
+def test_the_vnni_build_gives_the_same_quantized_products(tmp_path):
+    """cpu_kernels.c's dot_u8s8: one VNNI instruction or AVX2's two give the same integer sums."""
+    from kvharbor.common.machine import cpu_info
+    from kvharbor.engine.quantize import quantize, quantize_q8
+
+    if "avx_vnni" not in cpu_info().flags:
+        pytest.skip("this CPU has no AVX-VNNI")
+    cc = cpu_kernels._compiler()
+    try:
+        vnni = cpu_kernels.CpuKernels(cpu_kernels.build(cc, tmp_path, (*cpu_kernels.FLAGS, *cpu_kernels.VNNI_FLAGS)), 2)
+    except RuntimeError as exc:
+        pytest.skip(f"the compiler does not take {cpu_kernels.VNNI_FLAGS}: {exc}")
+    plain = cpu_kernels.CpuKernels(cpu_kernels.build(cc, tmp_path), 2)
+    gen = torch.Generator().manual_seed(3)
+    for mode in ("int8", "int4", "q8"):  # the three weight formats with integer dots (1, 2, 3)
+        weight = torch.randn(70, 96, generator=gen)
+        w = quantize_q8(weight) if mode == "q8" else quantize(weight, mode)
+        for rows in (1, 5, 8, 32):
+            x = torch.randn(rows, 96, generator=gen)
+            assert torch.equal(vnni.linear_quant(x, w), plain.linear_quant(x, w)), (mode, rows)

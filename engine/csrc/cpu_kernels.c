@@ -379,6 +379,19 @@ static inline __attribute__((always_inline)) __m256i group_codes_i8(const int Q,
 }
 
 // R (1-4) rows from r0 against C columns from n in format Q (1-3), through the codes of x.
+// The 32 products u8 x s8 of a group, summed in fours into 8 int32 lanes: one VNNI instruction
+// where the build has AVX-VNNI (cpu_kernels.py adds -mavxvnni on CPUs that report avx_vnni), else
+// maddubs (pairs to int16: |w| <= 127 and |x| <= 127, so no pair saturates) and madd. The sums are
+// the same integers either way.
+static inline __m256i dot_u8s8(__m256i u, __m256i s, __m256i ones) {
+#ifdef __AVXVNNI__
+    (void)ones;
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
+#endif
+}
+
 static inline __attribute__((always_inline)) void int_tile(const int Q, const int R, const int C, int64_t r0,
                                                            int64_t n) {
     const linear_job_t *j = &job;
@@ -402,7 +415,7 @@ static inline __attribute__((always_inline)) void int_tile(const int Q, const in
             for (int r = 0; r < R; r++) {  // x's codes from L1 (not held in registers: measured no slower)
                 const __m256i xr = _mm256_loadu_si256((const __m256i *)(xcodes + (r0 + r) * k + g * GROUP));
                 const __m256i xs = Q == 2 ? xr : _mm256_sign_epi8(xr, w);
-                const __m256i sum = _mm256_madd_epi16(_mm256_maddubs_epi16(uw, xs), ones);
+                const __m256i sum = dot_u8s8(uw, xs, ones);
                 const __m256 dx = _mm256_broadcast_ss(xscales + (r0 + r) * groups + g);
                 acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(dw, dx), acc[r][c]);
             }
