@@ -88,7 +88,7 @@ class HandoffServer:
                 else:
                     return
                 await writer.drain()
-        except (LinkClosed, ConnectionError, ValueError, IndexError, TypeError):
+        except (LinkClosed, ConnectionError, ValueError, IndexError, TypeError, KeyError, OverflowError):
             pass  # the decode side went away or spoke nonsense: the lease expires on its own
         finally:
             writer.close()

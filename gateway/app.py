@@ -584,7 +584,12 @@ class _Handler:
                 raise EngineFailed("no other engine to continue the stream on")
             payload = self._payload(call, route, chosen.engine)
             payload = continued_payload(payload, call, streamed, limit, moves, delivered)
-            return await open_stream(chosen.engine, payload)
+            try:
+                return await open_stream(chosen.engine, payload)
+            except EngineFailed as exc:
+                if exc.blame is not None:
+                    exc.blame()  # the stream ran elsewhere until now: this engine is at fault
+                raise
 
         return Continuation(resume, state.max_migrations, limit, len(call.prompts[0]), not call.body.return_token_ids)
 
@@ -629,6 +634,8 @@ class _Handler:
                 content, _ = await state.caller.call(engine, call.path, payload, inject(dict(headers)))
                 transfer = json.loads(content)["kv_transfer_params"]
             except (APIError, EngineFailed, ValueError, KeyError, TypeError) as exc:
+                if isinstance(exc, EngineFailed) and exc.blame is not None:
+                    exc.blame()  # the request goes on colocated: a prefill engine that fails it is at fault
                 log.warning("prefill engine failed; prefilling on the decode engine", extra={
                     "engine": engine.url, "error": str(exc)[:300]})  # fmt: skip
                 span.set_status(trace.StatusCode.ERROR, str(exc)[:300])

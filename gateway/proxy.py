@@ -201,12 +201,12 @@ async def with_retries(
             log.warning("engine failed before the first token; trying another", extra={"error": str(exc)})
             engine = await pick_next(tried)
             continue
-        for failed in failures:
-            if failed.blame is not None:
-                failed.blame()
+        _blame(failures)
         return result
     last = failures[-1] if failures else None
-    if len(tried) > 1 and all(f.blame is not None for f in failures):  # two engines at least, alike
+    if len(tried) == 1:  # one engine: nothing to tell the request's fault from the engine's
+        _blame(failures)
+    elif all(f.blame is not None for f in failures):  # two engines at least, alike
         raise APIError(
             500,
             f"the request failed on each of the {len(tried)} engines tried, so it is taken for the cause, "
@@ -221,6 +221,12 @@ async def with_retries(
         code="engines_unavailable",
         headers={"Retry-After": "2"},
     )
+
+
+def _blame(failures: list[EngineFailed]) -> None:
+    for failed in failures:
+        if failed.blame is not None:
+            failed.blame()
 
 
 def _error_type(event: sse.Event) -> str | None:

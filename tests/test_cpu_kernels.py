@@ -282,6 +282,7 @@ def test_lora_decode_refuses_what_it_does_not_take():
     with pytest.raises(ValueError, match="contiguous B"):
         KERNELS.lora_plan(a, [torch.zeros(3, 8), torch.zeros(3, 7)], [0, 3])
     plan = KERNELS.lora_plan(a, [torch.zeros(3, 8), torch.zeros(3, 8)], [0, 3])
+    KERNELS.lora_decode(plan, torch.zeros(0, 8), torch.zeros(0, dtype=torch.int32), 3, torch.zeros(0, 6))  # no rows
     with pytest.raises(ValueError, match="x \\[m, 8\\]"):
         KERNELS.lora_decode(plan, torch.zeros(2, 8, dtype=torch.bfloat16), torch.zeros(2, dtype=torch.int32), 3,
                             torch.zeros(2, 6))  # fmt: skip

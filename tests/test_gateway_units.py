@@ -442,6 +442,10 @@ def test_a_request_that_fails_on_every_engine_is_blamed_not_the_engines():
         with pytest.raises(APIError) as err:
             await with_retries(2, raises, pick_next, run)
         assert err.value.status == 503 and down.failures == 1 and raises.failures == 0
+
+        with pytest.raises(APIError) as err:  # one engine to try: nothing tells the request's fault apart
+            await with_retries(1, raises, pick_next, run)
+        assert err.value.status == 503 and raises.failures == 1
         await caller.http.aclose()
 
     asyncio.run(main())

@@ -106,6 +106,10 @@ def test_a_handle_is_the_request_id_signed_with_the_cores_secret():
     secret, other = b"s" * 32, b"t" * 32
     handle = sign_handle(secret, "chatcmpl-1.a")  # a request id may hold dots: the MAC is after the last
     assert handle.startswith("chatcmpl-1.a.") and handle_request_id(secret, handle) == "chatcmpl-1.a"
+    from kvharbor.common.openai_api import KVTransferParams
+
+    longest = sign_handle(secret, "r" * 256 + ".slot0001")  # a client's longest id, made unique by the gateway
+    assert KVTransferParams(remote_host="h", remote_port=1, remote_handle=longest, first_token_id=0)
     for forged in ("chatcmpl-1.a", sign_handle(other, "chatcmpl-1.a"), handle[:-1] + "0", handle + "0", "",
                    handle[:-1] + "é", "x.\ud800"):  # fmt: skip
         assert handle_request_id(secret, forged) is None

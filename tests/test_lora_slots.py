@@ -42,7 +42,7 @@ def slots(request):
     backend, dtype = request.param
     kernels = None
     if backend == "kernel":
-        kernels = cpu_kernels.load(1)
+        kernels = cpu_kernels.load(2)  # the thread count is the process's: as tests/test_cpu_kernels.py
         if kernels is None:
             pytest.skip("the AVX2 kernels do not run on this machine")
     slots = LoRASlots(ARCH, num_slots=3, max_rank=8, dtype=dtype, device=torch.device("cpu"), kernels=kernels)
@@ -73,6 +73,7 @@ STEPS = {
     "segments only": ([(7, 2), (4, -1), (11, 1)], 0),
     "decode on fewer slots": ([(1, 0), (1, 1), (6, 2)], 2),
     "segments back to back": ([(8, 1), (4, 2), (4, 0)], 0),  # pieces of 4 rows lie in batch order
+    "decode on slot 0 only": ([(1, 0), (1, -1), (1, 0), (5, 2)], 3),  # torch's strided path: 2 x used < slots
 }
 
 

@@ -106,6 +106,7 @@ static inline float bf16_to_float(uint16_t h) {
 // float -> bfloat16 bits, round to nearest even (as torch's .to(torch.bfloat16)).
 static inline uint16_t float_to_bf16(float f) {
     union { float f; uint32_t u; } v = {.f = f};
+    if ((v.u & 0x7fffffff) > 0x7f800000) return (uint16_t)((v.u >> 16) | 0x40);  // NaN stays NaN
     return (uint16_t)((v.u + 0x7fff + ((v.u >> 16) & 1)) >> 16);
 }
 
@@ -743,6 +744,7 @@ int kvharbor_lora_decode(int bf16, const void *x, int64_t ldx, const int32_t *ro
                          const void *a, int64_t subs, int64_t slots, int64_t rank, const void *const *bt,
                          const int64_t *outs, const int64_t *offsets, int enabled, void *y, int64_t ldy) {
     if (subs < 1 || subs > LORA_MAX_SUBS) return -1;
+    if (m <= 0) return 0;  // no rows: nothing to add (and no scratch to grow)
     for (int64_t r = 0; r < m; r++)
         if (row_slot[r] < -1 || row_slot[r] >= slots) return -3;
     pthread_mutex_lock(&call_lock);
