@@ -31,7 +31,6 @@ from kvharbor.engine.quantize import FORMATS, QuantWeight
 log = logging.getLogger("kvharbor.engine.cpu_kernels")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
-BF16 = 4  # the kernel's format number of a bfloat16 weight (cpu_kernels.c)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-lpthread", "-lm")
 # Added where the CPU reports avx_vnni: the integer dots of quantized decode products in one
 # instruction per 32 codes (cpu_kernels.c dot_u8s8), the same sums. Measured on a 2-core Xeon,
@@ -121,8 +120,7 @@ class CpuKernels:
         self.threads = self._lib.kvharbor_set_threads(threads)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [m, k] @ weight [n, k]^T (+ bias), CPU; x float32 with rows that may be strided, weight
-        float32 or bfloat16 (widened in registers: half the bytes read), contiguous; y float32."""
+        """x [m, k] @ weight [n, k]^T (+ bias), float32, CPU; x rows may be strided, weight contiguous."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
@@ -130,15 +128,13 @@ class CpuKernels:
         if x.dtype != torch.float32 or weight.shape[1] != k or not weight.is_contiguous():
             raise ValueError(f"linear takes float32 x [m, k] and a contiguous [n, {k}] weight, got {x.dtype} "
                              f"{tuple(x.shape)} and {tuple(weight.shape)}")  # fmt: skip
+        if weight.dtype != torch.float32:
+            raise ValueError(f"linear takes a float32 weight, not {weight.dtype}")
         y = torch.empty(m, n, dtype=torch.float32)
-        b = bias.data_ptr() if bias is not None else None
-        if weight.dtype == torch.bfloat16:
-            self._lib.kvharbor_linear_quant(BF16, x.data_ptr(), x.stride(0), weight.data_ptr(), None, None, b,
-                                            y.data_ptr(), n, m, k, n)  # fmt: skip
-        elif weight.dtype == torch.float32:
-            self._lib.kvharbor_linear(x.data_ptr(), x.stride(0), weight.data_ptr(), b, y.data_ptr(), n, m, k, n)
-        else:
-            raise ValueError(f"linear takes a float32 or bfloat16 weight, not {weight.dtype}")
+        self._lib.kvharbor_linear(
+            x.data_ptr(), x.stride(0), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+            y.data_ptr(), n, m, k, n,
+        )  # fmt: skip
         return y
 
     def lora_plan(self, a: torch.Tensor, bt: list[torch.Tensor], offsets: list[int]) -> LoRAPlan:

@@ -20,12 +20,11 @@ needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the AVX2 kernels can
 
 
 @needs_kernels
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 13, 16])
 @pytest.mark.parametrize(("n", "k"), [(1, 8), (7, 13), (24, 576), (100, 37), (1000, 64)])
-def test_linear_matches_float64(m, n, k, weight_dtype):
+def test_linear_matches_float64(m, n, k):
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
-    w = torch.randn(n, k, generator=gen).to(weight_dtype)  # bfloat16: exact in float64, so the same bound
+    w = torch.randn(n, k, generator=gen)
     bias = torch.randn(n, generator=gen)
     wide = torch.randn(m, k + 5, generator=gen)
     x = wide[:, 2 : 2 + k]  # rows strided, as a slice of a fused projection's output
@@ -226,8 +225,8 @@ def test_kv_write_copies_each_row_to_its_slot_and_checks_slots():
 
 @needs_kernels
 def test_linear_refuses_what_it_does_not_take():
-    with pytest.raises(ValueError, match="float32 or bfloat16 weight"):
-        KERNELS.linear(torch.zeros(2, 8), torch.zeros(3, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="float32 weight"):
+        KERNELS.linear(torch.zeros(2, 8), torch.zeros(3, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="contiguous"):
         KERNELS.linear(torch.zeros(2, 8), torch.zeros(8, 3).T)
     with pytest.raises(ValueError, match="float32 x"):

@@ -42,9 +42,7 @@ static int spin_rounds = 2000;  // _mm_pause rounds an idle worker spins before 
 //     j + 16 (high nibble), as GGUF's Q4_0/Q4_1 blocks do; w = q * scale[g] + min[g]
 //     with one float scale and min per (row, group)                 (--quantization int4, gguf)
 //   3 int8 [n, k] in groups of 32, w = q * scale[g]                  (gguf's Q8_0)
-//   4 bfloat16 [n, k], unscaled                   (LoRA slots under a bfloat16 model: lora_slots.py)
 #define GROUP 32
-#define GROUPED(Q) ((Q) == 2 || (Q) == 3)
 
 typedef struct {
     const float *x;
@@ -218,7 +216,7 @@ static inline __attribute__((always_inline)) void tile(const int Q, const int R,
                                                        int64_t ldx, const void *w, const float *scale,
                                                        const float *mins, int64_t k, int64_t n, float *y,
                                                        int64_t ldy, const float *bias) {
-    if (GROUPED(Q)) {
+    if (Q >= 2) {
         grouped_tile(Q, R, C, x, ldx, w, scale, mins, k, n, y, ldy, bias, xsums + (x - job.x) / ldx * (k / GROUP));
         return;
     }
@@ -227,22 +225,18 @@ static inline __attribute__((always_inline)) void tile(const int Q, const int R,
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     const float *wf = (const float *)w + n * k;
     const int8_t *wq = (const int8_t *)w + n * k;
-    const uint16_t *wb = (const uint16_t *)w + n * k;
     // The next tile's C weight rows follow these in memory: prefetch them a line at a time, as
-    // fast as this tile consumes its own (C half-lines a step in float, C quarter-lines in
-    // bfloat16, C eighth-lines in int8), so the next tile starts warm.
-    const char *next = Q == 1 ? (const char *)(wq + C * k) : Q == 4 ? (const char *)(wb + C * k) : (const char *)(wf + C * k);
+    // fast as this tile consumes its own (C half-lines a step in float, C eighth-lines in int8),
+    // so the next tile starts warm.
+    const char *next = Q ? (const char *)(wq + C * k) : (const char *)(wf + C * k);
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
         if (!Q)
             for (int q = 0; q < (C + 1) / 2; q++) _mm_prefetch(next + ((i / 8) * ((C + 1) / 2) + q) * 64, _MM_HINT_T0);
-        else if (Q == 4 && (i & 31) == 0)
-            for (int q = 0; q < C; q++) _mm_prefetch(next + ((i / 32) * C + q) * 64, _MM_HINT_T0);
-        else if (Q == 1 && (i & 63) == 0)
+        else if ((i & 63) == 0)
             for (int q = 0; q < C; q++) _mm_prefetch(next + ((i / 64) * C + q) * 64, _MM_HINT_T0);
         __m256 wv[8];
-        for (int c = 0; c < C; c++)
-            wv[c] = Q == 1 ? load_q8(wq + c * k + i) : Q == 4 ? load_bf16(wb + c * k + i) : _mm256_loadu_ps(wf + c * k + i);
+        for (int c = 0; c < C; c++) wv[c] = Q ? load_q8(wq + c * k + i) : _mm256_loadu_ps(wf + c * k + i);
         for (int r = 0; r < R; r++) {
             __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -251,9 +245,8 @@ static inline __attribute__((always_inline)) void tile(const int Q, const int R,
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float s = hsum(acc[r][c]);
-            for (int64_t j = i; j < k; j++)
-                s += x[r * ldx + j] * (Q == 1 ? (float)wq[c * k + j] : Q == 4 ? bf16_to_float(wb[c * k + j]) : wf[c * k + j]);
-            if (Q == 1) s *= scale[n + c];
+            for (int64_t j = i; j < k; j++) s += x[r * ldx + j] * (Q ? (float)wq[c * k + j] : wf[c * k + j]);
+            if (Q) s *= scale[n + c];
             y[r * ldy + n + c] = bias ? s + bias[n + c] : s;
         }
 }
@@ -290,7 +283,7 @@ static inline __attribute__((always_inline)) void columns(const int Q, int64_t n
         for (; n < n1; n++) tile(Q, 2, 1, j.x, j.ldx, j.w, j.scale, j.mins, j.k, n, j.y, j.ldy, j.bias);
         return;
     }
-    if (GROUPED(Q)) {  // 4 code vectors per column: 2 columns keep 8 sums in the 16 registers
+    if (Q >= 2) {  // 4 code vectors per column: 2 columns keep 8 sums in the 16 registers
         for (; n + 2 <= n1; n += 2) column_group(Q, 2, &j, n);
     } else {
         for (; n + 3 <= n1; n += 3) column_group(Q, 3, &j, n);
@@ -304,7 +297,6 @@ static void run_columns(int q, int64_t n0, int64_t n1) {
         case 1: columns(1, n0, n1); break;
         case 2: columns(2, n0, n1); break;
         case 3: columns(3, n0, n1); break;
-        case 4: columns(4, n0, n1); break;
     }
 }
 
@@ -379,7 +371,6 @@ static inline __attribute__((always_inline)) __m256i group_codes_i8(const int Q,
     return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
 }
 
-// R (1-4) rows from r0 against C columns from n in format Q (1-3), through the codes of x.
 // The 32 products u8 x s8 of a group, summed in fours into 8 int32 lanes: one VNNI instruction
 // where the build has AVX-VNNI (cpu_kernels.py adds -mavxvnni on CPUs that report avx_vnni), else
 // maddubs (pairs to int16: |w| <= 127 and |x| <= 127, so no pair saturates) and madd. The sums are
@@ -393,6 +384,7 @@ static inline __m256i dot_u8s8(__m256i u, __m256i s, __m256i ones) {
 #endif
 }
 
+// R (1-4) rows from r0 against C columns from n in format Q (1-3), through the codes of x.
 static inline __attribute__((always_inline)) void int_tile(const int Q, const int R, const int C, int64_t r0,
                                                            int64_t n) {
     const linear_job_t *j = &job;
@@ -705,14 +697,14 @@ static int fill_xsums(const float *x, int64_t ldx, int64_t m, int64_t k) {
     return 0;
 }
 
-// The same with a weight of format q (1-4, above): scale [n] (format 1) or [n, k / 32], mins
-// [n, k / 32] (format 2) or NULL. Returns -1 for a format it does not know or a k that is not a
-// multiple of 32 in a grouped one, -2 when out of memory.
+// The same with a quantized weight of format q (1-3, above): scale [n] (format 1) or [n, k / 32],
+// mins [n, k / 32] (format 2) or NULL. Returns -1 for a format it does not know or a k that is
+// not a multiple of 32 in a grouped one, -2 when out of memory.
 int kvharbor_linear_quant(int q, const float *x, int64_t ldx, const void *w, const float *scale, const float *mins,
                           const float *bias, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n) {
-    if (q < 1 || q > 4 || (GROUPED(q) && k % GROUP)) return -1;
+    if (q < 1 || q > 3 || (q >= 2 && k % GROUP)) return -1;
     pthread_mutex_lock(&call_lock);
-    const int integer = q != 4 && m >= 1 && m <= INT_ROWS && k % GROUP == 0;  // bfloat16 stays float
+    const int integer = m >= 1 && m <= INT_ROWS && k % GROUP == 0;
     if (integer ? fill_xcodes(x, ldx, m, k) != 0 : q == 2 && fill_xsums(x, ldx, m, k) != 0) {
         pthread_mutex_unlock(&call_lock);
         return -2;
@@ -727,7 +719,7 @@ int kvharbor_linear_quant(int q, const float *x, int64_t ldx, const void *w, con
 // Rows of a quantized weight of format q as float32: y [n, k] (row stride ldy) = dequantized w.
 int kvharbor_dequantize(int q, const void *w, const float *scale, const float *mins, float *y, int64_t ldy,
                         int64_t k, int64_t n) {
-    if (q < 1 || q > 3 || (GROUPED(q) && k % GROUP)) return -1;
+    if (q < 1 || q > 3 || (q >= 2 && k % GROUP)) return -1;
     pthread_mutex_lock(&call_lock);
     job = (linear_job_t){NULL, w, scale, mins, NULL, y, 0, k, n, 0, ldy};
     job_q = q;
