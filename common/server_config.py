@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from kvharbor.common.config import opt
+from kvharbor.common.http_server import HEADER_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class ServiceListenConfig(ListenConfig):
         None, "TCP port of the admin listener: /metrics and operator-facing endpoints (default: none, all on --port)"
     )
     header_timeout: float = opt(
-        10.0, "seconds a client has to send a request's headers, from connecting or from its last response"
+        HEADER_TIMEOUT_S, "seconds a client has to send a request's headers, from connecting or from its last response"
     )
 
     def __post_init__(self) -> None:

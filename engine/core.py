@@ -269,7 +269,7 @@ class EngineCore:
             return None, 0
         manager = LoRAManager(
             self.arch, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.dtype, self.device,
-            self._lora_kernels(threads),
+            self._cpu_gemm(threads, (torch.float32, torch.bfloat16)),  # lora_decode takes both
         )  # fmt: skip
         for name, path in lora.adapters:
             say(f"loading LoRA adapter {name} from {path} ...")
@@ -282,21 +282,10 @@ class EngineCore:
         )
         return manager, reserved
 
-    def _lora_kernels(self, threads: int):
-        """The AVX2 kernels for the decode rows' LoRA deltas (cpu_kernels.lora_decode), on slots in
-        the model's dtype, float32 or bfloat16; None where they do not run (torch's products then)."""
-        if not (self.config.runtime.cpu_kernels and self.device.type == "cpu"):
-            return None
-        if self.dtype not in (torch.float32, torch.bfloat16):
-            return None
-        from kvharbor.engine import cpu_kernels
-
-        return cpu_kernels.load(threads)
-
-    def _cpu_gemm(self, threads: int):
-        """The AVX2 kernels (cpu_kernels.CpuKernels) where they run: float32 on the CPU, with
-        --cpu-kernels, on a CPU they were built for. None elsewhere."""
-        if not (self.config.runtime.cpu_kernels and self.device.type == "cpu" and self.dtype == torch.float32):
+    def _cpu_gemm(self, threads: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
+        """The AVX2 kernels (cpu_kernels.CpuKernels) where they run: a model dtype in `dtypes` on
+        the CPU, with --cpu-kernels, on a CPU they were built for. None elsewhere."""
+        if not (self.config.runtime.cpu_kernels and self.device.type == "cpu" and self.dtype in dtypes):
             return None
         from kvharbor.engine import cpu_kernels
 

@@ -127,6 +127,7 @@ class LoRAStep:
     row_slot: torch.Tensor | None  # [decode_rows] int32, -1 for the base model (the CPU kernel's map)
     pieces: Pieces | None  # the other rows with an adapter, for the batched products; None: none
     modules: frozenset[str]  # sub-projections some row of the step adapts
+    enabled: dict[str, int]  # projection -> bit j set where its sub-projection j is adapted (the kernel's)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # the mask repeated per sub-projection
 
     @classmethod
@@ -155,7 +156,8 @@ class LoRAStep:
         present = {s for _, s in row_slots if s >= 0}
         modules = frozenset().union(*(slots.modules[s] for s in present))
         pieces = Pieces.cut(segments, device) if segments else None
-        return cls(slots, decode_rows, used, mask, row_slot, pieces, modules)
+        enabled = {p: sum(1 << j for j, m in enumerate(subs) if m in modules) for p, subs in MODULES_OF.items()}
+        return cls(slots, decode_rows, used, mask, row_slot, pieces, modules, enabled)
 
     def apply(self, layer: int, projection: str, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += each row's LoRA delta for `projection` (a fused output) of `layer`, x its input."""
@@ -164,9 +166,8 @@ class LoRAStep:
             return
         a, bt = self.slots.a[layer][projection], self.slots.bt[layer]
         if self.row_slot is not None:
-            enabled = sum(1 << j for j, module in enumerate(modules) if module in self.modules)
-            plan = self.slots.plans[layer][projection]
-            self.slots.kernels.lora_decode(plan, x[: self.decode_rows], self.row_slot, enabled, y[: self.decode_rows])
+            plan, rows = self.slots.plans[layer][projection], self.decode_rows
+            self.slots.kernels.lora_decode(plan, x[:rows], self.row_slot, self.enabled[projection], y[:rows])
         elif self.mask is not None:
             self._decode(a, bt, modules, x[: self.decode_rows], y[: self.decode_rows])
         if self.pieces is not None:
