@@ -68,7 +68,7 @@ class CoreInfo:
     block_size: int
     role: str = "both"
     kv_transfer_port: int = 0  # where decode engines pull this engine's hand-offs (0: none)
-    kv_transfer_secret: bytes = dataclasses.field(default=b"", repr=False)  # signs the handles (kv_handoff.py)
+    kv_transfer_secret: bytes = dataclasses.field(default=b"", repr=False)  # signs the handles (handoff_handles.py)
 
 
 class CoreClient:

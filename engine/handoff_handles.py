@@ -27,5 +27,10 @@ def handle_request_id(secret: bytes, handle: str) -> str | None:
     return request_id
 
 
+def unverified_request_id(handle: str) -> str:
+    """The request id a handle names, unchecked: what the decode side's logs and errors show."""
+    return handle.rpartition(".")[0] or "?"
+
+
 def _mac(secret: bytes, request_id: str) -> str:
     return hmac.new(secret, request_id.encode("utf-8", "surrogatepass"), hashlib.sha256).hexdigest()[:MAC_HEX]

@@ -10,7 +10,7 @@ length, msgpack list):
                                                ["end"]
     ["release", handle]                        ["released", bool]
 
-A handle is the prefill request's id signed with the core's secret (kv_handoff.sign_handle): one
+A handle is the prefill request's id signed with the core's secret (handoff_handles.py): one
 that is not answers "gone", as an expired one does. Logs name the request id, never the handle.
 
 Each block travels as the shared store's self-describing blob (kvcache_service.block_store:
@@ -34,7 +34,7 @@ from typing import Any
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.engine.core_io import HandoffFailed
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
-from kvharbor.engine.handoff_handles import handle_request_id
+from kvharbor.engine.handoff_handles import handle_request_id, unverified_request_id
 from kvharbor.kvcache_service.block_store import BlockFormat, BlockRefused, decode_block, encode_block
 
 log = logging.getLogger("kvharbor.engine.kv_handoff")
@@ -55,7 +55,7 @@ class HandoffServer:
         self, ask: Ask, leases: Any, fmt: BlockFormat, host: str, port: int, counters: Any, secret: bytes
     ) -> None:
         self._ask = ask
-        self._secret = secret  # signs the handles (kv_handoff.sign_handle)
+        self._secret = secret  # signs the handles (handoff_handles.sign_handle)
         self.leases = leases  # the core's HandoffLeases: export() may run off the engine thread
         self.format = fmt
         self.host = host
@@ -208,7 +208,7 @@ class HandoffPuller:
         hashes = block_hashes(prompt_ids, core.capacity.block_size, core.model_name, cache_salt, adapter)
         k = await self._ask(lambda c: c.kv.cached_run(hashes))
         host, port, handle = params["remote_host"], int(params["remote_port"]), str(params["remote_handle"])
-        rid = handle.rpartition(".")[0] or "?"  # what logs and errors name: the handle is a capability
+        rid = unverified_request_id(handle)  # what logs and errors name: the handle is a capability
         try:
             got = await pull_handoff(host, port, handle, core.kv_io.format, hashes, k, self.timeout)
         except (OSError, LinkClosed, TimeoutError) as exc:

@@ -52,7 +52,7 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from kvharbor.common.block_hash import BlockHash
+from kvharbor.common.block_hash import DIGEST_SIZE, BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
 from kvharbor.common.redis_client import Call, Script, SlotPipelines, connect, pairs
 from kvharbor.common.redis_keys import (
@@ -331,8 +331,8 @@ _READ = Script(
     _LUA_BUCKET
     + f"""
 local out, stop, last, chain = {{}}, ARGV[1] == '1', nil, ARGV[2]
-for j = 1, #chain, 16 do
-  local h = string.sub(chain, j, j + 15)
+for j = 1, #chain, {DIGEST_SIZE} do
+  local h = string.sub(chain, j, j + {DIGEST_SIZE - 1})
   local anchor = #KEYS == 1 and KEYS[1] or KEYS[string.byte(h, 1) % {SHARDS} + 1]
   local v = redis.call('HGET', anchor .. ':' .. bucket(h), h)
   if not v and stop then break end
