@@ -54,6 +54,7 @@ def test_every_part_stops_at_once_on_a_wrong_password(protected, tmp_path, tiny_
         ),
         "serve": cli("serve", "--model", str(tiny_chat_model), "--redis-url", wrong, "--port", str(free_port())),
         "up": cli("up", "--model", str(tiny_chat_model), "--redis-url", wrong, "--port", str(free_port())),
+        "operator": cli("operator", "--redis-url", wrong, "--port", str(free_port())),
     }
     for part, run in runs.items():
         out = run.stdout + run.stderr

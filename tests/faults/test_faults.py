@@ -224,7 +224,7 @@ def test_kvcache_service_kill(platform):
 def test_one_of_two_gateways_restarts(platform):
     def restart() -> None:
         old = platform.gateways[1]
-        old.stop()  # SIGTERM: uvicorn finishes open streams (up to 5 s), refuses new connections
+        old.stop()  # SIGTERM: the gateway finishes open streams (up to its --drain-timeout), refuses new connections
         platform.gateways[1] = platform._gateway(port=old.port).start()
 
     drill(platform, "gateway restart (1 of 2)", restart)
