@@ -30,6 +30,7 @@ from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.capacity import KVCapacity, check_max_model_len, plan_capacity
 from kvharbor.engine.config import EngineConfig, LoRAConfig
 from kvharbor.engine.core_io import CoreOutput, SampleDelta
+from kvharbor.engine.decode_fit import DecodeFit
 from kvharbor.engine.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
 from kvharbor.engine.draft import draft_kv_bytes_per_token
 from kvharbor.engine.kv_cache_manager import KVCacheManager
@@ -82,22 +83,23 @@ class _Group:
 @dataclass
 class EngineStats:
     """Measured speed, as EWMAs (alpha 0.2): the load report's 'prefill tok/s' and 'decode step',
-    the decode batch those steps ran, and how a decode step grows per sequence (a least-squares
-    line over the last ~50 decode steps' batch sizes and times; 0 until the batch size has varied),
-    which the gateway extrapolates to predict inter-token latency. The decode figures are reported
+    the decode batch and context tokens those steps ran, and how a decode step grows per sequence
+    and per context token (engine/decode_fit.py; 0 until each has varied), which the gateway
+    extrapolates to predict inter-token latency. The decode figures are reported
     from MIN_DECODE_STEPS steps on: a first few steps (cold caches, a neighbour's burst) once made
     an idle engine look twice as slow as a busy one, and the gateway kept a burst off it."""
 
     prefill_tokens_per_s: float = 0.0
     decode_step_s: float = 0.0
     decode_batch: float = 0.0
+    decode_context: float = 0.0  # context tokens of a decode step's sequences (EWMA)
     decode_steps: int = 0
     steps: int = 0
     spec_verifications: int = 0  # speculative chunks verified
     spec_proposed: int = 0  # draft tokens scored
     spec_accepted: int = 0  # of those, accepted
     kv_transfer_bytes_per_s: float = 0.0  # P/D pulls into this engine (EWMA)
-    _fit: list[float] = field(default_factory=lambda: [0.0] * 5)  # decayed sums of 1, n, t, n^2, n*t
+    fit: DecodeFit = field(default_factory=DecodeFit)
 
     def record(self, plan: SchedulerPlan, seconds: float) -> None:
         prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1 and not c.draft)
@@ -106,12 +108,12 @@ class EngineStats:
             rate = prefill / max(seconds, 1e-9)
             self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, rate)
             return
-        batch = len(plan.chunks)
+        batch, context = len(plan.chunks), sum(c.end for c in plan.chunks)
         self.decode_steps += 1
         self.decode_step_s = _ewma(self.decode_step_s, seconds)
         self.decode_batch = _ewma(self.decode_batch, float(batch))
-        sample = (1.0, batch, seconds, batch**2, batch * seconds)
-        self._fit = [0.98 * acc + x for acc, x in zip(self._fit, sample, strict=True)]
+        self.decode_context = _ewma(self.decode_context, float(context))
+        self.fit.add(batch, context, seconds)
 
     def record_transfer(self, nbytes: int, seconds: float) -> None:
         if nbytes and seconds > 0:
@@ -121,17 +123,14 @@ class EngineStats:
         """The load report's decode fields, once there are enough steps to tell (else none)."""
         if self.decode_steps < MIN_DECODE_STEPS:
             return {}
+        per_seq, per_token = self.fit.slopes()
         return {
             "decode_step_ms": round(self.decode_step_s * 1000, 2),
             "decode_batch": round(self.decode_batch, 2),
-            "decode_ms_per_seq": round(self.decode_s_per_seq * 1000, 3),
+            "decode_ms_per_seq": round(per_seq * 1000, 3),
+            "decode_context_tokens": round(self.decode_context, 1),
+            "decode_ms_per_kv_token": round(per_token * 1000, 6),
         }
-
-    @property
-    def decode_s_per_seq(self) -> float:
-        w, n, t, nn, nt = self._fit
-        spread = w * nn - n * n  # w^2 x the variance of the batch sizes
-        return max(0.0, (w * nt - n * t) / spread) if spread > 0.01 * w * w else 0.0
 
 
 MIN_DECODE_STEPS = 8

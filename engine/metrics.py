@@ -99,6 +99,10 @@ class _LoadCollector:
             "decode_step_seconds_per_sequence", "How a decode step grows per sequence (fitted)",
             load.decode_ms_per_seq / 1000,
         )  # fmt: skip
+        yield gauge(
+            "decode_step_seconds_per_kv_token", "How a decode step grows per context token (fitted)",
+            load.decode_ms_per_kv_token / 1000,
+        )  # fmt: skip
         yield gauge("kv_block_size_tokens", "Tokens per KV block (what prefix hashes are cut by)", load.block_size)
         yield gauge("weight_bytes", "The model's weights as held (quantized at their own size)", load.weight_bytes)
         yield gauge("kv_bytes_per_token", "KV bytes one token takes in the pool", load.kv_bytes_per_token)

@@ -53,7 +53,7 @@ def fit_route(
     when none does (queue or shed). An engine with nothing to prefill fits the TTFT rule whatever
     the request's length (waiting cannot make its own prefill shorter), and one that runs nothing
     fits the ITL rule (waiting cannot make its step faster). The ITL is the engine's measured
-    decode step with one more sequence (predict.py): a flood of long outputs makes an engine with
+    decode step with one more sequence and this prompt's KV (predict.py): a flood of long outputs makes an engine with
     an empty prefill queue not fit, which the TTFT rule alone never saw. For a LoRA `adapter` the
     TTFT counts its slot cost."""
 
@@ -61,7 +61,7 @@ def fit_route(
         return predict(e, prompt_tokens, route.held.get(e.url, 0), block_size, adapter).ttft_s
 
     def itl_fits(e: Engine) -> bool:
-        return slo_itl_s <= 0 or e.queue == 0 or e.predicted_itl_s() <= slo_itl_s
+        return slo_itl_s <= 0 or e.queue == 0 or e.predicted_itl_s(prompt_tokens) <= slo_itl_s
 
     fits = [e for e in engines if (e.waiting_prefill_tokens == 0 or ttft(e) <= slo_ttft_s) and itl_fits(e)]
     if route.engine in fits:

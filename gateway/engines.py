@@ -104,10 +104,14 @@ class Engine:
         since that have no first token yet."""
         return self.load.waiting_prefill_tokens + sum(s.prefill for s in self._unseen())
 
-    def predicted_itl_s(self) -> float:
-        """The inter-token latency a request sent now would see: the engine's decode step with
-        one more sequence than it runs and queues (engine/core.py's EngineStats fits the growth)."""
-        return self.load.decode_step_s_at(self.queue + 1)
+    def predicted_itl_s(self, prompt_tokens: int = 0) -> float:
+        """The inter-token latency a request of `prompt_tokens` sent now would see: the engine's
+        decode step with one more sequence than it runs and queues, over the KV its pool holds
+        plus the prompts of this gateway's unseen requests and this one (engine/decode_fit.py
+        fits both growths)."""
+        used = self.load.kv_used_tokens
+        context = None if used is None else used + sum(s.prefill for s in self._unseen()) + prompt_tokens
+        return self.load.decode_step_s_at(self.queue + 1, context)
 
     @property
     def prefill_tokens_per_s(self) -> float:

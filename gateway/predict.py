@@ -3,8 +3,9 @@ has sent it since (gateway/engines.py): what admission and routing decide on.
 
 - TTFT: (prefill tokens queued there + this request's tokens that engine does not hold) / the
   engine's measured prefill rate. A cache miss costs its tokens here.
-- ITL: the engine's decode step with one more sequence than it runs and queues, extrapolated
-  along the per-sequence growth the engine fits (engine/core.py's EngineStats).
+- ITL: the engine's decode step with one more sequence than it runs and queues, over the KV its
+  pool holds plus this prompt's, extrapolated along the per-sequence and per-context-token growth
+  the engine fits (engine/decode_fit.py).
 
 Both are 0 while the engine has measured nothing: no evidence against it.
 
@@ -83,4 +84,4 @@ def predict(
     """TTFT and ITL of a request on `engine` (`adapter`: its LoRA adapter's name, None for the base)."""
     uncached = uncached_tokens(prompt_tokens, held_blocks, block_size)
     ttft = predict_ttft_s(engine.waiting_prefill_tokens, uncached, engine.prefill_tokens_per_s)
-    return Prediction(ttft + adapter_cost_s(engine, adapter), engine.predicted_itl_s())
+    return Prediction(ttft + adapter_cost_s(engine, adapter), engine.predicted_itl_s(prompt_tokens))

@@ -334,3 +334,21 @@ def test_continued_text_reaches_the_engine_within_the_same_bound_on_both_sides()
     assert SamplingParams(**CompletionRequest(model="m", prompt="x").sampling_kwargs()).continued_text == ""
     with pytest.raises(ValidationError, match="continued_text"):
         CompletionRequest(model="m", prompt="x", continued_text="x" * (MAX_CONTINUED_TEXT + 1))
+
+
+def test_a_decoding_engine_reports_the_context_its_steps_read(tiny_llama, make_llm):
+    """The decode fit's inputs come from real steps: the context tokens of the running sequences
+    (prompt + tokens so far), and a per-token growth that is never negative."""
+    llm = make_llm(tiny_llama.loaded)
+    engine = llm.engine
+    for i, prompt in enumerate(tiny_llama.prompts[:4]):
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        engine.add_request(f"r{i}", params=params, prompt_token_ids=prompt)
+    longest = 0
+    while engine.has_unfinished():
+        engine.step()
+        longest = max(longest, engine.load().decode_context_tokens)
+    load = engine.load()
+    prompts = sum(len(p) for p in tiny_llama.prompts[:4])
+    assert prompts < longest <= prompts + 4 * 24  # 4 sequences over their prompts and outputs so far
+    assert load.decode_ms_per_kv_token >= 0.0 and load.decode_ms_per_seq >= 0.0

@@ -58,7 +58,7 @@ def test_the_engine_fits_how_a_decode_step_grows_and_reports_it_once_measured():
     from kvharbor.engine.core import MIN_DECODE_STEPS, EngineStats
 
     class Chunk:
-        num_tokens, draft = 1, False
+        num_tokens, draft, end = 1, False, 100  # every sequence 100 tokens long
 
     class Plan:
         def __init__(self, n: int) -> None:
@@ -79,3 +79,15 @@ def test_the_engine_fits_how_a_decode_step_grows_and_reports_it_once_measured():
         steady.record(Plan(4), 0.03)
     assert steady.decode_report()["decode_ms_per_seq"] == 0.0  # one batch size: no slope to fit
     assert LoadReport().decode_step_s_at(5) == 0.0  # unmeasured: no evidence either way
+
+
+def test_a_decode_step_prediction_counts_the_kv_it_would_read():
+    measured = dict(decode_step_ms=40.0, decode_batch=4.0, decode_ms_per_seq=2.0, decode_context_tokens=2000.0,
+                    decode_ms_per_kv_token=0.005)  # fmt: skip
+    report = LoadReport(**measured, kv_blocks_total=100, kv_blocks_free=40, block_size=16)
+    assert report.kv_used_tokens == 60 * 16
+    assert report.decode_step_s_at(5) == pytest.approx(0.042)  # context as measured
+    assert report.decode_step_s_at(5, 4000) == pytest.approx(0.042 + 0.010)  # 2,000 more tokens: +10 ms
+    assert report.decode_step_s_at(5, 0) == pytest.approx(0.032)
+    assert LoadReport(kv_blocks_total=100).kv_used_tokens is None  # no block size reported
+    assert LoadReport.from_json(report.to_json()) == report
