@@ -9,6 +9,8 @@ private conversation chains for the rest of its blocks. The index is filled thro
 `RedisIndex.apply` (large events, untimed); leases are real lease keys.
 - lookup: p50/p99 of a 256-block prompt (a shared system prompt and 192 blocks of a
   conversation one engine holds), and of a 256-block prompt nobody holds, one client, sequential;
+  then p50 of held prompts of 64 to 1,024 blocks, whose time per block shows how a lookup grows
+  with the prompt (it walks every held block);
 - intake: events/s through 1 and 2 `EventConsumer` replicas in their own processes, over the
   stream mix a serving pool writes (`_next_event`: one-block decode stores and LRU evictions,
   prefill chunks of 4-32 blocks, rare clears; ~1.7 block hashes an event) spread over the N
@@ -32,6 +34,7 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "fleet-model"
 PROMPTS, PROMPT_BLOCKS, PROMPTS_PER_ENGINE = 32, 64, 4
+PROMPT_LENGTHS = (64, 128, 256, 512, 1024)  # blocks of the held prompts timed for growth
 TARGETS = {"lookup_p99_ms": 2.0, "intake_2_replicas_events_per_s": 50_000, "bytes_per_entry": 100}
 
 
@@ -86,6 +89,20 @@ def used_memory(backend) -> int:
     return total
 
 
+def round_trip_us(backend, pings: int = 2000) -> float:
+    """Median PING round trip to the first node: the floor under every lookup and intake batch.
+    Machines differ here by 3-4x (a VM's loopback), which moves every figure of this benchmark."""
+    import redis
+
+    with redis.Redis.from_url(node_urls(backend)[0]) as client:
+        times = []
+        for _ in range(pings):
+            t0 = time.perf_counter()
+            client.ping()
+            times.append(time.perf_counter() - t0)
+    return pct(times, 50) * 1e6
+
+
 def allocator(backend) -> str:
     import redis
 
@@ -113,16 +130,27 @@ async def fill(index, fleet: Fleet, lease_ttl: float = 3600.0) -> float:
     return time.perf_counter() - started
 
 
-def prompts_for(fleet: Fleet, n: int, seed: int = 1) -> list[tuple[list[bytes], str]]:
-    """256-block prompts: a shared system prompt, then 192 blocks of an engine's conversation."""
+def prompts_for(fleet: Fleet, n: int, seed: int = 1, blocks: int = 256) -> list[tuple[list[bytes], str]]:
+    """Prompts of `blocks` blocks: a shared system prompt, then an engine's conversation (padded
+    with blocks nobody holds where the engine holds too few)."""
     rng = random.Random(seed)
     out = []
+    tail = blocks - PROMPT_BLOCKS
     for _ in range(n):
         engine = rng.choice(fleet.engines)
         prompt = fleet.prompts[fleet.holds[engine][0]]
-        chain = fleet.private_chain(engine)[:192]
-        out.append((prompt + chain + [rng.randbytes(16) for _ in range(192 - len(chain))], engine))
+        chain = fleet.private_chain(engine)[:tail]
+        out.append((prompt + chain + [rng.randbytes(16) for _ in range(tail - len(chain))], engine))
     return out
+
+
+async def lookup_growth(index, fleet: Fleet, lookups: int) -> dict:
+    """p50 of held prompts by length, and its time per block (flat: linear growth)."""
+    growth = {}
+    for blocks in PROMPT_LENGTHS:
+        timed = await time_lookups(index, prompts_for(fleet, max(50, lookups // 10), 3, blocks), True)
+        growth[str(blocks)] = {"p50_ms": timed["p50_ms"], "us_per_block": timed["p50_ms"] * 1000 / blocks}
+    return growth
 
 
 async def time_lookups(index, prompts: list[tuple[list[bytes], str]], expect_holder: bool) -> dict:
@@ -154,6 +182,7 @@ async def bench_index(backend, fleet: Fleet, lookups: int) -> dict:
         "bytes_per_entry": added / fleet.entries,
         "lookup_held": await time_lookups(index, prompts, True),
         "lookup_miss": await time_lookups(index, misses, False),
+        "lookup_by_blocks": await lookup_growth(index, fleet, lookups),
     }
     lapsed = fleet.engines[: max(1, len(fleet.engines) // 100)]
     for engine in lapsed:
@@ -300,7 +329,7 @@ def plot(result: dict, path: Path) -> None:
 
     from kvharbor.common.machine import machine_title
 
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    fig, axes = plt.subplots(1, 5, figsize=(25, 4.2))
     for kind, runs in result["backends"].items():
         ns = [r["engines"] for r in runs]
         style = "-o" if kind == "single" else "--s"
@@ -311,18 +340,23 @@ def plot(result: dict, path: Path) -> None:
             axes[1].plot(ns, rates, style, alpha=1.0 if reps == 2 else 0.5, label=f"{kind}, {reps} replica(s)")
         axes[2].plot(ns, [r["index"]["bytes_per_entry"] for r in runs], style, label=kind)
         axes[3].plot(ns, [r["index"]["sweep"]["seconds"] * 1000 for r in runs], style, label=kind)
+        top = max(runs, key=lambda r: r["engines"])
+        growth = top["index"].get("lookup_by_blocks", {})
+        axes[4].plot([int(b) for b in growth], [g["p50_ms"] for g in growth.values()], style,
+                     label=f"{kind}, {top['engines']} engines")  # fmt: skip
     axes[0].axhline(TARGETS["lookup_p99_ms"], color="red", lw=0.8, ls=":", label="target p99")
     axes[1].axhline(TARGETS["intake_2_replicas_events_per_s"] / 1000, color="red", lw=0.8, ls=":", label="target")
     axes[2].axhline(TARGETS["bytes_per_entry"], color="red", lw=0.8, ls=":", label="target")
     titles = ("lookup, 256-block prompt (ms)", "intake (k events/s)", "Redis bytes per (block, instance)",
-              "sweep of 1% lapsed leases (ms)")  # fmt: skip
+              "sweep of 1% lapsed leases (ms)", "lookup p50 by held prompt length (ms)")  # fmt: skip
     for ax, title in zip(axes, titles, strict=True):
         ax.set_xscale("log")
-        ax.set_xlabel("engines")
+        ax.set_xlabel("engines" if ax is not axes[4] else "prompt blocks")
         ax.set_title(title)
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"KV index at fleet scale: {machine_title()}")
+    rtt = ", ".join(f"{k} {v:.0f} us" for k, v in result.get("round_trip_us", {}).items())
+    fig.suptitle(f"KV index at fleet scale: {machine_title()}; PING round trip {rtt}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -340,6 +374,12 @@ def print_table(result: dict) -> None:
                 f"{it['1']['events_per_s']:,.0f} / {it['2']['events_per_s']:,.0f} | {ix['bytes_per_entry']:.1f} | "
                 f"{ix['sweep']['seconds'] * 1000:.1f} |"
             )
+    for kind, rtt in result.get("round_trip_us", {}).items():
+        print(f"{kind}: PING round trip {rtt:.0f} us (median)")
+    for kind, runs in result["backends"].items():
+        growth = max(runs, key=lambda r: r["engines"])["index"].get("lookup_by_blocks", {})
+        print(f"{kind} lookup p50 by prompt blocks: " + ", ".join(
+            f"{b}: {g['p50_ms']:.2f} ms ({g['us_per_block']:.1f} us/block)" for b, g in growth.items()))  # fmt: skip
     for line in result["verdict"]:
         print(line)
 
@@ -354,6 +394,10 @@ def verdict(result: dict) -> list[str]:
             ("intake, 2 replicas (events/s)", top["intake"]["2"]["events_per_s"], intake_target, ">"),
             ("bytes per entry", top["index"]["bytes_per_entry"], TARGETS["bytes_per_entry"], "<"),
         )
+        growth = top["index"].get("lookup_by_blocks")
+        if growth:  # linear at worst: 4x the blocks may cost at most 4x the time
+            ratio = growth["1024"]["p50_ms"] / growth["256"]["p50_ms"]
+            checks += (("lookup time, 1,024 / 256 blocks", ratio, 4.0, "<"),)
         for name, got, target, sense in checks:
             ok = got < target if sense == "<" else got >= target
             lines.append(f"{kind} at {top['engines']} engines: {name} {got:,.2f} (target {sense} {target:,}): "
@@ -391,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         backend = start_backend(kind)
         try:
             result["allocator"] = allocator(backend)
+            result.setdefault("round_trip_us", {})[kind] = round_trip_us(backend)
             runs = []
             for n in sizes:
                 fleet = Fleet(n, args.blocks_per_engine)

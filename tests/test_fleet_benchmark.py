@@ -27,6 +27,8 @@ def test_fleet_benchmark_writes_json_and_png(tmp_path):
             index = run["index"]
             assert index["entries"] == run["engines"] * 300
             assert 0 < index["lookup_held"]["p50_ms"] <= index["lookup_held"]["p99_ms"]
+            assert list(index["lookup_by_blocks"]) == [str(b) for b in fleet.PROMPT_LENGTHS]
+            assert all(g["p50_ms"] > 0 for g in index["lookup_by_blocks"].values())
             assert index["bytes_per_entry"] > 0 and index["sweep"]["swept"] == index["sweep"]["lapsed"] >= 1
             for replicas in ("1", "2"):
                 intake = run["intake"][replicas]
@@ -36,6 +38,8 @@ def test_fleet_benchmark_writes_json_and_png(tmp_path):
                 assert sum(w["events"] for w in intake["workers"]) == 3000
                 assert sum(w["streams"] for w in intake["workers"]) == run["engines"]
     assert any("lookup p99" in line for line in result["verdict"])
+    assert any("1,024 / 256 blocks" in line for line in result["verdict"])
+    assert all(result["round_trip_us"][kind] > 0 for kind in ("single", "cluster"))
     assert result["machine"]["cpu_model"] and out.with_suffix(".png").stat().st_size > 0
 
 
@@ -51,3 +55,6 @@ def test_the_workload_is_prefix_heavy_and_reproducible():
     assert len(holders) > 5  # system prompts are shared across the fleet
     hashes, engine = fleet.prompts_for(a, 1)[0]
     assert len(hashes) == 256 and hashes[: fleet.PROMPT_BLOCKS] == a.prompts[a.holds[engine][0]]
+    big = fleet.Fleet(5, 2000)
+    long, holder = fleet.prompts_for(big, 1, blocks=1024)[0]
+    assert len(long) == 1024 and long[fleet.PROMPT_BLOCKS :] == big.private_chain(holder)[:960]  # all held
