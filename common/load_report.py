@@ -31,7 +31,8 @@ class LoadReport:
     decode_batch: float = 0.0  # sequences in those decode steps (EWMA)
     decode_ms_per_seq: float = 0.0  # how a decode step grows per sequence (fitted; 0: not known yet)
     decode_context_tokens: float = 0.0  # context tokens those steps' sequences attended over (EWMA)
-    decode_ms_per_kv_token: float = 0.0  # how a decode step grows per context token (fitted; 0: not known)
+    decode_us_per_context_token: float = 0.0  # how a decode step grows per context token (fitted; 0: not known)
+    context_tokens: int = 0  # tokens the running sequences hold now (prompt + output): their next step's context
     spec_acceptance_rate: float | None = None  # None: no speculation yet
     draining: bool = False
     in_flight: int = 0  # requests the server holds open
@@ -61,22 +62,15 @@ class LoadReport:
 
     def decode_step_s_at(self, sequences: int, context_tokens: float | None = None) -> float:
         """The predicted decode step (the inter-token latency) with this many sequences running,
-        over `context_tokens` of KV (None: as in the measured steps): the measured step,
-        extrapolated along the fitted per-sequence and per-token growth; 0 when unmeasured."""
+        over `context_tokens` (None: as in the measured steps; each sequence's own, shared prefixes
+        counted per sequence): the measured step, extrapolated along the fitted per-sequence and
+        per-token growth; 0 when unmeasured. An engine that reports no context fit adds nothing."""
         if not self.decode_step_ms:
             return 0.0
         ms = self.decode_step_ms + self.decode_ms_per_seq * (sequences - self.decode_batch)
-        if context_tokens is not None:
-            ms += self.decode_ms_per_kv_token * (context_tokens - self.decode_context_tokens)
+        if context_tokens is not None and self.decode_us_per_context_token:
+            ms += self.decode_us_per_context_token / 1000 * (context_tokens - self.decode_context_tokens)
         return max(0.0, ms) / 1000
-
-    @property
-    def kv_used_tokens(self) -> int | None:
-        """Tokens held by the pool's blocks in use (running and prefilling requests); None when
-        the engine reports no pool or block size."""
-        if not self.kv_blocks_total or not self.block_size:
-            return None
-        return (self.kv_blocks_total - self.kv_blocks_free) * self.block_size
 
     @property
     def kv_free_fraction(self) -> float:

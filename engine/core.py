@@ -129,7 +129,7 @@ class EngineStats:
             "decode_batch": round(self.decode_batch, 2),
             "decode_ms_per_seq": round(per_seq * 1000, 3),
             "decode_context_tokens": round(self.decode_context, 1),
-            "decode_ms_per_kv_token": round(per_token * 1000, 6),
+            "decode_us_per_context_token": round(per_token * 1e6, 4),
         }
 
 
@@ -610,6 +610,7 @@ class EngineCore:
             running=len(running),
             waiting=len(waiting),
             waiting_prefill_tokens=prefill,
+            context_tokens=sum(r.num_tokens for r in running),
             kv_blocks_total=self.pool.num_blocks,
             kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached,

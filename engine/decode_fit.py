@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 DECAY = 0.98  # per step: the fit forgets a step's weight by half in ~35 steps
 MIN_SEQ_VARIANCE = 0.01  # batch sizes that never moved give no per-sequence slope
-MIN_CONTEXT_VARIANCE = 64.0  # nor contexts that moved by less than ~8 tokens (tokens^2)
-MAX_CORRELATION2 = 0.99  # above this the two move together: the step is put on sequences alone
+# Nor contexts whose spread is under 10% of their mean: a fixed batch's context creeps up by a few
+# tokens a step, and a slope fitted over that creep would be extrapolated to prompts far longer.
+MIN_CONTEXT_SPREAD = 0.1
+MAX_CORRELATION2 = 0.81  # |r| above 0.9: the two move together and their split is noise
 
 
 @dataclass
@@ -36,14 +38,15 @@ class DecodeFit:
             return 0.0, 0.0
         vnn, vcc, vnc = (nn - n * n / w) / w, (cc - c * c / w) / w, (nc - n * c / w) / w
         vnt, vct = (nt - n * t / w) / w, (ct - c * t / w) / w
-        seqs, ctx = vnn > MIN_SEQ_VARIANCE, vcc > MIN_CONTEXT_VARIANCE
+        seqs, ctx = vnn > MIN_SEQ_VARIANCE, vcc > (MIN_CONTEXT_SPREAD * c / w) ** 2
         if seqs and ctx and vnc * vnc < MAX_CORRELATION2 * vnn * vcc:
             det = vnn * vcc - vnc * vnc
             per_seq, per_token = (vnt * vcc - vct * vnc) / det, (vct * vnn - vnt * vnc) / det
             if per_seq >= 0 and per_token >= 0:
                 return per_seq, per_token
-        if seqs:
-            return max(0.0, vnt / vnn), 0.0
-        if ctx:
-            return 0.0, max(0.0, vct / vcc)
-        return 0.0, 0.0
+        # One line only: the regressor that alone explains more of the step's variance.
+        by_seq = (max(0.0, vnt / vnn), 0.0) if seqs else (0.0, 0.0)
+        by_ctx = (0.0, max(0.0, vct / vcc)) if ctx else (0.0, 0.0)
+        explained_seq = vnt * vnt / vnn if seqs and vnt > 0 else 0.0
+        explained_ctx = vct * vct / vcc if ctx and vct > 0 else 0.0
+        return by_ctx if explained_ctx > 1.05 * explained_seq else by_seq  # a tie stays on sequences

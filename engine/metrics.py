@@ -100,8 +100,8 @@ class _LoadCollector:
             load.decode_ms_per_seq / 1000,
         )  # fmt: skip
         yield gauge(
-            "decode_step_seconds_per_kv_token", "How a decode step grows per context token (fitted)",
-            load.decode_ms_per_kv_token / 1000,
+            "decode_step_seconds_per_context_token", "How a decode step grows per context token (fitted)",
+            load.decode_us_per_context_token / 1e6,
         )  # fmt: skip
         yield gauge("kv_block_size_tokens", "Tokens per KV block (what prefix hashes are cut by)", load.block_size)
         yield gauge("weight_bytes", "The model's weights as held (quantized at their own size)", load.weight_bytes)

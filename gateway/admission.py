@@ -53,8 +53,9 @@ def fit_route(
     when none does (queue or shed). An engine with nothing to prefill fits the TTFT rule whatever
     the request's length (waiting cannot make its own prefill shorter), and one that runs nothing
     fits the ITL rule (waiting cannot make its step faster). The ITL is the engine's measured
-    decode step with one more sequence and this prompt's KV (predict.py): a flood of long outputs makes an engine with
-    an empty prefill queue not fit, which the TTFT rule alone never saw. For a LoRA `adapter` the
+    decode step with one more sequence and this prompt's context (predict.py): a flood of long
+    outputs makes an engine with an empty prefill queue not fit, which the TTFT rule alone never
+    saw. For a LoRA `adapter` the
     TTFT counts its slot cost."""
 
     def ttft(e: Engine) -> float:  # with the blocks the route's index answer says e holds

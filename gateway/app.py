@@ -495,7 +495,7 @@ class _Handler:
         if not call.body.stream:
 
             async def run(engine: Engine) -> tuple[bytes, dict]:
-                sent = engine.send(uncached(engine), call.adapter)
+                sent = engine.send(uncached(engine), call.adapter, len(call.prompts[0]))
                 try:
                     return await state.caller.call(engine, call.path, self._payload(call, route, engine), headers)
                 finally:
@@ -512,7 +512,7 @@ class _Handler:
         on = _OnEngine()
 
         async def open_stream(engine: Engine, payload: dict | None = None) -> EngineStream:
-            sent = engine.send(uncached(engine), call.adapter)
+            sent = engine.send(uncached(engine), call.adapter, len(call.prompts[0]))
             try:
                 body = payload if payload is not None else self._payload(call, route, engine)
                 stream = await state.caller.open_stream(engine, call.path, body, headers)
@@ -627,7 +627,8 @@ class _Handler:
                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
         payload.pop("stream_options", None)
         payload.pop("kv_prefix_source", None)
-        sent = engine.send(uncached_tokens(len(call.prompts[0]), 0, call.block_size), call.adapter)
+        prompt = len(call.prompts[0])
+        sent = engine.send(uncached_tokens(prompt, 0, call.block_size), call.adapter, prompt)
         with state.tracer.start_as_current_span("gateway prefill") as span:
             span.set_attribute("kvharbor.engine", engine.url)
             try:

@@ -33,6 +33,7 @@ class Sent:
     at: float
     prefill: int  # prompt tokens still to prefill; 0 once the first token came
     adapter: str | None = None  # the LoRA adapter it runs on (its name); None: the base model
+    prompt: int = 0  # all its prompt tokens: the context it adds to the engine's decode steps
 
     def first_token(self) -> None:
         self.prefill = 0
@@ -59,10 +60,11 @@ class Engine:
     def routable(self) -> bool:
         return self.polled and not self.ejected and not self.draining
 
-    def send(self, prefill_tokens: int, adapter: str | None = None) -> Sent:
-        """Count a request this gateway sends now (with the prompt tokens it must prefill, and its
-        LoRA adapter) until `done`: the load polled before it cannot show it, so the router adds it itself."""
-        sent = Sent(self, time.monotonic(), prefill_tokens, adapter)
+    def send(self, prefill_tokens: int, adapter: str | None = None, prompt_tokens: int = 0) -> Sent:
+        """Count a request this gateway sends now (with the prompt tokens it must prefill, its LoRA
+        adapter and its whole prompt) until `done`: the load polled before it cannot show it, so
+        the router adds it itself."""
+        sent = Sent(self, time.monotonic(), prefill_tokens, adapter, prompt_tokens)
         self.sent.add(sent)
         return sent
 
@@ -106,11 +108,11 @@ class Engine:
 
     def predicted_itl_s(self, prompt_tokens: int = 0) -> float:
         """The inter-token latency a request of `prompt_tokens` sent now would see: the engine's
-        decode step with one more sequence than it runs and queues, over the KV its pool holds
-        plus the prompts of this gateway's unseen requests and this one (engine/decode_fit.py
-        fits both growths)."""
-        used = self.load.kv_used_tokens
-        context = None if used is None else used + sum(s.prefill for s in self._unseen()) + prompt_tokens
+        decode step with one more sequence than it runs and queues, over the context its running
+        sequences hold, the prompt tokens queued there, this gateway's unseen requests' prompts
+        and this one's (engine/decode_fit.py fits both growths)."""
+        unseen = sum(s.prompt for s in self._unseen())
+        context = self.load.context_tokens + self.load.waiting_prefill_tokens + unseen + prompt_tokens
         return self.load.decode_step_s_at(self.queue + 1, context)
 
     @property

@@ -3,9 +3,9 @@ has sent it since (gateway/engines.py): what admission and routing decide on.
 
 - TTFT: (prefill tokens queued there + this request's tokens that engine does not hold) / the
   engine's measured prefill rate. A cache miss costs its tokens here.
-- ITL: the engine's decode step with one more sequence than it runs and queues, over the KV its
-  pool holds plus this prompt's, extrapolated along the per-sequence and per-context-token growth
-  the engine fits (engine/decode_fit.py).
+- ITL: the engine's decode step with one more sequence than it runs and queues, over the context
+  its sequences hold plus the prompts joining them and this one, extrapolated along the
+  per-sequence and per-context-token growth the engine fits (engine/decode_fit.py).
 
 Both are 0 while the engine has measured nothing: no evidence against it.
 

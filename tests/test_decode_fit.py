@@ -25,11 +25,19 @@ def test_both_slopes_are_recovered_when_batch_and_context_vary_apart():
     assert per_seq == pytest.approx(0.002, rel=1e-6) and per_token == pytest.approx(5e-6, rel=1e-6)
 
 
-def test_a_fixed_batch_over_a_growing_context_puts_the_growth_on_the_tokens():
+def test_a_fixed_batch_over_contexts_of_other_lengths_puts_the_growth_on_the_tokens():
     fit = DecodeFit()
-    for i in range(40):  # 8 sequences, each a token longer every step
-        fit.add(8, 8 * (200 + i), step_s(8, 8 * (200 + i)))
+    for i in range(40):  # 8 sequences, short ones and long ones taking turns
+        context = 8 * (200 if i % 2 else 1000) + 8 * i
+        fit.add(8, context, step_s(8, context))
     assert fit.slopes() == pytest.approx((0.0, 5e-6), rel=1e-6)
+
+
+def test_a_context_that_only_creeps_gives_no_slope_to_extrapolate():
+    fit = DecodeFit()
+    for i in range(40):  # 8 sequences, each a token longer every step: a 5% spread
+        fit.add(8, 8 * (200 + i), step_s(8, 8 * (200 + i)))
+    assert fit.slopes() == (0.0, 0.0)
 
 
 def test_collinear_or_unvaried_regressors_fall_back_to_the_per_sequence_line():
@@ -43,6 +51,19 @@ def test_collinear_or_unvaried_regressors_fall_back_to_the_per_sequence_line():
         steady.add(4, 800, 0.03)
     assert steady.slopes() == (0.0, 0.0)  # nothing varied: no growth to tell
     assert DecodeFit().slopes() == (0.0, 0.0)
+
+
+def test_a_negative_joint_slope_keeps_the_line_that_explains_more():
+    """Noise gives the per-sequence slope a small negative value next to a real per-token
+    growth (a weight-bound GPU step barely grows per row): the per-token line is kept."""
+    rng = random.Random(1)
+    fit = DecodeFit()
+    for _ in range(60):
+        n = rng.randint(1, 16)
+        context = rng.randint(500, 20_000)
+        fit.add(n, context, 0.020 - 0.0001 * n + 5e-6 * context)
+    per_seq, per_token = fit.slopes()
+    assert per_seq == 0.0 and per_token == pytest.approx(5e-6, rel=0.1)
 
 
 def test_a_falling_slope_is_not_reported():

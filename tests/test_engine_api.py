@@ -337,18 +337,21 @@ def test_continued_text_reaches_the_engine_within_the_same_bound_on_both_sides()
 
 
 def test_a_decoding_engine_reports_the_context_its_steps_read(tiny_llama, make_llm):
-    """The decode fit's inputs come from real steps: the context tokens of the running sequences
-    (prompt + tokens so far), and a per-token growth that is never negative."""
+    """The decode fit's inputs come from real steps: /load's context is every running sequence's
+    prompt plus its output so far, and the measured steps' context lies between the prompts
+    alone and their full lengths."""
     llm = make_llm(tiny_llama.loaded)
     engine = llm.engine
-    for i, prompt in enumerate(tiny_llama.prompts[:4]):
+    prompts = tiny_llama.prompts[:4]
+    for i, prompt in enumerate(prompts):
         params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         engine.add_request(f"r{i}", params=params, prompt_token_ids=prompt)
-    longest = 0
+    produced = {f"r{i}": 0 for i in range(len(prompts))}
     while engine.has_unfinished():
-        engine.step()
-        longest = max(longest, engine.load().decode_context_tokens)
-    load = engine.load()
-    prompts = sum(len(p) for p in tiny_llama.prompts[:4])
-    assert prompts < longest <= prompts + 4 * 24  # 4 sequences over their prompts and outputs so far
-    assert load.decode_ms_per_kv_token >= 0.0 and load.decode_ms_per_seq >= 0.0
+        for out in engine.step():
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+        running = {r.request_id for r in engine.scheduler.running}
+        want = sum(len(p) + produced[f"r{i}"] for i, p in enumerate(prompts) if f"r{i}" in running)
+        assert engine.load().context_tokens == want
+    measured = engine.load().decode_context_tokens
+    assert sum(len(p) for p in prompts) < measured <= sum(len(p) for p in prompts) + 4 * 24

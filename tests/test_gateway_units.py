@@ -115,21 +115,24 @@ def test_itl_prediction_follows_the_measured_step_and_its_growth_per_sequence():
     assert _decoding("http://b", running=0, step_ms=0.0).predicted_itl_s() == 0.0  # unmeasured: no evidence
 
 
-def test_itl_prediction_counts_the_kv_the_engine_holds_and_this_prompt_adds():
+def test_itl_prediction_counts_the_context_the_engine_runs_and_this_prompt_adds():
     """Two engines with the same batch and measured step: the one whose sequences hold long
-    contexts is predicted slower, and a long prompt adds its own KV to the step it joins."""
-    def engine(url: str, free_blocks: int) -> Engine:
+    contexts is predicted slower, and a long prompt adds its own context to the step it joins."""
+    def engine(url: str, context: int, queued: int = 0) -> Engine:
         e = _decoding(url, running=4, step_ms=50.0, ms_per_seq=2.0)
-        e.load = replace(e.load, decode_context_tokens=1600.0, decode_ms_per_kv_token=0.01, kv_blocks_total=1000,
-                         kv_blocks_free=free_blocks, block_size=16)  # fmt: skip
+        e.load = replace(e.load, decode_context_tokens=1600.0, decode_us_per_context_token=10.0,
+                         context_tokens=context, waiting_prefill_tokens=queued)  # fmt: skip
         return e
 
-    short, long = engine("http://a", 900), engine("http://b", 500)  # 1,600 and 8,000 tokens held
+    short, long = engine("http://a", 1600), engine("http://b", 8000)
     assert short.predicted_itl_s() == pytest.approx(0.052)
     assert long.predicted_itl_s() == pytest.approx(0.052 + 0.064)
     assert long.predicted_itl_s(prompt_tokens=1000) == pytest.approx(0.052 + 0.074)
-    sent = short.send(400)  # unseen by the last poll: its prompt's KV counts too
+    assert engine("http://c", 1600, queued=500).predicted_itl_s() == pytest.approx(0.057)  # queued prompts join
+    sent = short.send(100, None, 400)  # unseen by the last poll: its whole prompt counts (300 were cached)
     assert short.predicted_itl_s() == pytest.approx(0.054 + 0.004)
+    sent.first_token()
+    assert short.predicted_itl_s() == pytest.approx(0.054 + 0.004)  # still its context after the first token
     sent.done()
     assert fit_route(Route(long, "score"), [long, short], 1000, 16, slo_ttft_s=10, slo_itl_s=0.1).engine is short
 

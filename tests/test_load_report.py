@@ -81,13 +81,35 @@ def test_the_engine_fits_how_a_decode_step_grows_and_reports_it_once_measured():
     assert LoadReport().decode_step_s_at(5) == 0.0  # unmeasured: no evidence either way
 
 
+def test_the_engine_reports_the_growth_per_context_token_of_its_real_steps():
+    from kvharbor.engine.core import EngineStats
+
+    class Chunk:
+        num_tokens, draft = 1, False
+
+        def __init__(self, end: int) -> None:
+            self.end = end
+
+    class Plan:
+        def __init__(self, n: int, length: int) -> None:
+            self.chunks = [Chunk(length)] * n
+
+    stats = EngineStats()
+    for n, length in zip((3, 8, 1, 5, 2, 6) * 6, (900, 100, 400, 250, 1200, 60) * 6, strict=True):
+        stats.record(Plan(n, length), 0.020 + 0.002 * n + 5e-6 * n * length)  # 5 us a context token
+    report = LoadReport(**stats.decode_report())
+    assert report.decode_us_per_context_token == pytest.approx(5.0, rel=1e-3)
+    assert report.decode_ms_per_seq == pytest.approx(2.0, rel=1e-3)
+    assert 0 < report.decode_context_tokens < 8 * 1200
+
+
 def test_a_decode_step_prediction_counts_the_kv_it_would_read():
     measured = dict(decode_step_ms=40.0, decode_batch=4.0, decode_ms_per_seq=2.0, decode_context_tokens=2000.0,
-                    decode_ms_per_kv_token=0.005)  # fmt: skip
-    report = LoadReport(**measured, kv_blocks_total=100, kv_blocks_free=40, block_size=16)
-    assert report.kv_used_tokens == 60 * 16
+                    decode_us_per_context_token=5.0)  # fmt: skip
+    report = LoadReport(**measured, context_tokens=2400)
     assert report.decode_step_s_at(5) == pytest.approx(0.042)  # context as measured
     assert report.decode_step_s_at(5, 4000) == pytest.approx(0.042 + 0.010)  # 2,000 more tokens: +10 ms
     assert report.decode_step_s_at(5, 0) == pytest.approx(0.032)
-    assert LoadReport(kv_blocks_total=100).kv_used_tokens is None  # no block size reported
+    older = LoadReport(decode_step_ms=40.0, decode_batch=4.0, decode_ms_per_seq=2.0)  # an engine without the fit
+    assert older.decode_step_s_at(5, 10**6) == pytest.approx(0.042)
     assert LoadReport.from_json(report.to_json()) == report
