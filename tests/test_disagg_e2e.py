@@ -133,12 +133,14 @@ def test_bad_transfer_params_are_refused_by_role(pd):
         assert resp.status_code in (400, 422) and match in resp.text, resp.text
 
 
-class CorruptingProxy:
-    """A TCP proxy to the prefill engine's hand-off port that flips one byte of what it sends
-    back, `at` bytes in: inside the first block's payload."""
+class HandoffProxy:
+    """A TCP proxy to the prefill engine's hand-off port that, `at` bytes into what it sends back,
+    either flips that byte (no `cut`: inside the first block's payload at the default) or calls
+    `cut()` and forwards nothing more, so the decode engine sees the transfer end mid-stream."""
 
-    def __init__(self, port: int, at: int = 5000) -> None:
-        self.target, self.at = port, at
+    def __init__(self, port: int, at: int = 5000, cut=None) -> None:
+        self.target, self.at, self.cut = port, at, cut
+        self.cut_at: int | None = None  # bytes forwarded when the cut came
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -153,11 +155,17 @@ class CorruptingProxy:
     async def _serve(self, reader, writer) -> None:
         up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
 
-        async def pipe(src, dst, corrupt: bool) -> None:
+        async def pipe(src, dst, back: bool) -> None:
             seen = 0
             while data := await src.read(65536):
-                if corrupt and seen <= self.at < seen + len(data):
+                if back and seen <= self.at < seen + len(data):
                     data = bytearray(data)
+                    if self.cut is not None:
+                        dst.write(bytes(data[: self.at - seen]))
+                        await dst.drain()
+                        self.cut_at = self.at
+                        await asyncio.to_thread(self.cut)
+                        break
                     data[self.at - seen] ^= 0xFF
                 seen += len(data)
                 dst.write(bytes(data))
@@ -166,7 +174,7 @@ class CorruptingProxy:
 
         await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True), return_exceptions=True)
 
-    def __enter__(self) -> CorruptingProxy:
+    def __enter__(self) -> HandoffProxy:
         self.thread.start()
         self.ready.wait(5)
         return self
@@ -199,7 +207,7 @@ def test_a_damaged_block_is_refused_and_recomputed(pd):
     want = text(post(pd["prefill"], body))
     prefilled = post(pd["prefill"], {**body, "kv_transfer_params": {"do_remote_decode": True}})
     refused = metric(metrics(pd["decode"]), "kvharbor_kv_handoff_pulls_total", 'result="refused"')
-    with CorruptingProxy(load(pd["prefill"])["kv_transfer_port"]) as proxy:
+    with HandoffProxy(load(pd["prefill"])["kv_transfer_port"]) as proxy:
         params = {**prefilled["kv_transfer_params"], "remote_port": proxy.port}
         got = post(pd["decode"], {**body, "kv_transfer_params": params})
     assert text(got) == want
@@ -208,14 +216,21 @@ def test_a_damaged_block_is_refused_and_recomputed(pd):
     assert load(pd["prefill"])["kv_pinned_blocks"] == 0  # the decode engine still confirmed
 
 
-def test_a_dead_prefill_engine_costs_a_recompute_not_the_answer(pd):
-    """Last in the module: it kills the prefill engine."""
+def test_a_prefill_engine_killed_mid_transfer_costs_a_recompute_not_the_answer(pd):
+    """Last in the module: it kills the prefill engine, in the middle of its hand-off (the proxy
+    has passed on the first block and part of the second, ~737 KB a block in float32)."""
     body = fresh_body("rivers of Africa")
     want = text(post(pd["prefill"], body))
     prefilled = post(pd["prefill"], {**body, "kv_transfer_params": {"do_remote_decode": True}})
-    pd["prefill"].signal(signal.SIGKILL)
-    pd["prefill"].wait(30)
-    got = post(pd["decode"], {**body, "kv_transfer_params": prefilled["kv_transfer_params"]})
+
+    def kill() -> None:
+        pd["prefill"].signal(signal.SIGKILL)
+        pd["prefill"].wait(30)
+
+    with HandoffProxy(load(pd["prefill"])["kv_transfer_port"], at=1_000_000, cut=kill) as proxy:
+        params = {**prefilled["kv_transfer_params"], "remote_port": proxy.port}
+        got = post(pd["decode"], {**body, "kv_transfer_params": params})
+    assert proxy.cut_at == 1_000_000 and pd["prefill"].proc.poll() is not None  # killed mid-stream
     assert text(got) == want and got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert metric(metrics(pd["decode"]), "kvharbor_kv_handoff_pulls_total", 'result="unreachable"') == 1
     # Through the gateway: the prefill pool is down (or its call fails), so the request is colocated.
