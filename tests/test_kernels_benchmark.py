@@ -1,4 +1,4 @@
-"""benchmarks/kernels.py cannot run here (it needs CUDA): it must refuse clearly, and its
+"""benchmarks/gpu_kernels.py cannot run here (it needs CUDA): it must refuse clearly, and its
 bookkeeping (cases, bytes, verdict) must be right for when it runs on a GPU."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import torch
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
-import kernels  # noqa: E402
+import gpu_kernels as kernels  # noqa: E402  (not `kernels`: transformers imports a package of that name)
 
 
 @pytest.mark.slow  # runs the benchmark script
 def test_refuses_without_cuda_and_says_why():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the benchmark runs instead of refusing")
-    out = subprocess.run([sys.executable, str(BENCH / "kernels.py"), "--quick"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, str(BENCH / "gpu_kernels.py"), "--quick"], capture_output=True, text=True)
     assert out.returncode == 2 and "needs a CUDA GPU" in out.stderr
 
 

@@ -1,8 +1,8 @@
 """Triton attention kernels on a CUDA GPU: paged decode, chunked prefill and the KV-cache write,
 each timed against torch on the same data in the same run.
 
-    python benchmarks/kernels.py            # writes benchmarks/results/kernels.{json,png}
-    python benchmarks/kernels.py --quick    # a few cases, for a first look
+    python benchmarks/gpu_kernels.py            # writes benchmarks/results/kernels.{json,png}
+    python benchmarks/gpu_kernels.py --quick    # a few cases, for a first look
 
 Shapes are Llama-3-8B's attention (32 query heads, 8 KV heads, head_dim 128, bfloat16, blocks of
 16). Decode: batch 1..256 x context 512..32k, one query per sequence, block tables shuffled. The
@@ -73,7 +73,7 @@ def refuse_without_cuda() -> None:
 
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print(
-            "benchmarks/kernels.py needs a CUDA GPU (and TRITON_INTERPRET unset): it times compiled kernels. "
+            "benchmarks/gpu_kernels.py needs a CUDA GPU (and TRITON_INTERPRET unset): it times compiled kernels. "
             "The kernels' correctness is tested on CPU by tests/test_triton_kernels.py.",
             file=sys.stderr,
         )
