@@ -321,6 +321,11 @@ def bench_intake(backend, fleet: Fleet, events: int, replicas: int) -> dict:
 # -- report -----------------------------------------------------------------------------------------
 
 
+def largest(runs: list[dict]) -> dict:
+    """The run of the largest fleet: the one the targets are judged on."""
+    return max(runs, key=lambda r: r["engines"])
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -340,7 +345,7 @@ def plot(result: dict, path: Path) -> None:
             axes[1].plot(ns, rates, style, alpha=1.0 if reps == 2 else 0.5, label=f"{kind}, {reps} replica(s)")
         axes[2].plot(ns, [r["index"]["bytes_per_entry"] for r in runs], style, label=kind)
         axes[3].plot(ns, [r["index"]["sweep"]["seconds"] * 1000 for r in runs], style, label=kind)
-        top = max(runs, key=lambda r: r["engines"])
+        top = largest(runs)
         growth = top["index"].get("lookup_by_blocks", {})
         axes[4].plot([int(b) for b in growth], [g["p50_ms"] for g in growth.values()], style,
                      label=f"{kind}, {top['engines']} engines")  # fmt: skip
@@ -377,7 +382,7 @@ def print_table(result: dict) -> None:
     for kind, rtt in result.get("round_trip_us", {}).items():
         print(f"{kind}: PING round trip {rtt:.0f} us (median)")
     for kind, runs in result["backends"].items():
-        growth = max(runs, key=lambda r: r["engines"])["index"].get("lookup_by_blocks", {})
+        growth = largest(runs)["index"].get("lookup_by_blocks", {})
         print(f"{kind} lookup p50 by prompt blocks: " + ", ".join(
             f"{b}: {g['p50_ms']:.2f} ms ({g['us_per_block']:.1f} us/block)" for b, g in growth.items()))  # fmt: skip
     for line in result["verdict"]:
@@ -387,7 +392,7 @@ def print_table(result: dict) -> None:
 def verdict(result: dict) -> list[str]:
     lines = []
     for kind, runs in result["backends"].items():
-        top = max(runs, key=lambda r: r["engines"])
+        top = largest(runs)
         intake_target = TARGETS["intake_2_replicas_events_per_s"]
         checks = (
             ("lookup p99 (ms)", top["index"]["lookup_held"]["p99_ms"], TARGETS["lookup_p99_ms"], "<"),

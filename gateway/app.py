@@ -486,8 +486,9 @@ class _Handler:
 
         await self._disaggregate(call, route, headers)
 
+        prompt = len(call.prompts[0])
+
         def uncached(engine: Engine) -> int:
-            prompt = len(call.prompts[0])
             if call.transfer is not None:
                 return prompt % call.block_size  # the hand-off brings every full block
             return uncached_tokens(prompt, route.held.get(engine.url, 0), call.block_size)
@@ -495,7 +496,7 @@ class _Handler:
         if not call.body.stream:
 
             async def run(engine: Engine) -> tuple[bytes, dict]:
-                sent = engine.send(uncached(engine), call.adapter, len(call.prompts[0]))
+                sent = engine.send(uncached(engine), call.adapter, prompt)
                 try:
                     return await state.caller.call(engine, call.path, self._payload(call, route, engine), headers)
                 finally:
@@ -512,7 +513,7 @@ class _Handler:
         on = _OnEngine()
 
         async def open_stream(engine: Engine, payload: dict | None = None) -> EngineStream:
-            sent = engine.send(uncached(engine), call.adapter, len(call.prompts[0]))
+            sent = engine.send(uncached(engine), call.adapter, prompt)
             try:
                 body = payload if payload is not None else self._payload(call, route, engine)
                 stream = await state.caller.open_stream(engine, call.path, body, headers)
