@@ -7,7 +7,7 @@ gateway read them.
     kvharbor:kv:resync                    a counter: engines re-publish everything when it moves
     kvharbor:lease:{M:I}                  the engine's lease id; PX ttl, refreshed by its heartbeat
     kvharbor:idx:{M:I}:...                the index's keys of one instance (kvcache_service/redis_index.py)
-    kvharbor:idx:{M:<tier><shard>}:b      the index's block -> holders shards
+    kvharbor:idx:{M:<tier><shard>}:b2     the index's block -> holders shards (layout 2)
     kvharbor:idx:{M}:holders              the index's holder id -> instance and lease, per model
     kvharbor:blk:{s<shard>}:...           the shared KV block store (kvcache_service/block_store.py)
     kvharbor:rl:{T}:rpm|tpm|conc          one tenant's rate limits and slots (gateway/limits.py)
@@ -74,7 +74,7 @@ def index_instance_key(model: str, instance: str, part: str, prefix: str = INDEX
 
 
 def index_shard_key(model: str, tier_letter: str, shard: int, prefix: str = INDEX_PREFIX) -> str:
-    return f"{prefix}{tag(model, f'{tier_letter}{shard:02d}')}:b"
+    return f"{prefix}{tag(model, f'{tier_letter}{shard:02d}')}:b2"
 
 
 def index_model_key(model: str, part: str, prefix: str = INDEX_PREFIX) -> str:

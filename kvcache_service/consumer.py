@@ -19,8 +19,9 @@ cannot apply the batch it still holds (LeadershipLost). Its cross-slot shard wri
 step outside that fence: a replica stops applying a stream `owner_ttl / 3` before its ownership
 would lapse without renewal, which bounds that window by the clock. Malformed entries are
 acknowledged, skipped and counted. The lowest-named member also sweeps lapsed leases, and checks
-that no block shard lost its data: when one did (a cluster node restarted empty), it bumps the
-resync counter and every engine re-publishes what it holds.
+that no block shard lost its data: when one did (a cluster node restarted empty), or when Redis
+holds an index of another key layout than this build's (an upgrade moved the blocks), it bumps
+the resync counter and every engine re-publishes what it holds.
 """
 
 from __future__ import annotations
@@ -158,6 +159,7 @@ class EventConsumer:
         self._valid_until: dict[str, float] = {}  # stream -> when our ownership may lapse (monotonic)
         self._registry: dict[str, tuple[str, str]] = {}  # every registered stream -> (model, instance)
         self._marked: set[str] = set()  # models whose shard markers this replica has put or seen
+        self._layout_claimed = False  # whether this replica recorded the index layout it writes
         self._slots = SlotPipelines(client)
         self._stopping = asyncio.Event()
         self._next_rebalance = 0.0
@@ -367,6 +369,11 @@ class EventConsumer:
         """Ask every engine to re-sync when a block shard of a model this replica had marked
         lost its marker: a cluster node came back empty, and engines whose own keys live on other
         nodes would never notice that the index forgot their blocks."""
+        if not self._layout_claimed:
+            if await self.index.claim_layout():
+                log.warning("the KV index's layout is new to this Redis; asking every engine to re-sync")
+                await self._request_resync()
+            self._layout_claimed = True
         models = {model for model, _ in self._registry.values()} | self._marked
         if not models:
             return
@@ -374,9 +381,12 @@ class EventConsumer:
         lost = missing & self._marked
         if lost:
             log.warning("part of the KV index was lost; asking every engine to re-sync", extra={"models": sorted(lost)})
-            await self.client.incr(resync_key(self.stream_prefix))
-            self.stats.resyncs_requested += 1
+            await self._request_resync()
         self._marked |= models
+
+    async def _request_resync(self) -> None:
+        await self.client.incr(resync_key(self.stream_prefix))
+        self.stats.resyncs_requested += 1
 
     async def _unregister(self, swept: list[tuple[str, str]]) -> None:
         """Swept instances' streams leave the registry, unless the engine came back meanwhile

@@ -34,7 +34,7 @@ FORGOTTEN = "forgotten"  # the lease a forgotten instance holds: no event carrie
 def joined_chain(block_hashes: Sequence[BlockHash]) -> bytes:
     """The chain's hashes as one string; ValueError unless each is DIGEST_SIZE bytes (a lookup
     of another hash could never match, and the Redis script reads the string 16 bytes at a time)."""
-    if any(len(h) != DIGEST_SIZE for h in block_hashes):
+    if set(map(len, block_hashes)) - {DIGEST_SIZE}:  # not a generator: this runs for every lookup
         raise ValueError(f"block hashes are {DIGEST_SIZE} bytes each (common/block_hash.py)")
     return b"".join(block_hashes)
 

@@ -3,9 +3,9 @@ KV cache service replica. The same code runs on both (common/redis_client.py pic
 
 Layout (P = kvharbor:idx:, M = model, I = instance; tags from common/redis_keys.py):
 
-    P{M:<t><NN>}:b:<bucket>  HASH 16-byte block hash -> the 8-byte holder ids that hold it
+    P{M:<t><NN>}:b2:<bucket> HASH 16-byte block hash -> the 8-byte holder ids that hold it
                              (tier t, shard NN = first hash byte % SHARDS, bucket from bytes 2-3)
-    P{M:<t><NN>}:b:m         a marker: gone means the shard's node lost its data
+    P{M:<t><NN>}:b2:m        a marker: gone means the shard's node lost its data
     P{M:I}:st                HASH lease + holder of the applied events, block count per tier,
                              cursor:<stream> (last applied entry of each stream)
     P{M:I}:log:<t>           the instance's stored/removed hashes in order (op, count, hashes)
@@ -50,7 +50,7 @@ import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvharbor.common.block_hash import DIGEST_SIZE, BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
@@ -82,11 +82,19 @@ TIER_LETTER = {"device": "d", "shared": "s"}
 # p99 against 8's 1.8 at 1,000 engines on 3 masters), and one model's index spreads over at most
 # this many slots per tier.
 SHARDS = 8
-# Buckets per shard: small hashes stay in Redis's compact encoding (up to 128 fields of <= 64
-# bytes, hash-max-ziplist-*), about 30 bytes a field instead of about 90 in a hash table, and a
-# lookup's read scans ~40 fields, not ~80 (2 us a read at 10M blocks with half as many). Sized for ~10M
-# distinct blocks per model and tier; beyond ~20M, buckets grow into hash tables.
-BUCKETS = 32768
+# Buckets per shard: hash bytes 2 and 3, raw, are the bucket key's suffix (65,536 buckets). Small
+# hashes stay in Redis's compact encoding (up to 128 fields of <= 64 bytes, hash-max-listpack-*),
+# about 30 bytes a field instead of about 90 in a hash table. At 10M distinct blocks a bucket holds
+# ~19 fields: an HGET scans half of what 32,768 buckets made it scan (3.6 us a read measured there
+# on a 2-core EPYC VM), for ~2 more bytes an entry of key overhead. The raw bytes, not a number:
+# formatting a number in Lua cost more than the read (1.2 us a block). Beyond ~20M distinct
+# blocks per model and tier, buckets grow into hash tables.
+BUCKET_BYTES = 2
+# The block shards' key layout, kept in `P layout` and named in the shard keys (`:b2`). Bumped
+# when it changes (2: the raw 2-byte bucket suffix; 1, unnamed, `:b`: a decimal of 32,768): blocks
+# written in another layout are not where this build reads them, so the intake asks every engine
+# to re-sync (`claim_layout`).
+LAYOUT = "2"
 HOLDER_BYTES = 8
 # A lookup re-reads a holder's lease key at most this often (in the background for readings up
 # to twice as old): no second round trip on most lookups, for an engine that dies dropping out
@@ -94,6 +102,7 @@ HOLDER_BYTES = 8
 LIVENESS_CACHE_S = 0.25
 REGISTRY_REFRESH_S = 5.0
 HASH_BYTES = 16
+_UNSEEN = (None, 0.0)  # the lease reading of an instance never read: no lease, stale
 
 # Shared by the instance scripts. KEYS: st, pend, own, lease, then the block logs of tier d and of
 # tier s. Every key is the instance's (one slot). A log is the instance's stored and removed
@@ -261,10 +270,10 @@ return 1
 """
 )
 
-# The bucket of a block inside its shard, from hash bytes 2 and 3 (byte 1 picked the shard).
+# The bucket of a block inside its shard: hash bytes 2 and 3 (byte 1 picked the shard).
 _LUA_BUCKET = f"""
 local function bucket(h)
-  return tostring((string.byte(h, 2) * 256 + string.byte(h, 3)) % {BUCKETS})
+  return string.sub(h, 2, {1 + BUCKET_BYTES})
 end
 """
 
@@ -318,30 +327,36 @@ return changed
 )
 
 
-# KEYS: the shard anchors the blocks sit in (declared; on a cluster, one). ARGV: '1' to stop at
-# the first block nobody holds (the blocks come in chain order), then per block its bucket key and
-# hash. Returns each block's holders ('' for none, '=' for the block before's), up to where it
-# stopped. The bucket keys come
-# computed from the client: string work per block in Lua cost more than the reads themselves.
 # KEYS: the shards' anchors (all SHARDS, in order, on a single Redis; the one shard read, on a
 # cluster). ARGV: '1' to stop at the first block nobody holds, then the chain's 16-byte hashes as
 # one string: one argument instead of two per block (a bucket key and a field) took the client's
-# packing and Redis's parsing out of a 256-block lookup.
+# packing and Redis's parsing out of a 256-block lookup. Returns runs: the index (from 0) where
+# the holders change and the new holders ('' for none), pair after pair, then how many blocks it
+# read. A shared prefix's blocks all have the same holders, so a popular prompt's reply is a few
+# runs, not a value a block. Per block this does one HGET and two string builds, no more:
+# on a 2-core EPYC VM a block cost 8 us (3.6 of them the HGET) with a number formatted into the key
+# and a table entry a block.
 _READ = Script(
-    _LUA_BUCKET
-    + f"""
-local out, stop, last, chain = {{}}, ARGV[1] == '1', nil, ARGV[2]
+    f"""
+local call, sub, byte = redis.call, string.sub, string.byte
+local stop, chain, one = ARGV[1] == '1', ARGV[2], #KEYS == 1
+local anchors = {{}}
+for k = 1, #KEYS do anchors[k] = KEYS[k] .. ':' end
+local out, n, last, read = {{}}, 0, nil, 0
 for j = 1, #chain, {DIGEST_SIZE} do
-  local h = string.sub(chain, j, j + {DIGEST_SIZE - 1})
-  local anchor = #KEYS == 1 and KEYS[1] or KEYS[string.byte(h, 1) % {SHARDS} + 1]
-  local v = redis.call('HGET', anchor .. ':' .. bucket(h), h)
-  if not v and stop then break end
-  v = v or ''
-  -- '=': the same holders as the block before. A shared prefix's blocks all have the same
-  -- holders; sending them once keeps a popular prompt's reply small.
-  if v == last and v ~= '' then out[#out + 1] = '=' else out[#out + 1] = v end
-  last = v
+  local h = sub(chain, j, j + {DIGEST_SIZE - 1})
+  local anchor = one and anchors[1] or anchors[byte(h, 1) % {SHARDS} + 1]
+  local v = call('HGET', anchor .. sub(h, 2, {1 + BUCKET_BYTES}), h)
+  if not v then
+    if stop then break end
+    v = ''
+  end
+  if v ~= last then
+    out[n + 1], out[n + 2], n, last = read, v, n + 2, v
+  end
+  read = read + 1
 end
+out[n + 1] = read
 return out
 """
 )
@@ -372,11 +387,12 @@ class RedisIndex:
         self._prefix = prefix
         self._lease_prefix = lease_prefix
         self._slots = SlotPipelines(client)
-        self._names: dict[tuple[str, bytes], tuple[str, str]] = {}  # holder id -> (instance, lease)
+        self._names: dict[str, dict[bytes, tuple[str, str]]] = {}  # model -> holder id -> (instance, lease)
         self._liveness_cache_s = liveness_cache_s
         self._written: dict[tuple, float] = {}  # registry writes -> when to send them again
         self._refreshing: asyncio.Future | None = None  # a background lease read, while one runs
-        self._leases_seen: dict[tuple[str, str], tuple[str | None, float]] = {}  # -> (lease, read until)
+        # model -> instance -> (the lease its key held or None, read until)
+        self._leases_seen: dict[str, dict[str, tuple[str | None, float]]] = {}
 
     @classmethod
     def from_url(cls, url: str, timeout: float = 1.0, **kwargs) -> RedisIndex:
@@ -578,28 +594,24 @@ class RedisIndex:
         consecutively from it. Instances that hold none are absent (they count 0)."""
         if not block_hashes or (instances is not None and not instances):
             return {}
-        values = await self._read_blocks(model, TIER_LETTER[tier], block_hashes)
-        counts = _walk(values)
+        counts = _walk(*await self._read_blocks(model, TIER_LETTER[tier], block_hashes))
         if not counts:
             return {}
-        names = await self._names_of(model, list(counts))
+        names = await self._names_of(model, counts)
         wanted = set(instances) if instances is not None else None
-        named = {h: names[h] for h in counts if h in names and (wanted is None or names[h][0] in wanted)}
-        alive = await self._alive(model, list(named.values()))
-        return {inst: counts[h] for h, (inst, lease) in named.items() if alive.get(inst) == lease}
+        named = [(name, n) for h, n in counts.items() if (name := names.get(h)) and (not wanted or name[0] in wanted)]
+        seen = await self._alive(model, [inst for (inst, _), _ in named])
+        return {inst: n for (inst, lease), n in named if seen.get(inst, _UNSEEN)[0] == lease}
 
-    async def _read_blocks(self, model: str, t: str, hashes: Sequence[BlockHash]) -> list[bytes | None]:
-        """Each block's packed holders (None: nobody). On a single Redis one script reads the
-        chain in order and stops at the first block nobody holds; on a cluster one script per
-        shard (a slot each) reads its blocks, nodes in parallel."""
+    async def _read_blocks(self, model: str, t: str, hashes: Sequence[BlockHash]) -> tuple[list[Run], int]:
+        """The chain's holders as runs (see `_walk`), and how many blocks were read. On a single
+        Redis one script reads the chain in order and stops at the first block nobody holds; on a
+        cluster one script per shard (a slot each) reads all of its blocks, nodes in parallel."""
         anchors = [index_shard_key(model, t, shard, self._prefix) for shard in range(SHARDS)]
-        values: list[bytes | None] = [None] * len(hashes)
         chain = joined_chain(hashes)
         if not self._slots.cluster:
             (reply,) = await self._run([Call(anchors[0], ("1", chain), _READ, tuple(anchors))])
-            for i, value in enumerate(_expand(reply)):
-                values[i] = value or None
-            return values
+            return _runs(reply)
         by_shard: dict[int, list[int]] = {}
         for i, h in enumerate(hashes):
             by_shard.setdefault(h[0] % SHARDS, []).append(i)
@@ -607,32 +619,40 @@ class RedisIndex:
         for shard, idx in by_shard.items():
             args = ("0", b"".join(hashes[i] for i in idx))
             calls.append(Call(anchors[shard], args, _READ, (anchors[shard],)))
+        values = [b""] * len(hashes)
         for idx, reply in zip(by_shard.values(), await self._run(calls), strict=True):
-            for i, value in zip(idx, _expand(reply), strict=True):
-                values[i] = value or None
-        return values
+            runs, read = _runs(reply)
+            ends = [start for start, _ in runs[1:]] + [read]
+            for (start, value), end in zip(runs, ends, strict=True):
+                for k in range(start, end):
+                    values[idx[k]] = value
+        return _compressed(values), len(values)
 
-    async def _names_of(self, model: str, holders: list[bytes]) -> dict[bytes, tuple[str, str]]:
-        missing = [h for h in holders if (model, h) not in self._names]
+    async def _names_of(self, model: str, holders: Iterable[bytes]) -> dict[bytes, tuple[str, str]]:
+        """The model's holder id -> (instance, lease) cache, with `holders` read into it where it
+        lacked them (a holder absent from Redis stays absent)."""
+        names = self._names.setdefault(model, {})
+        missing = [h for h in holders if h not in names]
         if missing:
             key = index_model_key(model, "holders", self._prefix)
             (reply,) = await self._run([Call(key, ("HMGET", key, *missing))])
-            if len(self._names) > 100_000:
-                self._names.clear()  # holder ids never change meaning: forgetting only costs a read
+            if len(names) > 100_000:
+                names.clear()  # holder ids never change meaning: forgetting only costs a read
             for h, value in zip(missing, reply, strict=True):
                 if value is not None:
-                    self._names[(model, h)] = parse_registry_value(value)
-        return {h: self._names[(model, h)] for h in holders if (model, h) in self._names}
+                    names[h] = parse_registry_value(value)
+        return names
 
-    async def _alive(self, model: str, named: list[tuple[str, str]]) -> dict[str, str]:
-        """instance -> the lease its lease key holds (absent when it holds none). A reading up to
-        `liveness_cache_s` old is used as is; up to twice that, it is used while a fresh one is
-        read in the background; older, or never read, it is read now."""
+    async def _alive(self, model: str, instances: list[str]) -> dict[str, tuple[str | None, float]]:
+        """The model's instance -> (the lease its lease key holds or None, read until) readings,
+        fresh enough for `instances`: a reading up to `liveness_cache_s` old is used as is; up to
+        twice that, it is used while a fresh one is read in the background; older, or never
+        read, it is read now."""
         now = time.monotonic()
-        seen = self._leases_seen
+        seen = self._leases_seen.setdefault(model, {})
         unknown, aging = [], []
-        for inst, _ in named:
-            until = seen.get((model, inst), (None, 0.0))[1]
+        for inst in instances:
+            until = seen.get(inst, _UNSEEN)[1]
             if until + self._liveness_cache_s <= now:
                 unknown.append(inst)
             elif until <= now:
@@ -642,7 +662,7 @@ class RedisIndex:
         if aging and self._refreshing is None:
             self._refreshing = asyncio.ensure_future(self._read_leases(model, aging))
             self._refreshing.add_done_callback(self._refreshed)
-        return {inst: lease for inst, _ in named if (lease := seen[(model, inst)][0]) is not None}
+        return seen
 
     async def _read_leases(self, model: str, instances: list[str]) -> None:
         keys = [lease_key(model, inst, self._lease_prefix) for inst in instances]
@@ -650,11 +670,12 @@ class RedisIndex:
             replies = await self._run([Call(k, ("GET", k)) for k in keys])
         else:
             (replies,) = await self._run([Call(keys[0], ("MGET", *keys))])
-        if len(self._leases_seen) > 100_000:
-            self._leases_seen.clear()
+        seen = self._leases_seen.setdefault(model, {})
+        if len(seen) > 100_000:
+            seen.clear()
         until = time.monotonic() + self._liveness_cache_s
         for inst, value in zip(instances, replies, strict=True):
-            self._leases_seen[(model, inst)] = (_text(value) if value is not None else None, until)
+            seen[inst] = (_text(value) if value is not None else None, until)
 
     def _refreshed(self, task: asyncio.Future) -> None:
         self._refreshing = None
@@ -662,7 +683,7 @@ class RedisIndex:
             log.debug("background lease read failed", extra={"error": repr(task.exception())})
 
     async def renew(self, model: str, instance: str, lease: str, ttl: float) -> None:
-        self._leases_seen.pop((model, instance), None)
+        self._leases_seen.get(model, {}).pop(instance, None)
         key = lease_key(model, instance, self._lease_prefix)
         await self._run([Call(key, ("SET", key, lease, "PX", max(1, int(ttl * 1000))))])
 
@@ -697,7 +718,7 @@ class RedisIndex:
         if not instances:
             return 0
         for instance in instances:
-            self._leases_seen.pop((model, instance), None)
+            self._leases_seen.get(model, {}).pop(instance, None)
         return len(await self._drop(model, list(instances), "forget", ttl))
 
     async def mark_shards(self, models: Sequence[str]) -> set[str]:
@@ -713,6 +734,14 @@ class RedisIndex:
                     owners.append(model)
         replies = await self._run(calls)
         return {model for model, reply in zip(owners, replies, strict=True) if reply is not None}
+
+    async def claim_layout(self) -> bool:
+        """Record this build's shard layout; True when Redis held another one, or none (an index
+        written before layouts were named, or nothing yet): what it indexed is unreadable here,
+        and only the engines can say again what they hold."""
+        key = self._global("layout")
+        (old,) = await self._run([Call(key, ("SET", key, LAYOUT, "GET"))])
+        return old != LAYOUT.encode()
 
     async def block_size(self, model: str) -> int | None:
         key = self._global("block_size")
@@ -735,34 +764,43 @@ class RedisIndex:
         await self._client.aclose()
 
 
-def _expand(reply: list[bytes]) -> list[bytes]:
-    """_READ's reply with every '=' replaced by the value before it."""
-    out: list[bytes] = []
-    for value in reply:
-        out.append(out[-1] if value == b"=" else value)
-    return out
+# (first block, packed holders): the holders of every block from `first` to the next run's first.
+Run = tuple[int, bytes]
 
 
-def _walk(values: list[bytes | None]) -> dict[bytes, int]:
-    """holder id -> blocks it holds consecutively from block 0, for every holder of block 0."""
-    first = values[0] if values else None
-    if not first:
+def _runs(reply: list) -> tuple[list[Run], int]:
+    """_READ's reply as runs, and how many blocks it read."""
+    return list(zip(reply[0:-1:2], reply[1:-1:2], strict=True)), reply[-1]
+
+
+def _compressed(values: list[bytes]) -> list[Run]:
+    runs: list[Run] = []
+    for i, value in enumerate(values):
+        if not runs or value != runs[-1][1]:
+            runs.append((i, value))
+    return runs
+
+
+def _holders(packed: bytes) -> set[bytes]:
+    return {packed[k : k + HOLDER_BYTES] for k in range(0, len(packed), HOLDER_BYTES)}
+
+
+def _walk(runs: list[Run], read: int) -> dict[bytes, int]:
+    """holder id -> blocks it holds consecutively from block 0, for every holder of block 0. The
+    blocks after the `read` first are nobody's."""
+    if not runs or runs[0][0] != 0 or not runs[0][1]:
         return {}
-    still = {first[k : k + HOLDER_BYTES] for k in range(0, len(first), HOLDER_BYTES)}
+    still = _holders(runs[0][1])
     counts: dict[bytes, int] = {}
-    previous = first
-    for j, value in enumerate(values[1:], start=1):
-        if value == previous:
-            continue  # the same holders as the block before (the common case): nothing drops
-        held = set() if not value else {value[k : k + HOLDER_BYTES] for k in range(0, len(value), HOLDER_BYTES)}
+    for start, value in runs[1:]:
+        held = _holders(value)
         for h in still - held:
-            counts[h] = j
+            counts[h] = start
         still &= held
-        previous = value
         if not still:
-            break
+            return counts
     for h in still:
-        counts[h] = len(values)
+        counts[h] = read
     return counts
 
 

@@ -13,10 +13,10 @@ import pytest
 from kv_event_writer import FakeEngine, chains, random_events
 
 from kvharbor.common.redis_client import Call, connect, connect_sync
-from kvharbor.common.redis_keys import stream_key
+from kvharbor.common.redis_keys import INDEX_PREFIX, resync_key, stream_key
 from kvharbor.kvcache_service.consumer import EventConsumer, Ring
 from kvharbor.kvcache_service.memory_index import MemoryIndex
-from kvharbor.kvcache_service.redis_index import SHARDS, RedisIndex
+from kvharbor.kvcache_service.redis_index import LAYOUT, SHARDS, RedisIndex
 
 MODEL = "intake-model"
 
@@ -255,6 +255,31 @@ def test_lookup_cost_does_not_grow_with_engines_that_do_not_hold_the_prompt(any_
         await index.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_an_index_written_in_another_layout_makes_the_engines_resync(any_redis):
+    """Blocks indexed under another key layout (an upgrade moved them) are unreadable: the first
+    sweeper to see it bumps the resync counter once, so every engine re-publishes."""
+    sync = connect_sync(any_redis.url, timeout=2)
+    sync.set(INDEX_PREFIX + "layout", "1")
+    engine = FakeEngine(sync, MODEL, "e0")
+    engine.publish(engine.stored(chains(MODEL, 1, 4)[0]))
+    engine.heartbeat()
+
+    async def main():
+        first, second = consumer(any_redis.url, "a"), consumer(any_redis.url, "b")
+        try:
+            await first._sweep()
+            await first._sweep()
+            await second._sweep()
+            return first.stats.resyncs_requested, second.stats.resyncs_requested
+        finally:
+            await close(first, second)
+
+    assert asyncio.run(main()) == (1, 0)
+    assert sync.get(resync_key()) == b"1"
+    assert sync.get(INDEX_PREFIX + "layout") == LAYOUT.encode()
 
 
 def test_the_ring_moves_few_streams_when_a_member_joins():

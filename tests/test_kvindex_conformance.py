@@ -88,6 +88,26 @@ def test_chain_matching_stops_at_first_break(backend):
     run(backend, body)
 
 
+def test_each_holder_counts_up_to_its_own_first_gap(backend):
+    """Holders drop out at different blocks and some hold later blocks again: the read's runs of
+    equal holders must still give each one its own consecutive count."""
+
+    async def body(index):
+        h = chain(8)
+        await alive(index, "a", "b", "c")
+        await index.apply([
+            stored("a", h),  # all 8
+            stored("b", h[:2]), stored("b", h[3:]),  # misses block 2, holds 3-7 again
+            stored("c", h[:5]),  # stops after 5
+        ])  # fmt: skip
+        assert await index.lookup(MODEL, h) == {"a": 8, "b": 2, "c": 5}
+        assert await index.lookup(MODEL, h[:4]) == {"a": 4, "b": 2, "c": 4}
+        await index.apply([env("a", BlockRemoved((h[6],)))])  # nobody holds block 6 now
+        assert await index.lookup(MODEL, h) == {"a": 6, "b": 2, "c": 5}
+
+    run(backend, body)
+
+
 def test_a_hash_of_another_length_is_refused(backend):
     async def body(index):
         h = chain(3)
