@@ -84,7 +84,8 @@ class KVTransferParams(BaseModel):
     do_remote_decode: bool = False
     remote_host: Annotated[str, Field(min_length=1, max_length=255)] | None = None
     remote_port: Annotated[int, Field(ge=1, le=65535)] | None = None
-    # A request id (the gateway's: up to 256 + 9 characters) signed (+ 33): engine/handoff_handles.py
+    # A lease key (the gateway's request id, up to 256 + 9 characters, and a nonce, + 17) signed
+    # (+ 33): engine/handoff_handles.py
     remote_handle: Annotated[str, Field(min_length=1, max_length=320)] | None = None
     first_token_id: Annotated[int, Field(ge=0)] | None = None
 

@@ -36,7 +36,7 @@ from kvharbor.common.openai_api import (
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_client import CoreClient, RequestStream
 from kvharbor.engine.core_io import AdapterInUse, EngineDead, HandoffFailed, NewRequest, UnknownModel
-from kvharbor.engine.handoff_handles import sign_handle
+from kvharbor.engine.handoff_handles import new_lease_key, sign_handle
 from kvharbor.engine.metrics import ServerMetrics
 from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
 from kvharbor.engine.outputs import RequestOutput
@@ -184,16 +184,16 @@ class _Routes:
             )
 
     async def _submit(
-        self, rid: str, ids: list[int], params: SamplingParams, body: Any, lora: str | None
+        self, rid: str, ids: list[int], params: SamplingParams, body: Any, lora: str | None, lease: str | None
     ) -> RequestStream:
+        """`lease`: a hand-off prefill's lease key (the handle the answer carries signs it)."""
         request = NewRequest(rid, ids, params, priority=body.priority, tenant=body.user, cache_salt=body.cache_salt,
                              lora=lora)  # fmt: skip
+        transfer = body.kv_transfer_params.wire() if body.kv_transfer_params else None
+        if lease is not None:
+            transfer = {**(transfer or {}), "lease": lease}
         try:
-            return await self.loop.add(
-                request,
-                kv_prefix_source=body.kv_prefix_source,
-                kv_transfer=body.kv_transfer_params.wire() if body.kv_transfer_params else None,
-            )
+            return await self.loop.add(request, kv_prefix_source=body.kv_prefix_source, kv_transfer=transfer)
         except EngineDead as exc:
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
         except HandoffFailed as exc:
@@ -247,6 +247,8 @@ class _Routes:
         lora: str | None = None,
     ) -> Response:
         self._check_transfer(body, len(batch))
+        hand_off = body.kv_transfer_params is not None and body.kv_transfer_params.do_remote_decode
+        lease = new_lease_key(rid) if hand_off else None  # one prompt (_check_transfer): its id is rid
         params = self._params(body)
         arrival = time.monotonic()
         # Continues the caller's trace (the gateway's traceparent); ends when the request does.
@@ -261,7 +263,7 @@ class _Routes:
             try:
                 for k, ids in enumerate(batch):
                     engine_id = rid if len(batch) == 1 else f"{rid}-{k}"
-                    streams.append((engine_id, await self._submit(engine_id, ids, params, body, lora)))
+                    streams.append((engine_id, await self._submit(engine_id, ids, params, body, lora, lease)))
             except BaseException:  # a later prompt failed: nobody will read the earlier ones
                 for engine_id, _ in streams:
                     self.loop.abort(engine_id)
@@ -289,16 +291,16 @@ class _Routes:
             )
         outputs = await run.collect(request)
         response = builder.response(outputs, body.num_logprobs() is not None, echo)
-        if body.kv_transfer_params is not None and body.kv_transfer_params.do_remote_decode:
-            response["kv_transfer_params"] = self._handoff(request, rid, outputs[0])
+        if lease is not None:
+            response["kv_transfer_params"] = self._handoff(request, lease, outputs[0])
         return JSONResponse(response, headers={"X-Request-Id": rid})
 
-    def _handoff(self, request: Request, rid: str, output: RequestOutput) -> dict:
+    def _handoff(self, request: Request, lease: str, output: RequestOutput) -> dict:
         """What the decode engine needs to continue this prefill (the gateway may set the host)."""
         return {
             "remote_host": request.url.hostname or "127.0.0.1",
             "remote_port": self.engine.kv_transfer_port,
-            "remote_handle": sign_handle(self.engine.kv_transfer_secret, rid),
+            "remote_handle": sign_handle(self.engine.kv_transfer_secret, lease),
             "first_token_id": output.outputs[0].token_ids[0],
         }
 

@@ -71,7 +71,7 @@ class _Group:
     reported: dict[int, int] = field(default_factory=dict)  # tokens already in a delta
     reported_finish: set[int] = field(default_factory=set)  # samples whose end was reported
     error: str | None = None
-    hand_off: bool = False  # a prefill for a decode engine: pin its prompt's KV when it ends
+    hand_off: str | None = None  # a prefill for a decode engine: pin its prompt's KV under this key when it ends
 
     @property
     def finished(self) -> bool:
@@ -366,7 +366,7 @@ class EngineCore:
         tenant: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-        hand_off: bool = False,
+        hand_off: str | None = None,
         first_token: int | None = None,
         lora: str | None = None,
     ) -> None:
@@ -374,7 +374,8 @@ class EngineCore:
         (a ValueError) when `lora` names no adapter this engine serves.
 
         P/D (DESIGN §9): `hand_off` makes it a prefill for a decode engine (n=1): when it ends,
-        its prompt's full KV blocks stay pinned under a lease named by `request_id` (self.handoffs).
+        its prompt's full KV blocks stay pinned under a lease of that key (self.handoffs; the API
+        server draws one per prefill: engine/handoff_handles.py).
         `first_token` continues a prefill done elsewhere: that token is the first output, and
         only what the prefix cache lacks (the prompt's tail, once its blocks were imported) runs."""
         params = params or SamplingParams()
@@ -445,7 +446,12 @@ class EngineCore:
         self.loras.remove(name)
         log.info("LoRA adapter unloaded", extra={"adapter": name})
 
-    def _check_handoff(self, params: SamplingParams, hand_off: bool, first_token: int | None) -> None:
+    def _check_handoff(self, params: SamplingParams, hand_off: str | None, first_token: int | None) -> None:
+        if hand_off is not None and not (isinstance(hand_off, str) and hand_off):
+            raise ValueError(f"a hand-off names its lease with a non-empty string, not {hand_off!r}")
+        held = hand_off and self.handoffs.size(hand_off) is not None
+        if held or (hand_off and any(g.hand_off == hand_off for g in self._groups.values())):
+            raise ValueError(f"the hand-off lease {hand_off!r} is already held: each prefill needs a key of its own")
         if (hand_off or first_token is not None) and params.n != 1:
             raise ValueError(f"a disaggregated request samples one sequence, not n={params.n}")
         if hand_off and first_token is not None:
@@ -524,11 +530,11 @@ class EngineCore:
             group = self._groups.get(rid)
             if group is None or not group.hand_off or not group.finished:
                 continue
-            group.hand_off = False
+            lease, group.hand_off = group.hand_off, None
             request = group.samples[0]
             if group.error is None and request.finish_reason is not FinishReason.ABORT:
                 full = request.num_prompt_tokens // self.capacity.block_size
-                self.handoffs.hold(rid, request.full_block_hashes(self.capacity.block_size)[:full])
+                self.handoffs.hold(lease, request.full_block_hashes(self.capacity.block_size)[:full])
 
     def _run(self, plan: SchedulerPlan) -> None:
         t0 = time.perf_counter()

@@ -27,7 +27,7 @@ class NewRequest:
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     external_prefix: Any = None  # kv_offload.ExternalPrefix: blocks to load into the cache first
-    hand_off: bool = False  # P/D: a prefill whose KV a decode engine will pull (EngineCore.add_request)
+    hand_off: str | None = None  # P/D: a prefill's lease key; its KV is pinned for a decode engine (EngineCore)
     first_token: int | None = None  # P/D: the first token, sampled by the prefill engine
     lora: str | None = None  # the LoRA adapter to run it on (by name); None: the base model
 

@@ -179,12 +179,14 @@ class CoreProcess:
             sampling = SamplingParams(**params)
             adapter = self.core.adapter_identity(lora)  # read-only here; unknown: 404 before any pull
             ext, transfer = None, transfer or {}
+            if transfer.get("do_remote_decode") and not transfer.get("lease"):
+                raise ValueError("a hand-off prefill needs the lease key its API server draws")
             if transfer.get("remote_handle"):
                 ext = await self.handoff_puller.pull(ids, salt, transfer, adapter)
             elif source == "shared" and self.kv_store is not None:
                 ext = await self.kv_store.pull(ids, salt, adapter)
             request = NewRequest(rid, ids, sampling, priority, tenant, salt, arrival, ext,
-                                 hand_off=bool(transfer.get("do_remote_decode")),
+                                 hand_off=transfer.get("lease") if transfer.get("do_remote_decode") else None,
                                  first_token=transfer.get("first_token_id"), lora=lora)  # fmt: skip
             imported = await asyncio.wrap_future(self.loop.add(request))
         except (ValueError, TypeError, EngineDead, HandoffFailed) as exc:

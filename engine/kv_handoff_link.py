@@ -34,7 +34,7 @@ from typing import Any
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.engine.core_io import HandoffFailed
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
-from kvharbor.engine.handoff_handles import handle_request_id, unverified_request_id
+from kvharbor.engine.handoff_handles import handle_lease, unverified_request_id
 from kvharbor.kvcache_service.block_store import BlockFormat, BlockRefused, decode_block, encode_block
 
 log = logging.getLogger("kvharbor.engine.kv_handoff")
@@ -79,7 +79,7 @@ class HandoffServer:
         try:
             while True:
                 message = await read_message(reader)
-                rid = handle_request_id(self._secret, str(message[1])) if len(message) > 1 else None
+                rid = handle_lease(self._secret, str(message[1])) if len(message) > 1 else None
                 if message[0] == "get":
                     await self._send_blocks(writer, rid, int(message[2]))
                 elif message[0] == "release":

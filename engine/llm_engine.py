@@ -34,7 +34,7 @@ class LLMEngine(EngineCore):
         tenant: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
-        hand_off: bool = False,
+        hand_off: str | None = None,
         first_token: int | None = None,
         lora: str | None = None,
     ) -> None:

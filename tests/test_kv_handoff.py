@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.handoff_handles import handle_request_id, sign_handle
+from kvharbor.engine.handoff_handles import handle_lease, new_lease_key, sign_handle, unverified_request_id
 from kvharbor.engine.kv_handoff_link import HandoffServer, pull_handoff
 from kvharbor.engine.metrics import CounterBoard
 
@@ -28,8 +28,9 @@ def run(engine) -> dict:
 
 
 def prefill(llm, rid: str = "p1", prompt=PROMPT):
+    """A hand-off prefill of `rid`, its lease held under the key `rid`."""
     llm.engine.add_request(rid, prompt_token_ids=prompt, params=SamplingParams(max_tokens=1, temperature=0.0),
-                           hand_off=True)  # fmt: skip
+                           hand_off=rid)  # fmt: skip
     out = run(llm.engine)[rid]
     return out.outputs[0].token_ids[0]
 
@@ -70,10 +71,28 @@ def test_pinned_blocks_survive_pool_pressure_until_the_lease_ends(tiny_llama, ma
 
 def test_an_aborted_prefill_pins_nothing(tiny_llama, make_llm):
     a = make_llm(tiny_llama.loaded)
-    a.engine.add_request("p1", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=1), hand_off=True)
+    a.engine.add_request("p1", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=1), hand_off="p1")
     a.engine.abort("p1")
     run(a.engine)
     assert a.engine.handoffs.num_leases == 0
+
+
+def test_a_request_id_sent_again_gets_a_lease_of_its_own(tiny_llama, make_llm):
+    """Clients choose request ids: a second prefill with the same id is another lease, and the
+    first one's key never opens it; a key already held is refused before anything runs."""
+    a = make_llm(tiny_llama.loaded)
+    first, second = new_lease_key("p1"), new_lease_key("p1")
+    greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
+    a.engine.add_request("p1", prompt_token_ids=PROMPT, params=greedy_one, hand_off=first)
+    run(a.engine)
+    with pytest.raises(ValueError, match="already held"):
+        a.engine.add_request("p1", prompt_token_ids=PROMPT, params=greedy_one, hand_off=first)
+    a.engine.add_request("p1", prompt_token_ids=PROMPT[:40], params=greedy_one, hand_off=second)
+    run(a.engine)
+    assert (a.engine.handoffs.size(first), a.engine.handoffs.size(second)) == (9, 2)
+    assert a.engine.handoffs.size("p1") is None  # the bare request id names no lease
+    assert a.engine.handoffs.release(first) and a.engine.handoffs.size(second) == 2
+    assert a.engine.handoffs.release(second) and a.engine.load().kv_pinned_blocks == 0
 
 
 def test_a_first_token_that_ends_the_request_finishes_it_without_a_step(tiny_llama, make_llm):
@@ -89,10 +108,12 @@ def test_a_first_token_that_ends_the_request_finishes_it_without_a_step(tiny_lla
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"hand_off": True, "params": SamplingParams(n=2)}, "one sequence"),
+        ({"hand_off": "x#1", "params": SamplingParams(n=2)}, "one sequence"),
+        ({"hand_off": True}, "non-empty string"),
+        ({"hand_off": ""}, "non-empty string"),
         ({"first_token": 3, "params": SamplingParams(n=2)}, "one sequence"),
         ({"first_token": 512}, "outside the vocabulary"),
-        ({"first_token": 3, "hand_off": True}, "not both"),
+        ({"first_token": 3, "hand_off": "x#1"}, "not both"),
     ],
 )
 def test_bad_handoff_requests_are_refused(tiny_llama, make_llm, kwargs, match):
@@ -102,17 +123,22 @@ def test_bad_handoff_requests_are_refused(tiny_llama, make_llm, kwargs, match):
     assert not b.engine.has_unfinished()
 
 
-def test_a_handle_is_the_request_id_signed_with_the_cores_secret():
+def test_a_handle_is_one_leases_key_signed_with_the_cores_secret():
     secret, other = b"s" * 32, b"t" * 32
-    handle = sign_handle(secret, "chatcmpl-1.a")  # a request id may hold dots: the MAC is after the last
-    assert handle.startswith("chatcmpl-1.a.") and handle_request_id(secret, handle) == "chatcmpl-1.a"
+    lease = new_lease_key("chatcmpl-1.a")  # a request id may hold dots: the MAC is after the last
+    again = new_lease_key("chatcmpl-1.a")  # the same request id sent again: another lease
+    assert lease.startswith("chatcmpl-1.a#") and again != lease
+    handle = sign_handle(secret, lease)
+    assert handle.startswith(lease + ".") and handle_lease(secret, handle) == lease
+    assert handle_lease(secret, sign_handle(secret, again)) == again != lease
+    assert unverified_request_id(handle) == "chatcmpl-1.a"  # what logs show: not the nonce, not the MAC
     from kvharbor.common.openai_api import KVTransferParams
 
-    longest = sign_handle(secret, "r" * 256 + ".slot0001")  # a client's longest id, made unique by the gateway
+    longest = sign_handle(secret, new_lease_key("r" * 256 + ".slot0001"))  # a client's longest id, made unique
     assert KVTransferParams(remote_host="h", remote_port=1, remote_handle=longest, first_token_id=0)
-    for forged in ("chatcmpl-1.a", sign_handle(other, "chatcmpl-1.a"), handle[:-1] + "0", handle + "0", "",
-                   handle[:-1] + "é", "x.\ud800"):  # fmt: skip
-        assert handle_request_id(secret, forged) is None
+    flipped = handle[:-1] + ("1" if handle.endswith("0") else "0")  # the nonce is random: so is the MAC
+    for forged in (lease, sign_handle(other, lease), flipped, handle + "0", "", handle[:-1] + "é", "x.\ud800"):
+        assert handle_lease(secret, forged) is None
 
 
 def test_the_hand_off_server_answers_only_a_signed_handle():
