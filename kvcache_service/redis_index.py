@@ -115,6 +115,10 @@ local records = {}
 local function record(op, t, holder, blob)
   if #blob > 0 then records[#records + 1] = op .. t .. holder .. blob end
 end
+-- Consecutive events of one op, tier and holder go to the log and the shards as one entry and one
+-- record: most events carry one hash, and an APPEND, a record and a pending field per event
+-- were most of the intake's Redis time. Order is kept, so a block's ops stay in sequence.
+local run_op, run_t, run_holder, run_parts = nil, nil, nil, {}
 local function log(t, op, blob)
   for j = 1, #blob, 16 * 65535 do
     local part = string.sub(blob, j, j + 16 * 65535 - 1)
@@ -146,7 +150,23 @@ local function held(t)
   for _, h in ipairs(order) do if has[h] then out[#out + 1] = h has[h] = nil end end
   return out
 end
+local function flush()
+  if run_op then
+    local blob = table.concat(run_parts)
+    log(run_t, run_op, blob)
+    record(run_op, run_t, run_holder, blob)
+    run_op, run_parts = nil, {}
+  end
+end
+local function add(op, t, holder, blob)
+  if op ~= run_op or t ~= run_t or holder ~= run_holder then
+    flush()
+    run_op, run_t, run_holder = op, t, holder
+  end
+  run_parts[#run_parts + 1] = blob
+end
 local function drop_all(holder)
+  flush()
   for _, t in ipairs({'d', 's'}) do
     record('x', t, holder, table.concat(held(t)))  -- 'x': remove, and count it
     redis.call('DEL', LOGS[t])
@@ -154,6 +174,7 @@ local function drop_all(holder)
 end
 -- A log that grew to twice what the instance holds (and past 64 KiB) is folded up.
 local function compact(t)
+  flush()
   local size = redis.call('STRLEN', LOGS[t])
   local n = tonumber(redis.call('HGET', ST, 'n:' .. t) or '0')
   if size >= 65536 and size > 2 * (16 * n + 3) then
@@ -191,39 +212,40 @@ local function pos(id)
   local ms, seq = string.match(id, '^(%d+)-(%d+)$')
   return tonumber(ms), tonumber(seq)
 end
-local function newer(id)
-  if id == '' or not cursor then return true end
-  local a, b = pos(id)
-  local c, d = pos(cursor)
-  return a > c or (a == c and b > d)
-end
+local cms, cseq  -- the cursor's position, parsed once
+if cursor then cms, cseq = pos(cursor) end
 local live_lease = redis.call('GET', LEASE)
 local cur = redis.call('HMGET', ST, 'lease', 'holder')
-local applied, dropped, i = 0, '', 4
+local applied, dropped, i, removed = 0, '', 4, {}
 while i <= #ARGV do
   local id, lease, holder, typ, t, blob = ARGV[i], ARGV[i+1], ARGV[i+2], ARGV[i+3], ARGV[i+4], ARGV[i+5]
   i = i + 6
-  if newer(id) and (not live_lease or live_lease == lease) then
+  local fresh, ms, seq = true, nil, nil
+  if id ~= '' then
+    ms, seq = pos(id)
+    fresh = not cms or ms > cms or (ms == cms and seq > cseq)
+  end
+  if fresh and (not live_lease or live_lease == lease) then
     if cur[1] ~= lease then
       if cur[1] then drop_all(cur[2]) dropped = cur[2] end
       redis.call('HSET', ST, 'lease', lease, 'holder', holder)
       cur = {lease, holder}
     end
     if typ == 'stored' then
-      log(t, '+', blob)
-      record('+', t, holder, blob)
+      add('+', t, holder, blob)
     elseif typ == 'removed' then
-      log(t, '-', blob)
-      record('-', t, holder, blob)
-      compact(t)
+      add('-', t, holder, blob)
+      removed[t] = true
     else
       drop_all(holder)
     end
     applied = applied + 1
   end
   -- Stale events (another life's lease) are consumed too: the cursor moves past them.
-  if id ~= '' and newer(id) then cursor = id end
+  if id ~= '' and fresh then cursor, cms, cseq = id, ms, seq end
 end
+flush()
+for t in pairs(removed) do compact(t) end
 if stream ~= '' and cursor then redis.call('HSET', ST, cfield, cursor) end
 local out = write_pending()
 table.insert(out, 1, dropped)
