@@ -758,12 +758,14 @@ class RedisIndex:
         return {model for model, reply in zip(owners, replies, strict=True) if reply is not None}
 
     async def claim_layout(self) -> bool:
-        """Record this build's shard layout; True when Redis held another one, or none (an index
-        written before layouts were named, or nothing yet): what it indexed is unreadable here,
-        and only the engines can say again what they hold."""
-        key = self._global("layout")
-        (old,) = await self._run([Call(key, ("SET", key, LAYOUT, "GET"))])
-        return old != LAYOUT.encode()
+        """Record this build's shard layout; True when Redis held an index in another one (or in
+        none named: written before layouts were): what it indexed is unreadable here, and only
+        the engines can say again what they hold. A Redis with no layout and no instance yet is
+        new, not old: False."""
+        key, registered = self._global("layout"), self._global("instances")
+        calls = [Call(key, ("SET", key, LAYOUT, "GET")), Call(registered, ("HLEN", registered))]
+        old, instances = await self._run(calls)
+        return old != LAYOUT.encode() and (old is not None or int(instances) > 0)
 
     async def block_size(self, model: str) -> int | None:
         key = self._global("block_size")

@@ -282,6 +282,34 @@ def test_an_index_written_in_another_layout_makes_the_engines_resync(any_redis):
     assert sync.get(INDEX_PREFIX + "layout") == LAYOUT.encode()
 
 
+@pytest.mark.slow
+def test_a_new_redis_gets_the_layout_named_without_a_resync(any_redis):
+    async def main():
+        index = RedisIndex.from_url(any_redis.url, timeout=2)
+        try:
+            return await index.claim_layout(), await index.claim_layout()
+        finally:
+            await index.close()
+
+    assert asyncio.run(main()) == (False, False)
+    sync = connect_sync(any_redis.url, timeout=2)
+    assert sync.get(INDEX_PREFIX + "layout") == LAYOUT.encode() and sync.get(resync_key()) is None
+    sync.delete(INDEX_PREFIX + "layout")  # as written before layouts were named, with an instance in it
+    engine = FakeEngine(sync, MODEL, "e0")
+    engine.heartbeat()
+
+    async def old():
+        index = RedisIndex.from_url(any_redis.url, timeout=2)
+        try:
+            await index.apply([engine.envelope(engine.stored(chains(MODEL, 1, 2)[0]))])
+            sync.delete(INDEX_PREFIX + "layout")
+            return await index.claim_layout()
+        finally:
+            await index.close()
+
+    assert asyncio.run(old()) is True
+
+
 def test_the_ring_moves_few_streams_when_a_member_joins():
     streams = [stream_key(MODEL, f"e{i}") for i in range(1000)]
     before = Ring(["a", "b", "c"])
