@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit, urlunsplit
@@ -275,6 +276,20 @@ def check_credentials(url: str, timeout: float = 3.0) -> None:
     finally:
         if client is not None:
             client.close()
+
+
+def credentials_refused(url: str | None, prog: str) -> bool:
+    """A part's start-up check (`check_credentials`) of its Redis URL, if it has one: True, having
+    said why and what to do on stderr, when Redis refuses the credentials; the part then exits 2
+    instead of retrying a password that can never work."""
+    if not url:
+        return False
+    try:
+        check_credentials(url)
+    except RedisAuthError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return True
+    return False
 
 
 def _auth_advice(url: str, exc: Exception) -> str:

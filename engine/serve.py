@@ -24,7 +24,7 @@ from kvharbor.common.config import config_from_argv
 from kvharbor.common.http_server import bind_listeners, uvicorn_config
 from kvharbor.common.logs import setup_logging
 from kvharbor.common.machine import pin_to_cpus
-from kvharbor.common.redis_client import check_credentials
+from kvharbor.common.redis_client import credentials_refused
 
 log = logging.getLogger("kvharbor.engine.serve")
 
@@ -34,9 +34,9 @@ def main(argv: list[str], prog: str = "kvharbor serve", command: str = "serve") 
 
     config = config_from_argv(ServeConfig, argv, prog, __doc__.splitlines()[0])
     setup_logging(config.server.log_level, config.server.log_json)
+    if credentials_refused(config.server.redis_url, prog):  # a wrong password stops here, not in retries
+        return 2
     try:
-        if config.server.redis_url:
-            check_credentials(config.server.redis_url)  # a wrong password stops here, not in retries
         pin_to_cpus(config.engine.runtime.cpu_affinity)  # before the core process starts: it inherits it
         server = build_server(config)
     except (FileNotFoundError, ValueError, RuntimeError) as exc:

@@ -17,7 +17,7 @@ from typing import Any
 from kvharbor.common.config import config_from_argv
 from kvharbor.common.http_server import serve_app
 from kvharbor.common.logs import setup_logging
-from kvharbor.common.redis_client import check_credentials
+from kvharbor.common.redis_client import credentials_refused
 
 log = logging.getLogger("kvharbor.gateway.service")
 
@@ -29,9 +29,9 @@ def main(argv: list[str], prog: str = "kvharbor gateway", command: str = "gatewa
     config = config_from_argv(GatewayConfig, argv, prog, __doc__.splitlines()[0])
     setup_logging(config.server.log_level, config.server.log_json)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per engine call is noise
+    if credentials_refused(config.tenancy.redis_url, prog):  # a wrong password stops here, not in retries
+        return 2
     try:
-        if config.tenancy.redis_url:
-            check_credentials(config.tenancy.redis_url)  # a wrong password stops here, not in retries
         return serve(config)
     except (ValueError, FileNotFoundError, TenantsError) as exc:
         print(f"kvharbor gateway: error: {exc}", file=sys.stderr)

@@ -19,7 +19,7 @@ from typing import Any
 from kvharbor.common.config import config_from_argv
 from kvharbor.common.http_server import serve_app
 from kvharbor.common.logs import setup_logging
-from kvharbor.common.redis_client import RedisAuthError, check_credentials, redact
+from kvharbor.common.redis_client import credentials_refused, redact
 
 log = logging.getLogger("kvharbor.kvcache.service")
 
@@ -29,10 +29,7 @@ def main(argv: list[str], prog: str = "kvharbor kvcache", command: str = "kvcach
 
     config = config_from_argv(KVCacheServiceConfig, argv, prog, __doc__.splitlines()[0])
     setup_logging(config.server.log_level, config.server.log_json)
-    try:
-        check_credentials(config.intake.redis_url)  # a wrong password stops here, not in retries
-    except RedisAuthError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+    if credentials_refused(config.intake.redis_url, prog):  # a wrong password stops here, not in retries
         return 2
     return serve(config)
 

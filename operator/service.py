@@ -15,12 +15,11 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import threading
 
 from kvharbor.common.config import config_from_argv
 from kvharbor.common.logs import setup_logging
-from kvharbor.common.redis_client import RedisAuthError, check_credentials
+from kvharbor.common.redis_client import credentials_refused
 from kvharbor.operator.leader import LeadershipLost
 
 log = logging.getLogger("kvharbor.operator")
@@ -31,12 +30,8 @@ def main(argv: list[str], prog: str = "kvharbor operator", command: str = "opera
 
     config = config_from_argv(OperatorConfig, argv, prog, __doc__.splitlines()[0])
     setup_logging(config.server.log_level, config.server.log_json)
-    if config.engine.redis_url:
-        try:
-            check_credentials(config.engine.redis_url)  # a wrong password stops here, not in deletions
-        except RedisAuthError as exc:
-            print(f"{prog}: error: {exc}", file=sys.stderr)
-            return 2
+    if credentials_refused(config.engine.redis_url, prog):  # a wrong password stops here, not in deletions
+        return 2
     return run(config)
 
 

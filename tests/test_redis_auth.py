@@ -12,7 +12,7 @@ import pytest
 from servers import KVCacheServiceProcess, free_port, write_tenants
 
 from kvharbor.common.embedded_redis import EmbeddedRedis
-from kvharbor.common.redis_client import RedisAuthError, check_credentials, redact
+from kvharbor.common.redis_client import RedisAuthError, check_credentials, credentials_refused, redact
 
 pytestmark = pytest.mark.slow  # a real redis-server and the real CLIs
 
@@ -40,6 +40,16 @@ def test_credentials_are_checked_and_the_advice_names_no_secret(protected):
         assert SECRET not in str(err.value) and "redis://USER:PASSWORD@host:port/0" in str(err.value)
     check_credentials(f"redis://:{SECRET}@127.0.0.1:{free_port()}/0")  # nobody there: not an error at start
     assert redact(wrong) == f"redis://:***@127.0.0.1:{protected.port}/0" and redact("redis://h:1/0") == "redis://h:1/0"
+
+
+def test_the_start_up_check_says_why_and_refuses_only_wrong_credentials(protected, capsys):
+    wrong = f"redis://:not-{SECRET}@127.0.0.1:{protected.port}/0"
+    assert credentials_refused(wrong, "kvharbor x") is True
+    err = capsys.readouterr().err
+    assert err.startswith("kvharbor x: error: Redis at 127.0.0.1") and SECRET not in err
+    for fine in (protected.url, None, "", f"redis://:{SECRET}@127.0.0.1:{free_port()}/0"):  # right, none, not up
+        assert credentials_refused(fine, "kvharbor x") is False
+    assert capsys.readouterr().err == ""
 
 
 def test_every_part_stops_at_once_on_a_wrong_password(protected, tmp_path, tiny_chat_model):
