@@ -20,8 +20,9 @@ step outside that fence: a replica stops applying a stream `owner_ttl / 3` befor
 would lapse without renewal, which bounds that window by the clock. Malformed entries are
 acknowledged, skipped and counted. The lowest-named member also sweeps lapsed leases, and checks
 that no block shard lost its data: when one did (a cluster node restarted empty), or when Redis
-holds an index of another key layout than this build's (an upgrade moved the blocks), it bumps
-the resync counter and every engine re-publishes what it holds.
+holds an index of another key layout than this build's (an upgrade moved the blocks; checked by
+every replica before it first applies), it bumps the resync counter and every engine re-publishes
+what it holds.
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ class EventConsumer:
         if now >= self._next_rebalance:
             await self._rebalance()
             self._next_rebalance = now + self.rebalance_interval
+        if not self._layout_claimed:
+            await self._claim_layout()
         got = await self._read_new() if self.streams else 0
         if self.stats.leader and time.monotonic() >= self._next_sweep:
             await self._sweep()
@@ -369,11 +372,6 @@ class EventConsumer:
         """Ask every engine to re-sync when a block shard of a model this replica had marked
         lost its marker: a cluster node came back empty, and engines whose own keys live on other
         nodes would never notice that the index forgot their blocks."""
-        if not self._layout_claimed:
-            if await self.index.claim_layout():
-                log.warning("the KV index's layout is new to this Redis; asking every engine to re-sync")
-                await self._request_resync()
-            self._layout_claimed = True
         models = {model for model, _ in self._registry.values()} | self._marked
         if not models:
             return
@@ -383,6 +381,14 @@ class EventConsumer:
             log.warning("part of the KV index was lost; asking every engine to re-sync", extra={"models": sorted(lost)})
             await self._request_resync()
         self._marked |= models
+
+    async def _claim_layout(self) -> None:
+        """Before this replica applies anything: name the index's key layout, and ask every engine
+        to re-sync if Redis holds an index in another one (blocks this build cannot read)."""
+        if await self.index.claim_layout():
+            log.warning("the KV index in Redis has another key layout; asking every engine to re-sync")
+            await self._request_resync()
+        self._layout_claimed = True
 
     async def _request_resync(self) -> None:
         await self.client.incr(resync_key(self.stream_prefix))

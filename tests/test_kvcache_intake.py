@@ -260,7 +260,8 @@ def test_lookup_cost_does_not_grow_with_engines_that_do_not_hold_the_prompt(any_
 @pytest.mark.slow
 def test_an_index_written_in_another_layout_makes_the_engines_resync(any_redis):
     """Blocks indexed under another key layout (an upgrade moved them) are unreadable: the first
-    sweeper to see it bumps the resync counter once, so every engine re-publishes."""
+    replica to see it, before it applies anything, bumps the resync counter once, so every engine
+    re-publishes."""
     sync = connect_sync(any_redis.url, timeout=2)
     sync.set(INDEX_PREFIX + "layout", "1")
     engine = FakeEngine(sync, MODEL, "e0")
@@ -270,9 +271,8 @@ def test_an_index_written_in_another_layout_makes_the_engines_resync(any_redis):
     async def main():
         first, second = consumer(any_redis.url, "a"), consumer(any_redis.url, "b")
         try:
-            await first._sweep()
-            await first._sweep()
-            await second._sweep()
+            await steps(2, first)  # claims before it applies the engine's events
+            await steps(1, second)
             return first.stats.resyncs_requested, second.stats.resyncs_requested
         finally:
             await close(first, second)
@@ -308,6 +308,26 @@ def test_a_new_redis_gets_the_layout_named_without_a_resync(any_redis):
             await index.close()
 
     assert asyncio.run(old()) is True
+
+
+@pytest.mark.slow
+def test_engines_that_publish_before_the_first_replica_starts_cause_no_resync(any_redis):
+    sync = connect_sync(any_redis.url, timeout=2)
+    engine = FakeEngine(sync, MODEL, "e0")
+    h = chains(MODEL, 1, 4)[0]
+    engine.publish(engine.stored(h))
+    engine.heartbeat()
+
+    async def main():
+        c = consumer(any_redis.url, "a")
+        try:
+            await steps(3, c)
+            return c.stats.resyncs_requested, await c.index.lookup(MODEL, h)
+        finally:
+            await close(c)
+
+    assert asyncio.run(main()) == (0, {"e0": 4})
+    assert sync.get(resync_key()) is None
 
 
 def test_the_ring_moves_few_streams_when_a_member_joins():
