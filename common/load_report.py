@@ -40,6 +40,9 @@ class LoadReport:
     slo_attainment: float | None = None  # share of them that met TTFT and ITL; None without any
     weight_bytes: int = 0  # the model's weights as held (quantized ones at their own size)
     kv_bytes_per_token: int = 0  # KV bytes one token takes in the pool, every layer
+    # What its KV blocks are (layout, KV dtype, weights: BlockFormat.tag): engines of one format
+    # can use each other's blocks; "" from an engine that does not say
+    kv_format: str = ""
     block_size: int = 0  # tokens per KV block: what prompts' block hashes are cut by (0: not reported)
     role: str = "both"  # P/D: both | prefill | decode (DESIGN §9)
     kv_transfer_port: int = 0  # where decode engines pull hand-offs from (0: none)

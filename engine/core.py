@@ -625,6 +625,7 @@ class EngineCore:
             spec_acceptance_rate=round(stats.spec_accepted / stats.spec_proposed, 4) if stats.spec_proposed else None,
             weight_bytes=self.weight_bytes,
             kv_bytes_per_token=self.capacity.bytes_per_token,
+            kv_format=self.kv_io.format.tag,
             block_size=self.capacity.block_size,
             role=self.config.disagg.role,
             kv_pinned_blocks=self.handoffs.num_blocks,

@@ -40,12 +40,15 @@ def adapter_engines(engines: Sequence[Engine], adapter: str | None) -> list[Engi
 
 
 def handoff_peers(engines: Sequence[Engine], decode: Engine, adapter: str | None) -> list[Engine]:
-    """The engines whose KV `decode` may continue (P/D hand-offs): for an adapter, only those that
-    serve it with the decode engine's identity, since a hand-off is KV computed under its weights."""
+    """The engines whose KV `decode` may continue (P/D hand-offs): those whose blocks it can read
+    (the same /load kv_format: layout, KV dtype and weights; it refuses others' and recomputes),
+    and for an adapter only those that serve it with the decode engine's identity, since a
+    hand-off is KV computed under its weights."""
+    readable = [e for e in engines if e.load.kv_format == decode.load.kv_format]
     if adapter is None:
-        return list(engines)
+        return readable
     identity = decode.load.lora_adapters.get(adapter)
-    return [e for e in engines if identity is not None and e.load.lora_adapters.get(adapter) == identity]
+    return [e for e in readable if identity is not None and e.load.lora_adapters.get(adapter) == identity]
 
 
 def adapter_identity_of(engines: Sequence[Engine], adapter: str) -> str | None:

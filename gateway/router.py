@@ -41,14 +41,18 @@ class Route:
     engine: Engine
     reason: str  # prefix | load | imbalance | index_unavailable | latency | slo | least_loaded | round_robin
     matched_blocks: int = 0  # of the prompt, held by the chosen engine
-    best_matched: int = 0  # held by the best holder among the candidates
     prompt_blocks: int = 0
     held: dict[str, int] = field(default_factory=dict)  # engine url -> blocks of the prompt it holds
+    kv_formats: dict[str, str] = field(default_factory=dict)  # engine url -> its /load kv_format
 
     def kv_prefix_source(self, engine: Engine) -> str | None:
         """What the request tells `engine` (this route's, or a retry's): "shared" when another
-        candidate holds more of the prefix, so it pulls those blocks instead of recomputing them."""
-        return "shared" if self.held.get(engine.url, 0) < self.best_matched else None
+        candidate whose blocks it can read (the same kv_format: layout, KV dtype, weights) holds
+        more of the prefix, so it pulls those blocks instead of recomputing them. A holder of
+        another format wrote blocks `engine` would refuse: the pull could only miss."""
+        mine = self.kv_formats.get(engine.url, "")
+        best = max((n for url, n in self.held.items() if self.kv_formats.get(url, "") == mine), default=0)
+        return "shared" if self.held.get(engine.url, 0) < best else None
 
     def to(self, engine: Engine, reason: str) -> Route:
         """The same request sent to another engine."""
@@ -107,7 +111,6 @@ class Router:
     ) -> Route:
         blocks = len(hashes)
         held = {e.url: (matches or {}).get(e.instance_id or "", 0) for e in engines}
-        best = max(held.values(), default=0)
         queues = [e.queue for e in engines]
         if matches is None:
             reason, chosen = "index_unavailable", _least_loaded(engines, adapter)
@@ -116,7 +119,7 @@ class Router:
         else:
             chosen = max(engines, key=lambda e: (self._score(e, held[e.url], blocks, max(queues)), -e.queue))
             reason = "prefix" if held[chosen.url] else "load"
-        return Route(chosen, reason, held[chosen.url], best, blocks, held)
+        return Route(chosen, reason, held[chosen.url], blocks, held, {e.url: e.load.kv_format for e in engines})
 
     def _score(self, engine: Engine, held: int, blocks: int, longest_queue: int) -> float:
         c = self.config

@@ -92,14 +92,17 @@ class BlockFormat:
     dtype: str  # e.g. "bfloat16"
     block_bytes: int  # payload size of one block
 
+    @property
+    def tag(self) -> str:
+        """Layout, dtype and weights in one string: blocks of two formats with the same tag are
+        interchangeable (the gateway compares engines' tags before it sends a pull or a hand-off)."""
+        return f"{self.layout}:{self.dtype}:{self.fingerprint[:16]}"
+
     def key(self, block_hash: BlockHash, prefix: str = STORE_PREFIX) -> str:
         # dtype and weights are in the key too: fleets that differ there keep apart instead of
         # refusing each other's blocks forever. The header checks still catch a wrong writer.
         # The shard's tag puts the block on its shard's slot (see the module docstring).
-        return (
-            f"{shard_prefix(store_shard(block_hash), prefix)}{self.model}:{self.layout}:{self.dtype}:"
-            f"{self.fingerprint[:16]}:{to_hex(block_hash)}"
-        )
+        return f"{shard_prefix(store_shard(block_hash), prefix)}{self.model}:{self.tag}:{to_hex(block_hash)}"
 
 
 def store_shard(block_hash: BlockHash) -> int:

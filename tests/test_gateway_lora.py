@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -183,6 +184,10 @@ def test_a_hand_off_comes_only_from_engines_with_the_decode_engines_identity():
                        lora_engine("http://r"))  # fmt: skip
     assert handoff_peers([same, old, none], decode, "sql") == [same]
     assert handoff_peers([same, old, none], decode, None) == [same, old, none]  # the base model: any
+    other_kv = lora_engine("http://s", {"sql": "sql@new"})
+    other_kv.load = replace(other_kv.load, kv_format="hm1:L30:H3:D64:B16:int8:w1")  # decode's is ""
+    assert handoff_peers([same, other_kv], decode, "sql") == [same]  # its blocks would be refused
+    assert handoff_peers([same, other_kv], decode, None) == [same]
 
 
 def test_models_listing_per_tenant():

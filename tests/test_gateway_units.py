@@ -90,7 +90,7 @@ def _prefilling(url: str, instance: str, waiting_tokens: int, rate: float = 1000
 
 def test_fit_route_keeps_a_fitting_choice_moves_to_the_fastest_fit_or_gives_none():
     a, b, c = _prefilling("http://a", "A", 900), _prefilling("http://b", "B", 100), _prefilling("http://c", "C", 300)
-    route = Route(a, "prefix", matched_blocks=30, best_matched=30, prompt_blocks=32, held={"http://a": 30})
+    route = Route(a, "prefix", matched_blocks=30, prompt_blocks=32, held={"http://a": 30})
     # On A: 900 queued + 512 - 30 x 16 = 32 uncached -> 0.93 s; B: 100 + 512 -> 0.61 s; C: 0.81 s.
     assert fit_route(route, [a, b, c], 512, 16, slo_ttft_s=1.0) is route
     moved = fit_route(route, [a, b, c], 512, 16, slo_ttft_s=0.85)
@@ -142,7 +142,7 @@ def test_fit_route_admits_against_the_itl_slo_too():
     With the ITL rule it does not fit; a calmer engine does, or the request waits."""
     flooded = _decoding("http://a", running=16, step_ms=180.0)  # 190 ms with one more
     calm = _decoding("http://b", running=2, step_ms=60.0)  # 70 ms
-    route = Route(flooded, "prefix", matched_blocks=8, best_matched=8, prompt_blocks=8, held={"http://a": 8})
+    route = Route(flooded, "prefix", matched_blocks=8, prompt_blocks=8, held={"http://a": 8})
     assert fit_route(route, [flooded, calm], 128, 16, slo_ttft_s=2.0) is route  # TTFT only: no objection
     moved = fit_route(route, [flooded, calm], 128, 16, slo_ttft_s=2.0, slo_itl_s=0.1)
     assert moved.engine is calm and moved.reason == "slo"
@@ -308,6 +308,22 @@ def test_a_burst_of_one_prefix_spreads_once_the_holder_is_predicted_slower():
     assert chosen[:first_b] == [("A", "prefix")] * first_b and chosen[first_b] == ("B", "latency")
     assert first_b == 15
     assert {who for who, _ in chosen[first_b:]} == {"A", "B"}  # from then on both take the burst
+
+
+def test_a_pull_is_asked_for_only_from_holders_whose_blocks_the_engine_can_read():
+    """Engines of another kv_format (an int8 KV cache, other weights) write blocks this one would
+    refuse: their holding the prefix is no reason to pull it from the shared store."""
+    router = Router(RoutingConfig(imbalance_threshold=100))
+    hashes = [bytes([i]) * 16 for i in range(10)]
+    a, b, c = engine("http://a", "A"), engine("http://b", "B"), engine("http://c", "C")
+    a.load = replace(a.load, kv_format="hm1:L30:H3:D64:B16:float32:w1")
+    b.load = replace(b.load, kv_format="hm1:L30:H3:D64:B16:int8:w1")  # the only holder, of another format
+    c.load = replace(c.load, kv_format="hm1:L30:H3:D64:B16:float32:w1")
+    route = router.by_prefix([a, b, c], hashes, {"B": 10})
+    assert route.kv_prefix_source(a) is None and route.kv_prefix_source(c) is None
+    route = router.by_prefix([a, b, c], hashes, {"B": 10, "C": 4})
+    assert route.kv_prefix_source(a) == "shared"  # C, of A's format, holds 4 blocks
+    assert route.kv_prefix_source(c) is None  # nobody of C's format holds more
 
 
 def test_round_robin_and_least_loaded():

@@ -106,9 +106,13 @@ def test_the_prefix_cache_hits_on_int8_blocks(tiny_llama, make_llm):
 
 
 def test_blocks_of_another_kv_dtype_are_refused(tiny_llama, make_llm):
-    int8 = make_llm(tiny_llama.loaded, kv_cache_dtype="int8").engine.kv_io.format
-    plain = make_llm(tiny_llama.loaded).engine.kv_io.format
+    int8_engine = make_llm(tiny_llama.loaded, kv_cache_dtype="int8").engine
+    plain_engine = make_llm(tiny_llama.loaded).engine
+    int8, plain = int8_engine.kv_io.format, plain_engine.kv_io.format
     assert int8.dtype == "int8" and plain.dtype == "float32" and int8.layout != plain.layout
+    # /load says it, so the gateway asks for pulls and hand-offs only between engines of one format
+    assert int8_engine.load().kv_format == int8.tag != plain.tag == plain_engine.load().kv_format
+    assert make_llm(tiny_llama.loaded).engine.load().kv_format == plain.tag  # the same set-up: the same format
     assert int8.key(b"\x01" * 16) != plain.key(b"\x01" * 16)  # the store keeps them apart
     blob = encode_block(int8, b"\x01" * 16, bytes(int8.block_bytes))
     with pytest.raises(BlockRefused, match=r"written for layout=.*R\+bf16scale"):
