@@ -25,12 +25,17 @@ class CpuInfo:
 
     @property
     def fast_bf16(self) -> bool:
-        """Whether bfloat16 matmuls beat float32 here. On x86 that takes AMX or AVX512-BF16 (AVX-512
-        without BF16, and AVX2, emulate bfloat16 and are slower than float32). aarch64 is not
-        assumed fast: no machine of this project has measured it, so `auto` keeps float32 there
-        and a user who has measured passes --dtype bfloat16."""
+        """Whether the engine runs bfloat16 faster than float32 here: on x86, where the CPU has AMX.
+        NOTE: AVX512-BF16 alone is not enough. On a 2-core AMD EPYC Zen 4 (avx512_bf16, no AMX;
+        2026-12-04, benchmarks/profile_step.py, SmolLM2, 128-token prompts) the float32 decode
+        step with the engine's C kernels took 29 / 50 ms at 1 / 8 sequences against bfloat16's
+        46 / 64 ms (torch ops; the quantized modes' kernels are float32 only too); bfloat16 won
+        only from ~32 sequences (102 against 115 ms) and in prefill (1.2-1.6x). AVX-512 without
+        BF16, and AVX2, emulate bfloat16. aarch64 is not assumed fast: no machine of this project
+        has measured it, so `auto` keeps float32 there and a user who has measured passes
+        --dtype bfloat16."""
         if self.arch in ("x86_64", "AMD64", "i686"):
-            return "amx_bf16" in self.flags or "avx512_bf16" in self.flags
+            return "amx_bf16" in self.flags
         return False
 
     def isa(self) -> dict[str, bool]:

@@ -49,7 +49,7 @@ class UpConfig(TracedListenConfig):
     pin_cpus: bool = opt(False, "pin each engine to its own CPU, in turn (engines then do not steal each other's)")
     model: str | None = opt(None, "model for the engines: .gguf or HF folder (default: bundled SmolLM2)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
-        "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX/AVX512-BF16, else float32"
+        "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX, else float32"
     )
     quantization: Literal["none", "int8", "int4", "gguf"] = opt(
         "none", "engines' weight quantization: none, int8, int4 or gguf (fast on CPU in float32: pass dtype float32)"

@@ -32,8 +32,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device, cpu: CpuInfo | None = None) -> torch.dtype:
-    """'auto' is bfloat16 where matmuls are fast in it (CUDA; CPUs with AMX or AVX512-BF16), else
-    float32: on an AVX2-only CPU bfloat16 is emulated and slower. `cpu` defaults to this machine."""
+    """'auto' is bfloat16 where the engine runs fastest in it (CUDA; CPUs with AMX), else float32:
+    CpuInfo.fast_bf16 says why AVX512-BF16 alone is not enough. `cpu` defaults to this machine."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else getattr(torch, auto_cpu_dtype(cpu))
     return getattr(torch, name)
