@@ -32,11 +32,17 @@ log = logging.getLogger("kvharbor.engine.cpu_kernels")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-lpthread", "-lm")
-# Added where the CPU reports avx_vnni: the integer dots of quantized decode products in one
-# instruction per 32 codes (cpu_kernels.c dot_u8s8), the same sums. Measured on a 2-core Xeon,
-# SmolLM2's four projection shapes x 30 layers at 8 rows: int8 weights 15.2 -> 11.4 ms, int4
-# 14.8 -> 13.6 ms (noisy runs: 6-25%).
+# Added where the CPU has VNNI: the integer dots of quantized decode products in one instruction
+# per 32 codes (cpu_kernels.c dot_u8s8), the same sums. AVX-VNNI (VEX) where the CPU reports
+# avx_vnni, else AVX512-VNNI's EVEX form on the same 256-bit registers (AMD Zen 4, Intel Ice Lake
+# and Cascade Lake have only this one). Measured on a 2-core Xeon with AVX-VNNI, SmolLM2's four
+# projection shapes x 30 layers at 8 rows: int8 weights 15.2 -> 11.4 ms, int4 14.8 -> 13.6 ms
+# (noisy runs: 6-25%); the AVX512-VNNI figures are in engine/README.md.
 VNNI_FLAGS = ("-mavxvnni",)
+# prefer-vector-width keeps the rest of the file in 256-bit code, as the AVX2 build measured it.
+AVX512_VNNI_FLAGS = ("-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256")
+# kvharbor_int_dot()'s answer: which integer dot a build compiled.
+INT_DOTS = ("maddubs", "avx_vnni", "avx512_vnni")
 # Rows up to which the kernel beats torch's float32 matmul here (2 cores, SmolLM2's shapes, weights
 # streamed from memory): decode steps. Prefill chunks keep MKL, which blocks for large M.
 MAX_ROWS = 16
@@ -112,7 +118,10 @@ class CpuKernels:
             lib.kvharbor_set_spin(int(spin))
         lib.kvharbor_set_threads.argtypes = [ctypes.c_int]
         lib.kvharbor_set_threads.restype = ctypes.c_int
+        lib.kvharbor_int_dot.argtypes = []
+        lib.kvharbor_int_dot.restype = c_int
         self._lib = lib
+        self.int_dot = INT_DOTS[lib.kvharbor_int_dot()]
         self.threads = lib.kvharbor_set_threads(threads)
         self._scratch = torch.empty(0, dtype=torch.float32)
 
@@ -353,13 +362,22 @@ def load(threads: int) -> CpuKernels | None:
     return CpuKernels(path, threads)
 
 
-def _build_for(cc: str, cpu) -> Path:
-    """The build for this CPU: with VNNI_FLAGS where it has AVX-VNNI and the compiler knows them."""
+def vnni_flags(cpu) -> tuple[str, ...]:
+    """The compiler flags that give this CPU's VNNI dot (none where it has none)."""
     if "avx_vnni" in cpu.flags:
+        return VNNI_FLAGS
+    if {"avx512_vnni", "avx512vl"} <= cpu.flags:
+        return AVX512_VNNI_FLAGS
+    return ()
+
+
+def _build_for(cc: str, cpu) -> Path:
+    """The build for this CPU: with its vnni_flags where it has some and the compiler knows them."""
+    if extra := vnni_flags(cpu):
         try:
-            return build(cc, cache_dir(), (*FLAGS, *VNNI_FLAGS))
+            return build(cc, cache_dir(), (*FLAGS, *extra))
         except RuntimeError as exc:
-            log.info("building without AVX-VNNI (the compiler refused it): %s", str(exc)[:200])
+            log.info("building without VNNI (the compiler refused %s): %s", " ".join(extra), str(exc)[:200])
     return build(cc, cache_dir())
 
 

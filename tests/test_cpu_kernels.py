@@ -296,18 +296,22 @@ def test_lora_decode_refuses_what_it_does_not_take():
 @needs_kernels
 @pytest.mark.slow  # two builds of the real kernel, ~10 s each
 def test_the_vnni_build_gives_the_same_quantized_products(tmp_path):
-    """cpu_kernels.c's dot_u8s8: one VNNI instruction or AVX2's two give the same integer sums."""
+    """cpu_kernels.c's dot_u8s8: one VNNI instruction or AVX2's two give the same integer sums,
+    and the build for this CPU's VNNI (AVX-VNNI, or AVX512-VNNI alone) really compiles it."""
     from kvharbor.common.machine import cpu_info
     from kvharbor.engine.quantize import quantize, quantize_q8
 
-    if "avx_vnni" not in cpu_info().flags:
-        pytest.skip("this CPU has no AVX-VNNI")
+    extra = cpu_kernels.vnni_flags(cpu_info())
+    if not extra:
+        pytest.skip("this CPU has neither AVX-VNNI nor AVX512-VNNI")
     cc = cpu_kernels._compiler()
     try:
-        vnni = cpu_kernels.CpuKernels(cpu_kernels.build(cc, tmp_path, (*cpu_kernels.FLAGS, *cpu_kernels.VNNI_FLAGS)), 2)
+        vnni = cpu_kernels.CpuKernels(cpu_kernels.build(cc, tmp_path, (*cpu_kernels.FLAGS, *extra)), 2)
     except RuntimeError as exc:
-        pytest.skip(f"the compiler does not take {cpu_kernels.VNNI_FLAGS}: {exc}")
+        pytest.skip(f"the compiler does not take {extra}: {exc}")
     plain = cpu_kernels.CpuKernels(cpu_kernels.build(cc, tmp_path), 2)
+    assert plain.int_dot == "maddubs"
+    assert vnni.int_dot == ("avx_vnni" if extra == cpu_kernels.VNNI_FLAGS else "avx512_vnni")
     gen = torch.Generator().manual_seed(3)
     for mode in ("int8", "int4", "q8"):  # the three weight formats with integer dots (1, 2, 3)
         weight = torch.randn(70, 96, generator=gen)
@@ -315,3 +319,20 @@ def test_the_vnni_build_gives_the_same_quantized_products(tmp_path):
         for rows in (1, 5, 8, 32):
             x = torch.randn(rows, 96, generator=gen)
             assert torch.equal(vnni.linear_quant(x, w), plain.linear_quant(x, w)), (mode, rows)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("avx2 fma", ()),
+        ("avx2 fma avx_vnni", cpu_kernels.VNNI_FLAGS),  # Alder Lake / Sapphire Rapids: the VEX form first
+        ("avx2 fma avx512f avx512vl avx512_vnni avx_vnni", cpu_kernels.VNNI_FLAGS),
+        ("avx2 fma avx512f avx512vl avx512_vnni", cpu_kernels.AVX512_VNNI_FLAGS),  # Zen 4, Ice Lake
+        ("avx2 fma avx512f avx512_vnni", ()),  # the 256-bit form needs AVX512VL
+    ],
+)
+def test_the_vnni_flags_follow_the_cpu(flags, expected):
+    from kvharbor.common.machine import CpuInfo
+
+    cpu = CpuInfo(model="x", arch="x86_64", flags=frozenset(flags.split()), cores=2)
+    assert cpu_kernels.vnni_flags(cpu) == expected

@@ -372,13 +372,24 @@ static inline __attribute__((always_inline)) __m256i group_codes_i8(const int Q,
 }
 
 // The 32 products u8 x s8 of a group, summed in fours into 8 int32 lanes: one VNNI instruction
-// where the build has AVX-VNNI (cpu_kernels.py adds -mavxvnni on CPUs that report avx_vnni), else
-// maddubs (pairs to int16: |w| <= 127 and |x| <= 127, so no pair saturates) and madd. The sums are
-// the same integers either way.
+// where the build has it (cpu_kernels.py adds -mavxvnni on CPUs that report avx_vnni, or
+// -mavx512vnni -mavx512vl on those with AVX512-VNNI alone, as AMD's Zen 4: the same vpdpbusd on
+// 256-bit registers, EVEX-encoded), else maddubs (pairs to int16: |w| <= 127 and |x| <= 127, so no
+// pair saturates) and madd. The sums are the same integers either way.
+#if defined(__AVXVNNI__)
+#define INT_DOT 1
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define INT_DOT 2
+#else
+#define INT_DOT 0
+#endif
 static inline __m256i dot_u8s8(__m256i u, __m256i s, __m256i ones) {
-#ifdef __AVXVNNI__
+#if INT_DOT == 1
     (void)ones;
     return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#elif INT_DOT == 2
+    (void)ones;
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), ones);
 #endif
@@ -654,6 +665,9 @@ static void start_workers(int n) {
     }
     num_threads = started + 1 < n ? started + 1 : n;
 }
+
+// Which integer dot this build compiled (dot_u8s8): 0 maddubs + madd, 1 AVX-VNNI, 2 AVX512-VNNI.
+int kvharbor_int_dot(void) { return INT_DOT; }
 
 // How many threads (the caller included) share each call. Returns the count in use.
 // How long idle workers spin before they sleep (rounds of _mm_pause, ~10-40 ns each).
