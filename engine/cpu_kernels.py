@@ -39,7 +39,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-lpthread", "-lm")
 # projection shapes x 30 layers at 8 rows: int8 weights 15.2 -> 11.4 ms, int4 14.8 -> 13.6 ms
 # (noisy runs: 6-25%); the AVX512-VNNI figures are in engine/README.md.
 VNNI_FLAGS = ("-mavxvnni",)
-# prefer-vector-width keeps the rest of the file in 256-bit code, as the AVX2 build measured it.
+# prefer-vector-width keeps the rest of the file in 256-bit code, as the AVX2 build measured it
+# (gcc still chose 512-bit registers at 8 places in it, against 73 without).
 AVX512_VNNI_FLAGS = ("-mavx512vnni", "-mavx512vl", "-mprefer-vector-width=256")
 # kvharbor_int_dot()'s answer: which integer dot a build compiled.
 INT_DOTS = ("maddubs", "avx_vnni", "avx512_vnni")
