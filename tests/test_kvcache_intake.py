@@ -131,9 +131,12 @@ def test_replicas_split_the_streams_and_hand_them_over(any_redis):
 
     async def main():
         reference = await reference_of(engines, envelopes)
-        a, b = consumer(any_redis.url, "a"), consumer(any_redis.url, "b")
-        await steps(3, a, b)
-        await steps(6, a, b)  # streams a gave up to b once b joined are taken by b
+        # Rebalancing every step makes the hand-over a matter of rounds, not of how fast a round
+        # runs: with a 50 ms interval, four quick rounds could end before b looked again (a CI flake).
+        a, b = consumer(any_redis.url, "a", rebalance_interval=0), consumer(any_redis.url, "b", rebalance_interval=0)
+        await steps(1, a, b)  # a takes every stream before b joins; b finds them held
+        assert len(a.streams) == 12 and not b.streams
+        await steps(2, a, b)  # a gives b its share of the ring, and b takes it
         assert a.streams and b.streams and not set(a.streams) & set(b.streams)
         assert set(a.streams) | set(b.streams) == {e.stream for e in engines}
         ring = Ring(["a", "b"])
@@ -143,7 +146,7 @@ def test_replicas_split_the_streams_and_hand_them_over(any_redis):
         await same_state(a.index, reference, [h for c in cs for h in c])
         await a.stop()  # a graceful stop hands its streams back at once
         more = engines[0].publish(engines[0].stored(cs[0]))
-        await steps(4, b)
+        await steps(1, b)
         assert set(b.streams) == {e.stream for e in engines}
         assert b.stats.applied + a.stats.applied == len(envelopes) + len(more)
         await close(b)
