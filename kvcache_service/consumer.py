@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import gc
 import hashlib
 import logging
 import os
@@ -324,6 +325,10 @@ class EventConsumer:
         return sum(len(items) for items in entries.values())
 
     async def _process(self, entries: dict[str, list]) -> None:
+        with _gc_paused():
+            await self._apply_and_ack(entries)
+
+    async def _apply_and_ack(self, entries: dict[str, list]) -> None:
         good: list[StreamEvent] = []
         ids: dict[str, list[str]] = {}
         for stream, items in entries.items():
@@ -407,6 +412,22 @@ class EventConsumer:
         gone = [s for s, pair in self._registry.items() if pair in dead]
         if gone:
             await self.client.hdel(registry, *gone)
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    """Python's cyclic collector off for one batch. A batch keeps every event it parsed alive
+    (hundreds of thousands at a thousand streams), so the collections its allocations triggered
+    kept traversing them: 10 us of the intake's ~28 us of Python an event, measured at 1,000
+    engines on a 2-core EPYC (25k -> 34k events/s, one replica). Nothing in a batch forms a
+    cycle; what does is collected after it, when the collector is back on."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _parse(fields: dict | list, model: str, instance: str):
