@@ -471,7 +471,6 @@ class _Handler:
     async def _forward(self, call: _Call, route: Route, limit_headers: dict[str, str], request: Request) -> Response:
         state = self.state
         headers = inject({"x-request-id": call.rid})
-        first = route.engine
 
         async def pick_next(tried: set[str]) -> Engine | None:
             state.metrics.retries.labels(call.model.name).inc()
@@ -484,7 +483,7 @@ class _Handler:
             )  # fmt: skip
             return nxt.engine if nxt else None
 
-        await self._disaggregate(call, route, headers)
+        first = await self._disaggregate(call, route, headers)
 
         prompt = len(call.prompts[0])
 
@@ -594,9 +593,11 @@ class _Handler:
 
         return Continuation(resume, state.max_migrations, limit, len(call.prompts[0]), not call.body.return_token_ids)
 
-    async def _disaggregate(self, call: _Call, route: Route, headers: dict[str, str]) -> None:
+    async def _disaggregate(self, call: _Call, route: Route, headers: dict[str, str]) -> Engine:
         """P/D: decide, and when a prefill engine is worth it, run the prefill there (DESIGN §9).
-        A prefill that fails leaves the request colocated, counted as prefill_failed."""
+        A prefill that fails leaves the request colocated, counted as prefill_failed. Returns the
+        engine the request goes to: the routed one, or the prefill engine that serves a short
+        output whole."""
         state, model = self.state, call.model
         decision = await self._pd_decision(call, route)
         if decision.disaggregated:
@@ -606,6 +607,7 @@ class _Handler:
         state.metrics.pd_decisions.labels(model.name, decision.reason).inc()
         if call.span is not None:
             call.span.set_attribute("kvharbor.pd", decision.reason)
+        return decision.whole or route.engine
 
     async def _pd_decision(self, call: _Call, route: Route) -> Decision:
         state = self.state
@@ -617,7 +619,8 @@ class _Handler:
         if pool and call.pd_supported:  # what the prefill engines hold: their misses cost there
             found = await state.router.matches(call.model.name, call.hashes, pool) or {}
             held.update({e.url: found.get(e.instance_id or "", 0) for e in pool})
-        request = PDRequest(len(call.prompts[0]), held, call.block_size, call.model.slo_ttft_s, call.pd_supported)
+        request = PDRequest(len(call.prompts[0]), held, call.block_size, call.model.slo_ttft_s, call.pd_supported,
+                            call.body.max_new_tokens())  # fmt: skip
         configured = any(e.role == "prefill" for e in everyone)
         return decide(route.engine, pool, request, state.router.config.pd_min_gain_ms / 1000, configured)
 

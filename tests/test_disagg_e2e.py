@@ -202,6 +202,39 @@ def text(out: dict) -> str:
     return out["choices"][0]["message"]["content"]
 
 
+def test_a_short_output_is_served_by_the_prefill_engine_and_nothing_is_handed_over(pd):
+    """A ~2,400-token document and one output token: its ~110 MB of float32 KV would take the
+    decode engine longer to pull than the prefill engine's one decode step, so the prefill engine
+    serves it whole (gateway/disagg.py, short_output)."""
+    body = fresh_body("tides")
+    body["messages"][0]["content"] += "The tide rose over the harbor wall and fell back again. " * 200
+    assert text(post(pd["prefill"], body))  # the prefill engine has measured decode steps now
+    wait_for(lambda: load(pd["prefill"])["decode_step_ms"] > 0, what="a measured decode step")
+    want = text(post(pd["prefill"], {**body, "max_tokens": 1}))
+    client = openai.OpenAI(base_url=pd["gateway"].url + "/v1", api_key="sk-acme", max_retries=0, timeout=120)
+
+    def decided(reason: str) -> float:
+        return metric(metrics(pd["gateway"]), "kvharbor_gateway_pd_decisions_total", f'reason="{reason}"')
+
+    def served_whole() -> bool:
+        """One request; True when it went whole to the prefill engine (the gateway polls /load every
+        0.5 s: until it has seen the measured step, requests are handed over as before)."""
+        def decode_engine() -> tuple[float, float]:  # KV it pulled, chats it answered
+            m = metrics(pd["decode"])
+            chats = metric(m, "kvharbor_requests_total", 'endpoint="/v1/chat/completions",status="200"')
+            return metric(m, "kvharbor_kv_handoff_pulled_bytes_total"), chats
+
+        whole, before = decided("short_output"), decode_engine()
+        out = client.chat.completions.create(**{**body, "max_tokens": 1})
+        assert out.choices[0].message.content == want
+        if decided("short_output") == whole:
+            return False
+        assert decode_engine() == before  # no KV moved, and the decode engine never saw the request
+        return True
+
+    wait_for(served_whole, timeout=30, what="a short_output decision")
+
+
 def test_a_damaged_block_is_refused_and_recomputed(pd):
     body = fresh_body("rivers of Asia")
     want = text(post(pd["prefill"], body))

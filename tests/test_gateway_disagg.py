@@ -14,16 +14,21 @@ BS = 16
 KV_BYTES = 46_080  # SmolLM2 in float32, per token
 
 
-def engine(url: str, role: str, rate: float = 1000.0, waiting: int = 0, transfer_bps: float = 0.0) -> Engine:
+def engine(
+    url: str, role: str, rate: float = 1000.0, waiting: int = 0, transfer_bps: float = 0.0, step_ms: float = 0.0
+) -> Engine:
     load = LoadReport(role=role, prefill_tokens_per_s=rate, waiting_prefill_tokens=waiting,
-                      kv_bytes_per_token=KV_BYTES, kv_transfer_bytes_per_s=transfer_bps)  # fmt: skip
+                      kv_bytes_per_token=KV_BYTES, kv_transfer_bytes_per_s=transfer_bps,
+                      decode_step_ms=step_ms, decode_batch=1.0)  # fmt: skip
     e = Engine(url, "m", url[-1], load)
     e.polled = True
     return e
 
 
-def request(prompt: int, held: dict | None = None, slo: float = 2.0, supported: bool = True) -> Request:
-    return Request(prompt, held or {}, BS, slo, supported)
+def request(
+    prompt: int, held: dict | None = None, slo: float = 2.0, supported: bool = True, max_tokens: int | None = None
+) -> Request:
+    return Request(prompt, held or {}, BS, slo, supported, max_tokens)
 
 
 DECODE, PREFILL = engine("http://d", "decode"), engine("http://p", "prefill")
@@ -82,3 +87,25 @@ def test_roles_split_the_pool():
     assert decode_candidates([DECODE, PREFILL, both]) == [DECODE, both]
     assert prefill_pool([DECODE, PREFILL, both]) == [PREFILL]
     assert decode_candidates([PREFILL]) == [PREFILL]  # nothing else runs: whole requests go there
+
+
+def test_a_short_output_is_served_whole_by_the_prefill_engine():
+    """2048 tokens of float32 KV take 0.19 s to pull at 500 MB/s: four 40 ms steps on the prefill
+    engine cost less, so nothing is handed over; 128 steps cost more, so it is."""
+    prefill = engine("http://p", "prefill", step_ms=40.0)
+    d = decide(DECODE, [prefill], request(2048, max_tokens=4), 0.05)
+    assert d.reason == "short_output" and d.whole is prefill and not d.disaggregated
+    assert d.ttft_s == pytest.approx(2.048)  # the prefill engine's prefill, no transfer
+    assert decide(DECODE, [prefill], request(2048, max_tokens=128), 0.05).disaggregated
+    assert decide(DECODE, [prefill], request(2048, max_tokens=None), 0.05).disaggregated  # no limit: it may be long
+
+
+def test_a_short_output_uses_the_decode_engines_step_when_the_prefill_engine_has_none():
+    """A prefill engine that never decoded has no step of its own: the decode engine's (the same
+    model) stands in; with neither measured, the request is handed over as before."""
+    assert decide(DECODE, [PREFILL], request(2048, max_tokens=4), 0.05).disaggregated  # nothing measured
+    measured = engine("http://d", "decode", step_ms=40.0)
+    d = decide(measured, [PREFILL], request(2048, max_tokens=4), 0.05)
+    assert d.reason == "short_output" and d.whole is PREFILL
+    fast_link = engine("http://d", "decode", step_ms=40.0, transfer_bps=10e9)  # 9 ms to pull: hand it over
+    assert decide(fast_link, [PREFILL], request(2048, max_tokens=4), 0.05).disaggregated
