@@ -20,7 +20,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -483,7 +483,8 @@ class _Handler:
             )  # fmt: skip
             return nxt.engine if nxt else None
 
-        first = await self._disaggregate(call, route, headers)
+        route = await self._disaggregate(call, route, headers)
+        first = route.engine
 
         prompt = len(call.prompts[0])
 
@@ -593,13 +594,13 @@ class _Handler:
 
         return Continuation(resume, state.max_migrations, limit, len(call.prompts[0]), not call.body.return_token_ids)
 
-    async def _disaggregate(self, call: _Call, route: Route, headers: dict[str, str]) -> Engine:
+    async def _disaggregate(self, call: _Call, route: Route, headers: dict[str, str]) -> Route:
         """P/D: decide, and when a prefill engine is worth it, run the prefill there (DESIGN §9).
         A prefill that fails leaves the request colocated, counted as prefill_failed. Returns the
-        engine the request goes to: the routed one, or the prefill engine that serves a short
-        output whole."""
+        route the request takes: the routed one, or one to the prefill engine that serves a short
+        output whole (with what that engine holds of the prompt, and its KV format)."""
         state, model = self.state, call.model
-        decision = await self._pd_decision(call, route)
+        decision, held = await self._pd_decision(call, route)
         if decision.disaggregated:
             call.transfer = await self._prefill(call, route, decision.prefill, headers)
             if call.transfer is None:
@@ -607,12 +608,16 @@ class _Handler:
         state.metrics.pd_decisions.labels(model.name, decision.reason).inc()
         if call.span is not None:
             call.span.set_attribute("kvharbor.pd", decision.reason)
-        return decision.whole or route.engine
+        if decision.whole is None:
+            return route
+        formats = {**route.kv_formats, decision.whole.url: decision.whole.load.kv_format}
+        return replace(route, held=held, kv_formats=formats).to(decision.whole, "short_output")
 
-    async def _pd_decision(self, call: _Call, route: Route) -> Decision:
+    async def _pd_decision(self, call: _Call, route: Route) -> tuple[Decision, dict[str, int]]:
+        """The decision, and the blocks of the prompt each engine holds (the prefill pool's too)."""
         state = self.state
         if state.router.config.disaggregation == "off":
-            return Decision(None, "off")
+            return Decision(None, "off"), route.held
         everyone = handoff_peers(state.pool.all(call.model.name), route.engine, call.adapter)
         pool = prefill_pool([e for e in everyone if e.routable])
         held = dict(route.held)
@@ -622,7 +627,7 @@ class _Handler:
         request = PDRequest(len(call.prompts[0]), held, call.block_size, call.model.slo_ttft_s, call.pd_supported,
                             call.body.max_new_tokens())  # fmt: skip
         configured = any(e.role == "prefill" for e in everyone)
-        return decide(route.engine, pool, request, state.router.config.pd_min_gain_ms / 1000, configured)
+        return decide(route.engine, pool, request, state.router.config.pd_min_gain_ms / 1000, configured), held
 
     async def _prefill(self, call: _Call, route: Route, engine: Engine, headers: dict[str, str]) -> dict | None:
         """The prompt's prefill on `engine`, kept there for the decode engine: its hand-off, or None."""

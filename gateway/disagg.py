@@ -101,12 +101,14 @@ def decide(
     gain = (here / rate if rate > 0 else math.inf) - transfer
     if request.prompt_tokens < request.block_size or gain < min_gain_s:
         return Decision(None, "short_prompt", gain, colocated)
-    pd_ttft = best_ttft + transfer
-    if pd_ttft > request.slo_ttft_s >= colocated:
+    # Served whole, the request pays no transfer: its TTFT there is the prefill engine's own.
+    whole = decode_there_s(best, decode, request.max_new_tokens) <= transfer
+    ttft = best_ttft if whole else best_ttft + transfer
+    if ttft > request.slo_ttft_s >= colocated:
         return Decision(None, "ttft", gain, colocated)
-    if decode_there_s(best, decode, request.max_new_tokens) <= transfer:
-        return Decision(None, "short_output", gain, best_ttft, whole=best)
-    return Decision(best, "disaggregated", gain, pd_ttft)
+    if whole:
+        return Decision(None, "short_output", gain, ttft, whole=best)
+    return Decision(best, "disaggregated", gain, ttft)
 
 
 def decode_there_s(prefill: Engine, decode: Engine, max_new_tokens: int | None) -> float:

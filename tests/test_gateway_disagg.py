@@ -98,6 +98,10 @@ def test_a_short_output_is_served_whole_by_the_prefill_engine():
     assert d.ttft_s == pytest.approx(2.048)  # the prefill engine's prefill, no transfer
     assert decide(DECODE, [prefill], request(2048, max_tokens=128), 0.05).disaggregated
     assert decide(DECODE, [prefill], request(2048, max_tokens=None), 0.05).disaggregated  # no limit: it may be long
+    # Served whole it pays no transfer, so the TTFT rule judges it by the prefill alone: 2.05 s
+    # meets a 2.1 s SLO that the hand-off (2.24 s) would miss.
+    assert decide(DECODE, [prefill], request(2048, slo=2.1, max_tokens=4), 0.05).reason == "short_output"
+    assert decide(DECODE, [prefill], request(2048, slo=2.1, max_tokens=128), 0.05).reason == "ttft"
 
 
 def test_a_short_output_uses_the_decode_engines_step_when_the_prefill_engine_has_none():
