@@ -216,14 +216,14 @@ def test_a_short_output_is_served_by_the_prefill_engine_and_nothing_is_handed_ov
     def decided(reason: str) -> float:
         return metric(metrics(pd["gateway"]), "kvharbor_gateway_pd_decisions_total", f'reason="{reason}"')
 
+    def decode_engine() -> tuple[float, float]:  # KV it pulled, chats it answered
+        m = metrics(pd["decode"])
+        chats = metric(m, "kvharbor_requests_total", 'endpoint="/v1/chat/completions",status="200"')
+        return metric(m, "kvharbor_kv_handoff_pulled_bytes_total"), chats
+
     def served_whole() -> bool:
         """One request; True when it went whole to the prefill engine (the gateway polls /load every
         0.5 s: until it has seen the measured step, requests are handed over as before)."""
-        def decode_engine() -> tuple[float, float]:  # KV it pulled, chats it answered
-            m = metrics(pd["decode"])
-            chats = metric(m, "kvharbor_requests_total", 'endpoint="/v1/chat/completions",status="200"')
-            return metric(m, "kvharbor_kv_handoff_pulled_bytes_total"), chats
-
         whole, before = decided("short_output"), decode_engine()
         out = client.chat.completions.create(**{**body, "max_tokens": 1})
         assert out.choices[0].message.content == want
