@@ -437,13 +437,18 @@ class _Handler:
                 headers={"Retry-After": "5"},
             ) from None
         state.metrics.queue_seconds.labels(call.tenant.name).observe(queued)
-        state.metrics.routes.labels(model.name, route.reason).inc()
-        state.metrics.prompt_blocks.labels(model.name).inc(route.prompt_blocks)
-        state.metrics.matched_blocks.labels(model.name).inc(route.matched_blocks)
-        if call.adapter:  # before the request is sent: then it makes its adapter active there
-            slot = adapter_slot(route.engine, call.adapter).value
-            state.metrics.adapter_routes.labels(model.name, call.adapter, slot).inc()
         return route
+
+    def _count_route(self, call: _Call, route: Route) -> None:
+        """The route the request takes, once P/D has had its say (a short output served whole by a
+        prefill engine counts there, as short_output), before it is sent: the adapter slot is the
+        one it finds."""
+        m, model = self.state.metrics, call.model.name
+        m.routes.labels(model, route.reason).inc()
+        m.prompt_blocks.labels(model).inc(route.prompt_blocks)
+        m.matched_blocks.labels(model).inc(route.matched_blocks)
+        if call.adapter:
+            m.adapter_routes.labels(model, call.adapter, adapter_slot(route.engine, call.adapter).value).inc()
 
     def _payload(self, call: _Call, route: Route, engine: Engine) -> dict:
         payload = {
@@ -484,6 +489,7 @@ class _Handler:
             return nxt.engine if nxt else None
 
         route = await self._disaggregate(call, route, headers)
+        self._count_route(call, route)
         first = route.engine
 
         prompt = len(call.prompts[0])

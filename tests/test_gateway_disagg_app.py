@@ -1,0 +1,94 @@
+"""The gateway app's P/D wiring, in-process (httpx's ASGI transport in front of fake engines behind
+httpx.MockTransport): what `decide` says is what the engines are sent, and what the metrics count.
+The slow e2e tests (test_disagg_e2e.py) run the same paths with real engines."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import httpx
+from gateway_state import gateway_state, polled_pool
+
+from kvharbor.gateway.app import build_app
+from kvharbor.gateway.tenants import hash_key
+
+MODEL = "pd-m"
+PROMPT = [(i * 11) % 900 + 1 for i in range(900)]  # 56 full blocks of 16, nothing cached anywhere
+TENANTS = {"tenants": [{"name": "acme", "api_keys": [hash_key("sk-acme")]}]}
+# Both engines measured alike: 1,000 prefill tokens/s and a 40 ms decode step. SmolLM2's float32
+# KV (46,080 bytes a token) at the 500 MB/s assumed before a first pull: 56 blocks take 83 ms.
+MEASURED = {"prefill_tokens_per_s": 1000.0, "decode_step_ms": 40.0, "decode_batch": 1.0, "kv_bytes_per_token": 46_080}
+ROLES = {"http://p": "prefill", "http://d": "decode"}
+
+
+class FakeEngines:
+    """Records each call as (engine letter, payload); a non-streamed call asking for a hand-off gets
+    one back, a streamed one a one-token answer."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        self.calls.append((request.url.host, body))
+        usage = {"prompt_tokens": len(body["prompt_token_ids"]), "completion_tokens": 1, "total_tokens": 901}
+        if not body.get("stream"):
+            handoff = {"remote_handle": "h1", "remote_port": 1, "remote_block_ids": []}
+            answer = {"choices": [{"index": 0, "text": "a", "finish_reason": "length"}], "usage": usage,
+                      "kv_transfer_params": handoff}  # fmt: skip
+            return httpx.Response(200, json=answer)
+        chunks = [{"choices": [{"index": 0, "text": "a"}]}, {"choices": [], "usage": usage}]
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+
+def serve(max_tokens: int) -> tuple[list[tuple[str, dict]], str]:
+    """One streamed completion of PROMPT through the gateway: the engines' calls and /metrics."""
+
+    async def main():
+        fake = FakeEngines()
+        http = httpx.AsyncClient(transport=httpx.MockTransport(fake))
+        pool = polled_pool(http, MODEL, list(ROLES), lambda url: {**MEASURED, "role": ROLES[url]})
+        state = gateway_state(http, pool, {MODEL: None}, TENANTS)
+        transport = httpx.ASGITransport(app=build_app(state))
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=30) as client:
+                body = {"model": MODEL, "prompt_token_ids": PROMPT, "max_tokens": max_tokens, "stream": True}
+                reply = await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-acme"})
+                assert reply.status_code == 200 and "[DONE]" in reply.text, reply.text
+                return fake.calls, (await client.get("/metrics")).text
+        finally:
+            await http.aclose()
+
+    return asyncio.run(main())
+
+
+def count(metrics: str, series: str) -> float:
+    match = re.search(rf"^{re.escape(series)} (\S+)$", metrics, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_short_output_is_sent_whole_to_the_prefill_engine_and_counted_there():
+    """One token takes the prefill engine 40 ms, less than the 83 ms pull: it serves the request,
+    no hand-off is asked for, and the route is counted as short_output, not as the decode engine's."""
+    calls, metrics = serve(max_tokens=1)
+    assert [host for host, _ in calls] == ["p"]
+    assert calls[0][1]["stream"] is True and "kv_transfer_params" not in calls[0][1]
+    assert count(metrics, f'kvharbor_gateway_pd_decisions_total{{model="{MODEL}",reason="short_output"}}') == 1
+    assert count(metrics, f'kvharbor_gateway_routing_decisions_total{{model="{MODEL}",reason="short_output"}}') == 1
+    series = rf'^kvharbor_gateway_routing_decisions_total{{model="{MODEL}",reason="(\w+)"}} (\S+)$'
+    routed = re.findall(series, metrics, re.M)
+    assert [r for r, n in routed if float(n)] == ["short_output"]
+
+
+def test_a_long_output_is_prefilled_on_the_prefill_engine_and_handed_to_the_decode_engine():
+    """64 tokens take the prefill engine 2.6 s: the prompt is prefilled there and its hand-off sent
+    to the decode engine, whose route is the one counted."""
+    calls, metrics = serve(max_tokens=64)
+    assert [host for host, _ in calls] == ["p", "d"]
+    assert calls[0][1]["kv_transfer_params"] == {"do_remote_decode": True} and calls[0][1]["stream"] is False
+    assert calls[1][1]["kv_transfer_params"]["remote_handle"] == "h1" and calls[1][1]["stream"] is True
+    assert count(metrics, f'kvharbor_gateway_pd_decisions_total{{model="{MODEL}",reason="disaggregated"}}') == 1
+    assert count(metrics, f'kvharbor_gateway_routing_decisions_total{{model="{MODEL}",reason="short_output"}}') == 0
