@@ -16,7 +16,8 @@ running (its memory is then not known).
   e.g. kv-int8 or gguf+kv-int8), the server's peak RSS (the
   VmHWM of the API server plus its engine core process, read from /proc before it stops);
 - quality: benchmarks/quality.py's columns for the same modes (run as a subprocess first, or read
-  from --quality-json).
+  from --quality-json: the report then says when and on which CPU they were measured, and
+  whether that is this machine's).
 
     python benchmarks/quant_ledger.py [--modes none,int8,int4,gguf,kv-int8] [--llama-server /path/to/llama-server]
 
@@ -98,7 +99,9 @@ def serve_llama(args: argparse.Namespace, logs: Path) -> dict:
     return result
 
 
-def quality_rows(args: argparse.Namespace, modes: list[str]) -> dict[str, dict]:
+def quality_rows(args: argparse.Namespace, modes: list[str]) -> tuple[dict[str, dict], dict]:
+    """Each mode's quality columns, and where they come from: this run, or --quality-json's file
+    (its time and machine, and whether that machine's CPU is this one's: the report says so)."""
     path = args.quality_json
     if path is None:
         path = RESULTS / "quality.json"
@@ -106,8 +109,25 @@ def quality_rows(args: argparse.Namespace, modes: list[str]) -> dict[str, dict]:
         cmd = [sys.executable, str(Path(__file__).with_name("quality.py")), "--modes", lossy, "--out", str(path)]
         print("quality ledger (benchmarks/quality.py) ...", file=sys.stderr)
         subprocess.run(cmd, check=True)
-    rows = json.loads(Path(path).read_text())["rows"]
-    return {r["mode"]: {k: r[k] for k in QUALITY_KEYS} for r in rows}
+    report = json.loads(Path(path).read_text())
+    machine = report.get("machine") or {}
+    source = {"path": str(path), "ran_here": args.quality_json is None, "when": report.get("when"),
+              "machine": machine, "same_cpu": same_cpu(machine, machine_record())}  # fmt: skip
+    return {r["mode"]: {k: r[k] for k in QUALITY_KEYS} for r in report["rows"]}, source
+
+
+def same_cpu(a: dict, b: dict) -> bool:
+    return all(a.get(k) == b.get(k) for k in ("cpu_model", "arch", "cores", "isa"))
+
+
+def quality_note(source: dict) -> str:
+    if source["ran_here"]:
+        return "quality columns: measured in this run"
+    m = source["machine"]
+    where = f"{m.get('cpu_model', '?')}, {m.get('cores', '?')} cores" if m else "an unrecorded machine"
+    flags = ", ".join(k for k, v in (m.get("isa") or {}).items() if v) or "no flags recorded"
+    other = "" if source["same_cpu"] else " (NOT this machine's CPU: KL and top-1 can differ with the kernels it takes)"
+    return f"quality columns: from {source['path']}, measured {source['when'] or '?'} on {where} ({flags}){other}"
 
 
 def summary_row(label: str, result: dict, base: dict | None) -> dict:
@@ -225,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     levels = [int(c) for c in args.concurrency.split(",")]
-    ledgers = quality_rows(args, args.modes)
+    ledgers, quality_source = quality_rows(args, args.modes)
     results = {m: serve_kvharbor(m, args, logs) for m in args.modes}
     if args.llama_server or args.peer_url:
         results["llama-server"] = serve_llama(args, logs)
@@ -234,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
              f"tokens — {machine_title('float32')}")  # fmt: skip
     print(title)
     print(table(rows, levels))
+    print(quality_note(quality_source))
     for r in rows:
         if "vs_llama_server" in r:
             print(
@@ -245,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
               "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                            "output_len": args.output_len, "concurrency": levels, "shared_prefix": 0,
                            "prompts": "random token ids (benchmarks/serve.py), ignore_eos, temperature 0"},
-              "rows": rows, "runs": results}  # fmt: skip
+              "quality_source": quality_source, "rows": rows, "runs": results}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     plot(rows, levels, args.out.with_suffix(".png"), title)

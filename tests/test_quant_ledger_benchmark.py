@@ -67,3 +67,22 @@ def test_rows_carry_ratios_to_none():
     assert base["c1"]["tok_s_ratio"] == 1.0 and "vs_llama_server" not in base and peer["quality"] is None
     text = quant_ledger.table([base, row, peer], [1, 8])
     assert "kvharbor gguf+kv-int8" in text and "1.50" in text and "256" in text  # peak RSS in MiB
+
+
+def test_quality_read_from_a_file_says_when_and_where_it_was_measured(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    from kvharbor.common.machine import machine_record
+
+    row = {"mode": "int8", **{k: 0.5 for k in quant_ledger.QUALITY_KEYS}}
+    other = {**machine_record(), "cpu_model": "Another CPU"}
+    for machine, same in ((machine_record(), True), (other, False)):
+        path = tmp_path / f"quality-{same}.json"
+        path.write_text(json.dumps({"when": "2026-12-01T19:55:12", "machine": machine, "rows": [row]}))
+        ledgers, source = quant_ledger.quality_rows(SimpleNamespace(quality_json=path), ["int8"])
+        assert ledgers == {"int8": {k: 0.5 for k in quant_ledger.QUALITY_KEYS}}
+        assert source["same_cpu"] is same and not source["ran_here"]
+        note = quant_ledger.quality_note(source)
+        assert str(path) in note and "2026-12-01T19:55:12" in note
+        assert ("NOT this machine's CPU" in note) is not same
