@@ -9,7 +9,9 @@ Extension fields, beyond OpenAI:
                     kv_prefix_source ("local" | "shared": where already computed blocks may come from),
                     speculative (false: opt out of the engine's speculative decoding),
                     kv_transfer_params (P/D, vLLM's name: see KVTransferParams),
-                    continued_text (a migrated stream's text the client has not had: it opens the output)
+                    continued_text (a migrated stream's text the client has not had: it opens the output),
+                    text_offset (completions: where the answer's text starts in the client's, for
+                    logprobs' text_offset; a migrated stream's continuation goes on from the text streamed)
 """
 
 from __future__ import annotations
@@ -216,6 +218,7 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
+    text_offset: Annotated[int, Field(ge=0)] = 0  # kvharbor's: see the module docstring
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:

@@ -281,7 +281,10 @@ class _Routes:
                     "lora": lora,
                 },
             )
-        builder = ResponseBuilder(kind, rid, lora or self.state.model, self.tokenizer, params.n, body.return_token_ids)
+        builder = ResponseBuilder(
+            kind, rid, lora or self.state.model, self.tokenizer, params.n, body.return_token_ids,
+            getattr(body, "text_offset", 0),  # completions only: chat logprobs carry no offsets
+        )  # fmt: skip
         run = _Run(self.state, streams, arrival, request.url.path, rid, span)
         if body.stream:
             return StreamingResponse(
@@ -514,11 +517,13 @@ class _Run:
                     if not (sample.delta_text or sample.delta_token_ids or sample.finish_reason):
                         continue
                     index = k * builder.n + sample.index
-                    if index not in offsets and echo[k]:
-                        yield sse(builder.text_chunk(index, echo[k]))
-                        offsets[index] = len(echo[k])
-                    chunk = builder.delta_chunk(index, sample, want_logprobs, offsets.get(index, 0))
-                    offsets[index] = offsets.get(index, 0) + len(sample.delta_text)
+                    if index not in offsets:
+                        offsets[index] = builder.text_offset
+                        if echo[k]:
+                            yield sse(builder.text_chunk(index, echo[k]))
+                            offsets[index] += len(echo[k])
+                    chunk = builder.delta_chunk(index, sample, want_logprobs, offsets[index])
+                    offsets[index] += len(sample.delta_text)
                     yield sse(chunk)
                 if out.finished and out.error:
                     status = 500

@@ -45,9 +45,17 @@ class ResponseBuilder:
     """Shapes for one API request: `kind` is "chat" or "completion"."""
 
     def __init__(
-        self, kind: str, response_id: str, model: str, tokenizer: Tokenizer | None, n: int, token_ids: bool = False
+        self,
+        kind: str,
+        response_id: str,
+        model: str,
+        tokenizer: Tokenizer | None,
+        n: int,
+        token_ids: bool = False,
+        text_offset: int = 0,
     ) -> None:
         self.kind = kind
+        self.text_offset = text_offset  # where each choice's text starts in the client's (completions' logprobs)
         self.token_ids = token_ids  # vLLM's return_token_ids: each choice carries its (delta) token ids
         self.id = response_id
         self.model = model
@@ -116,7 +124,7 @@ class ResponseBuilder:
             choice = {
                 "index": index,
                 "text": prefix + sample.text,
-                "logprobs": self.completion_logprobs(lps, len(prefix)) if want_logprobs else None,
+                "logprobs": self.completion_logprobs(lps, self.text_offset + len(prefix)) if want_logprobs else None,
                 "finish_reason": finish_reason(sample),
             }
         if self.token_ids:

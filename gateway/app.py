@@ -57,8 +57,11 @@ log = logging.getLogger("kvharbor.gateway.api")
 # other tenants' cache); request_id is made unique per attempt (the client's stays in the logs
 # and x-request-id); kv_prefix_source and kv_transfer_params make an engine pull KV from elsewhere
 # or connect out, so only the router may set them.
-# continued_text opens an engine's output with text of the gateway's choosing (a migrated stream's).
-GATEWAY_FIELDS = ("cache_salt", "priority", "request_id", "kv_prefix_source", "kv_transfer_params", "continued_text")
+# continued_text opens an engine's output with text of the gateway's choosing (a migrated stream's),
+# and text_offset places it in the client's text.
+GATEWAY_FIELDS = (
+    "cache_salt", "priority", "request_id", "kv_prefix_source", "kv_transfer_params", "continued_text", "text_offset",
+)  # fmt: skip
 
 
 @dataclass
@@ -738,6 +741,8 @@ def continued_payload(
     payload.pop("kv_transfer_params", None)  # a P/D hand-off is used once; this prefill is new
     if call.kind == "completion":
         payload["echo"] = False  # the client has the prompt's echo already
+        if delivered is not None:  # logprobs' text_offset goes on from the text the client has
+            payload["text_offset"] = len(delivered)
     if limit is not None:
         payload.pop("max_completion_tokens", None)
         payload["max_tokens"] = limit - len(streamed)

@@ -386,6 +386,18 @@ def test_a_continuation_opens_with_the_text_the_failed_engine_held_back():
     assert "continued_text" not in continued_payload({}, _call_with_stop(["END"]), [1, 2, 3], None, 1, "The EN")
 
 
+def test_a_completions_continuation_places_its_logprob_offsets_after_the_text_the_client_has():
+    from types import SimpleNamespace
+
+    from kvharbor.gateway.app import continued_payload
+
+    call = SimpleNamespace(prompts=[[7]], kind="completion", engine_rid="r", body=SimpleNamespace(stop=None),
+                           model=SimpleNamespace(tokenizer=None))  # fmt: skip
+    assert continued_payload({"echo": True}, call, [1, 2], None, 1, "Paris, th")["text_offset"] == 9
+    chat = continued_payload({}, _call_with_stop(["END"]), [1, 2, 3], None, 1, "The ")
+    assert "text_offset" not in chat  # chat logprobs carry no offsets
+
+
 def test_the_text_a_failed_engine_held_back_is_what_the_continuation_opens_with():
     """gateway/app.py's held_text: the streamed tokens' text beyond what the client has (the engine
     held it back: it could start a stop string); nothing without stop strings or when the decoded

@@ -183,6 +183,34 @@ def test_token_ids_returned_and_a_continuation_from_them_ends_the_same(server):
     assert done + cont["message"]["content"] == whole["choices"][0]["message"]["content"]
 
 
+def test_a_completion_continued_from_its_streamed_text_goes_on_with_the_same_logprob_offsets(server):
+    """text_offset (kvharbor's): a migrated completion's continuation, told where its text starts in
+    the client's, gives each token the text_offset an unbroken stream would have; 0 is the default."""
+    prompt = httpx.post(server.url + "/tokenize", json={"model": MODEL, "prompt": "The capital of France is"}).json()
+    body = {"model": MODEL, "prompt_token_ids": prompt["tokens"], "temperature": 0, "max_tokens": 10, "logprobs": 0,
+            "return_token_ids": True, "stream": True}  # fmt: skip
+
+    def streamed(request: dict) -> tuple[list[int], list[int], str]:
+        with httpx.stream("POST", server.url + "/v1/completions", json=request, timeout=60) as r:
+            choices = [c for line in r.iter_lines() if line.startswith("data: {")
+                       for c in json.loads(line[6:])["choices"]]  # fmt: skip
+        offsets = [o for c in choices if c.get("logprobs") for o in c["logprobs"]["text_offset"]]
+        return [t for c in choices for t in c.get("token_ids", [])], offsets, "".join(c["text"] for c in choices)
+
+    ids, offsets, text = streamed(body)
+    assert len(ids) == len(offsets) == 10 and offsets[0] == 0
+    k = 4
+    done = httpx.post(server.url + "/detokenize", json={"model": MODEL, "tokens": ids[:k]}).json()["prompt"]
+    assert text.startswith(done)
+    rest = {**body, "prompt_token_ids": prompt["tokens"] + ids[:k], "max_tokens": 10 - k, "text_offset": len(done)}
+    cont_ids, cont_offsets, _ = streamed(rest)
+    assert cont_ids == ids[k:] and cont_offsets == offsets[k:]
+    whole = httpx.post(server.url + "/v1/completions", json={**rest, "stream": False}, timeout=60).json()
+    assert whole["choices"][0]["logprobs"]["text_offset"] == offsets[k:]
+    bad = httpx.post(server.url + "/v1/completions", json={**rest, "text_offset": -1}, timeout=60)
+    assert bad.status_code == 400 and "text_offset" in bad.text
+
+
 def test_completions_streamed_and_not(client):
     full = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     streamed = "".join(
