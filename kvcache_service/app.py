@@ -170,6 +170,7 @@ class _Routes:
                 "claimed": intake.claimed,
                 "acked": intake.acked,
                 "swept": intake.swept,
+                "old_layout_removed": intake.old_layout_removed,
                 "errors": intake.errors,
                 "last_error": intake.last_error,
             },

@@ -38,6 +38,7 @@ import socket
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvharbor.common.kv_events import MalformedEvent, from_fields
 from kvharbor.common.redis_client import Call, Script, SlotPipelines
@@ -84,6 +85,9 @@ return 0
 )
 
 RING_POINTS = 64
+# Keys of an older index layout the leader removes each sweep (SCAN pages and UNLINKs of this many):
+# bounded, so the intake it runs between stays on time; a 10M-entry index has ~600k of them.
+OLD_KEYS_PER_SWEEP = 2000
 
 
 def default_consumer_name() -> str:
@@ -120,6 +124,7 @@ class IntakeStats:
     errors: int = 0
     handoffs: int = 0  # streams given up or lost to another replica
     resyncs_requested: int = 0  # times this replica found part of the index lost
+    old_layout_removed: int = 0  # keys of an older index layout this replica removed (as leader)
     members: int = 0
     leader: bool = False  # this replica sweeps lapsed leases
     healthy: bool = False
@@ -162,6 +167,8 @@ class EventConsumer:
         self._registry: dict[str, tuple[str, str]] = {}  # every registered stream -> (model, instance)
         self._marked: set[str] = set()  # models whose shard markers this replica has put or seen
         self._layout_claimed = False  # whether this replica recorded the index layout it writes
+        self._old_keys: Any = None  # the leader's SCAN of an older layout's keys, while one runs
+        self._old_layout_done = False  # none left, as far as this replica knows
         self._slots = SlotPipelines(client)
         self._stopping = asyncio.Event()
         self._next_rebalance = 0.0
@@ -222,6 +229,7 @@ class EventConsumer:
             await self._slots.run([Call(k, (self.consumer,), _RELEASE, (k,)) for k in owned])
             await self.client.zrem(self.members_key, self.consumer)
         self.streams.clear()
+        await self._drop_old_key_scan()
         await self._slots.close()
 
     async def _sleep(self, seconds: float) -> None:
@@ -372,6 +380,47 @@ class EventConsumer:
             log.info("instance lease expired; its KV entries were swept", extra={"model": model, "instance": instance})
         self.stats.swept += len(swept)
         await self._unregister(swept)
+        await self._remove_old_layout()
+
+    async def _remove_old_layout(self) -> None:
+        """Up to OLD_KEYS_PER_SWEEP keys of an older index layout (left by an upgrade, never read
+        again) are removed each sweep; the mark that some remain goes once a whole SCAN found no
+        more. A failure drops the SCAN: the next leader's sweep starts it again."""
+        if self._old_layout_done:
+            return
+        if self._old_keys is None:
+            if not await self.index.old_layout_left():
+                self._old_layout_done = True
+                return
+            self._old_keys = self.index.old_layout_keys()
+        try:
+            keys, finished = await self._next_old_keys()
+            if keys:
+                await self.index.unlink(keys)
+                self.stats.old_layout_removed += len(keys)
+        except BaseException:
+            await self._drop_old_key_scan()
+            raise
+        if finished:
+            self._old_keys, self._old_layout_done = None, True
+            await self.index.old_layout_removed()
+            log.info("the older index layout's keys are gone", extra={"removed": self.stats.old_layout_removed})
+
+    async def _next_old_keys(self) -> tuple[list[bytes], bool]:
+        """The SCAN's next keys, and whether it has ended."""
+        keys: list[bytes] = []
+        try:
+            while len(keys) < OLD_KEYS_PER_SWEEP:
+                keys.append(await anext(self._old_keys))
+        except StopAsyncIteration:
+            return keys, True
+        return keys, False
+
+    async def _drop_old_key_scan(self) -> None:
+        scan, self._old_keys = self._old_keys, None
+        if scan is not None:
+            with contextlib.suppress(Exception):
+                await scan.aclose()
 
     async def _check_shards(self) -> None:
         """Ask every engine to re-sync when a block shard of a model this replica had marked

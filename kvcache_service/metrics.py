@@ -34,6 +34,8 @@ class _SnapshotCollector:
             malformed.add_metric([reason], n)
         yield malformed
         yield _counter("instances_swept", "Instances dropped after their lease expired", intake["swept"])
+        old = intake["old_layout_removed"]
+        yield _counter("old_layout_keys_removed", "Keys of an older index layout removed (an upgrade left)", old)
         leader = int(intake["leader"])
         yield _gauge("intake_leader", "1 while this replica sweeps lapsed leases (the first member)", leader)
         yield _gauge("intake_streams", "Engine event streams this replica consumes", len(intake["streams"]))

@@ -13,6 +13,7 @@ Layout (P = kvharbor:idx:, M = model, I = instance; tags from common/redis_keys.
     P{M:I}:own               intake owner of the instance's stream (the fence), PX ttl
     P{M}:holders             HASH holder id -> "I\\nlease", to name the holders a lookup finds
     P models, P block_size, P instances   small global keys
+    P layout, P layout:old   the shard key layout (LAYOUT); set while keys of an older one remain
 
 Why block -> holders: a lookup reads the prompt's blocks, not the instances. On a single Redis one
 script reads the chain in order and stops at the first block nobody holds; on a cluster one script
@@ -48,9 +49,10 @@ import contextlib
 import functools
 import hashlib
 import logging
+import re
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 from kvharbor.common.block_hash import DIGEST_SIZE, BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored, EventEnvelope, Tier
@@ -95,6 +97,9 @@ BUCKET_BYTES = 2
 # written in another layout are not where this build reads them, so the intake asks every engine
 # to re-sync (`claim_layout`).
 LAYOUT = "2"
+# Layout 1's block shard keys (`:b:` then a decimal bucket, or `m` for the marker). Nothing reads
+# them once an intake replica has claimed layout 2; the leader removes them a batch per sweep.
+_LAYOUT_1_KEY = re.compile(rb"\{[^{}]*:[a-z]\d\d\}:b:(?:\d+|m)")
 HOLDER_BYTES = 8
 # A lookup re-reads a holder's lease key at most this often (in the background for readings up
 # to twice as old): no second round trip on most lookups, for an engine that dies dropping out
@@ -768,7 +773,34 @@ class RedisIndex:
         key, registered = self._global("layout"), self._global("instances")
         calls = [Call(key, ("SET", key, LAYOUT, "GET")), Call(registered, ("HLEN", registered))]
         old, instances = await self._run(calls)
-        return old != LAYOUT.encode() and (old is not None or int(instances) > 0)
+        if old == LAYOUT.encode() or (old is None and not int(instances)):
+            return False
+        old_key = self._global("layout:old")
+        await self._run([Call(old_key, ("SET", old_key, old or b"1"))])  # its keys are to be removed
+        return True
+
+    async def old_layout_left(self) -> bool:
+        """Whether keys of an older layout may remain (`claim_layout` found one; `old_layout_removed`
+        has not been called since)."""
+        key = self._global("layout:old")
+        (found,) = await self._run([Call(key, ("EXISTS", key))])
+        return bool(int(found))
+
+    async def old_layout_keys(self, page: int = 1000) -> AsyncIterator[bytes]:
+        """The block shard keys of layout 1, SCANned on every node (pages of `page`), checked
+        against the old key's form so no other key of the index can be taken for one."""
+        prefix = self._prefix.encode()
+        pattern = self._prefix + "{*}:b:*"
+        async for key in self._client.scan_iter(match=pattern, count=page):
+            if key.startswith(prefix) and _LAYOUT_1_KEY.fullmatch(key, len(prefix)):
+                yield key
+
+    async def unlink(self, keys: Sequence[bytes]) -> None:
+        await self._run([Call(_text(k), ("UNLINK", k)) for k in keys])
+
+    async def old_layout_removed(self) -> None:
+        key = self._global("layout:old")
+        await self._run([Call(key, ("DEL", key))])
 
     async def block_size(self, model: str) -> int | None:
         key = self._global("block_size")

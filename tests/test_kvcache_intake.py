@@ -7,6 +7,7 @@ are skipped and counted."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import random
 
@@ -17,6 +18,7 @@ from kvharbor.common.kv_events import BlockStored, EventEnvelope, to_fields
 from kvharbor.common.redis_client import Call, connect, connect_sync
 from kvharbor.common.redis_keys import INDEX_PREFIX, resync_key, stream_key
 from kvharbor.kvcache_service.consumer import EventConsumer, Ring
+from kvharbor.kvcache_service.index import IndexUnavailable
 from kvharbor.kvcache_service.memory_index import MemoryIndex
 from kvharbor.kvcache_service.redis_index import LAYOUT, SHARDS, RedisIndex
 
@@ -285,6 +287,58 @@ def test_an_index_written_in_another_layout_makes_the_engines_resync(any_redis):
     assert asyncio.run(main()) == (1, 0)
     assert sync.get(resync_key()) == b"1"
     assert sync.get(INDEX_PREFIX + "layout") == LAYOUT.encode()
+
+
+@pytest.mark.slow
+def test_the_leader_removes_an_older_layouts_keys_a_batch_per_sweep_and_nothing_else(any_redis, monkeypatch):
+    """Layout 1's block shard keys (`:b:<bucket>`, `:b:m`), left by an upgrade, go a bounded batch
+    per sweep, on every node; the index's own keys stay and still answer. A failed batch drops
+    the SCAN and the mark stays, so a later sweep starts it again and finishes."""
+    import kvharbor.kvcache_service.consumer as intake
+
+    monkeypatch.setattr(intake, "OLD_KEYS_PER_SWEEP", 100)
+    sync = connect_sync(any_redis.url, timeout=2)
+    sync.set(INDEX_PREFIX + "layout", "1")
+    old = [f"{INDEX_PREFIX}{{{m}:{t}{s:02d}}}:b:{b}" for m in ("m1", "m2") for t in "ds" for s in range(SHARDS)
+           for b in (*range(0, 32768, 2731), "m")]  # fmt: skip
+    for key in old:
+        sync.hset(key, "h", "x")
+    kept = [INDEX_PREFIX + k for k in ("{m1:d03}:b:x", "{m1}:holders", "{m1:e0}:b:1")] + ["other:{m1:d03}:b:1"]
+    for key in kept:
+        sync.set(key, "1")
+    engine = FakeEngine(sync, MODEL, "e0")
+    prompt = chains(MODEL, 1, 4)[0]
+    engine.publish(engine.stored(prompt))
+    engine.heartbeat()
+
+    async def main():
+        c = consumer(any_redis.url, "a", sweep_interval=0.0)
+        failed = []
+        real_unlink = c.index.unlink
+
+        async def unlink_failing_once(keys):
+            if not failed and c.stats.old_layout_removed >= 200:
+                failed.append(len(keys))
+                raise IndexUnavailable("injected")
+            await real_unlink(keys)
+
+        c.index.unlink = unlink_failing_once
+        try:
+            await steps(1, c)  # claims the layout (a resync) and applies the engine's events
+            for _ in range(40):
+                with contextlib.suppress(IndexUnavailable):
+                    await c.step()
+                if c.stats.old_layout_removed and not sync.exists(INDEX_PREFIX + "layout:old"):
+                    break
+            return c.stats.old_layout_removed, failed, await c.index.lookup(MODEL, prompt)
+        finally:
+            await close(c)
+
+    removed, failed, found = asyncio.run(main())
+    assert failed == [100]  # the third batch failed: its SCAN started over
+    assert removed == len(old) and not any(sync.exists(k) for k in old)
+    assert all(sync.exists(k) for k in kept) and found == {"e0": 4}
+    assert not sync.exists(INDEX_PREFIX + "layout:old") and sync.get(INDEX_PREFIX + "layout") == LAYOUT.encode()
 
 
 @pytest.mark.slow
