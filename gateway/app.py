@@ -615,6 +615,11 @@ class _Handler:
             if call.transfer is None:
                 decision = Decision(None, "prefill_failed")
         state.metrics.pd_decisions.labels(model.name, decision.reason).inc()
+        if decision.reason != "off":  # why each request's prefill ran where it did, for the record
+            log.info("P/D decision", extra={
+                "reason": decision.reason, "prompt_tokens": len(call.prompts[0]), "decode": route.engine.url,
+                "prefill": (decision.prefill or decision.whole or route.engine).url,
+                "gain_ms": _ms(decision.gain_s), "ttft_ms": _ms(decision.ttft_s)})  # fmt: skip
         if call.span is not None:
             call.span.set_attribute("kvharbor.pd", decision.reason)
         if decision.whole is None:
@@ -701,6 +706,11 @@ class _Handler:
                 "error": error,
             },
         )
+
+
+def _ms(seconds: float) -> float | None:
+    """Milliseconds for a log field; None for an unknown (infinite) time, which JSON cannot hold."""
+    return round(seconds * 1000, 1) if math.isfinite(seconds) else None
 
 
 async def _unless_disconnected(request: Request, work):

@@ -6,8 +6,9 @@ is `decode` or `both`. Then `decide` asks whether a `prefill` engine is worth it
 - gain = the prefill seconds the decode engine is spared (its uncached prompt tokens over its
   measured prefill rate: the time its running streams would stall) less the seconds it spends
   pulling the KV (the blocks it lacks, over the transfer rate it measured; DEFAULT_TRANSFER_BPS
-  before it has). Below `min_gain_s` the transfer does not pay: short prompts, a warm cache. A
-  prompt shorter than one block has nothing to hand over.
+  before it has), or nothing to pull for a request served whole (below). Below `min_gain_s` P/D
+  does not pay: short prompts, a warm cache. A prompt shorter than one block has nothing to hand
+  over.
 - the TTFT: P/D is refused only where it would miss the TTFT SLO that colocated serving meets
   (a short chat while the prefill engine works through a long document). Where both miss it (a
   long document), the prefill engine takes the prompt anyway: that is what keeps the decode
@@ -98,11 +99,14 @@ def decide(
     # the prefill engine's rate stands in (the same model, and in a pool the same hardware).
     # Neither measured yet: no evidence against the prefill pool the operator set up (predict.py's rule).
     rate = decode.prefill_tokens_per_s or best.prefill_tokens_per_s
-    gain = (here / rate if rate > 0 else math.inf) - transfer
+    whole = decode_there_s(best, decode, request.max_new_tokens) <= transfer
+    # Served whole, the request costs the decode engine nothing, so no transfer is set against the
+    # prefill it is spared: a slow link (or a pessimistic measure of one) must not keep a long
+    # prompt with a short output on the decode engine, stalling its streams for its whole prefill.
+    gain = (here / rate if rate > 0 else math.inf) - (0.0 if whole else transfer)
     if request.prompt_tokens < request.block_size or gain < min_gain_s:
         return Decision(None, "short_prompt", gain, colocated)
     # Served whole, the request pays no transfer: its TTFT there is the prefill engine's own.
-    whole = decode_there_s(best, decode, request.max_new_tokens) <= transfer
     ttft = best_ttft if whole else best_ttft + transfer
     if ttft > request.slo_ttft_s >= colocated:
         return Decision(None, "ttft", gain, colocated)

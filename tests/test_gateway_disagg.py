@@ -113,3 +113,16 @@ def test_a_short_output_uses_the_decode_engines_step_when_the_prefill_engine_has
     assert d.reason == "short_output" and d.whole is PREFILL
     fast_link = engine("http://d", "decode", step_ms=40.0, transfer_bps=10e9)  # 9 ms to pull: hand it over
     assert decide(fast_link, [PREFILL], request(2048, max_tokens=4), 0.05).disaggregated
+
+
+def test_a_slow_link_does_not_keep_a_long_prompt_with_a_short_output_on_the_decode_engine():
+    """At 10 MB/s the 94 MB of a 2,048-token document take 9.4 s to pull: more than the 2 s of
+    prefill the decode engine is spared, so a hand-off does not pay (short_prompt). Served whole
+    it pulls nothing, so the 2 s it spares the decode engine's streams stand: short_output. (The
+    gain once counted the pull against that too, and such a document was prefilled on the decode
+    engine, stalling its streams for seconds.)"""
+    slow = engine("http://d", "decode", step_ms=40.0, transfer_bps=10e6)
+    d = decide(slow, [PREFILL], request(2048, max_tokens=4), 0.05)
+    assert d.reason == "short_output" and d.whole is PREFILL and d.gain_s == pytest.approx(2.048)
+    assert decide(slow, [PREFILL], request(2048, max_tokens=None), 0.05).reason == "short_prompt"
+    assert decide(slow, [PREFILL], request(32, max_tokens=1), 0.05).reason == "short_prompt"  # 32 ms spared

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 
 import httpx
@@ -70,10 +71,16 @@ def count(metrics: str, series: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-def test_a_short_output_is_sent_whole_to_the_prefill_engine_and_counted_there():
+def test_a_short_output_is_sent_whole_to_the_prefill_engine_and_counted_there(caplog):
     """One token takes the prefill engine 40 ms, less than the 83 ms pull: it serves the request,
-    no hand-off is asked for, and the route is counted as short_output, not as the decode engine's."""
+    no hand-off is asked for, and the route is counted as short_output, not as the decode engine's.
+    The gateway logs the decision with its figures."""
+    caplog.set_level(logging.INFO, logger="kvharbor.gateway.api")
     calls, metrics = serve(max_tokens=1)
+    logged = [r for r in caplog.records if r.getMessage() == "P/D decision"]
+    assert [(r.reason, r.prefill, r.decode, r.gain_ms) for r in logged] == [
+        ("short_output", "http://p", "http://d", 900.0)  # 900 tokens at 1,000/s spared, nothing pulled
+    ]
     assert [host for host, _ in calls] == ["p"]
     assert calls[0][1]["stream"] is True and "kv_transfer_params" not in calls[0][1]
     assert count(metrics, f'kvharbor_gateway_pd_decisions_total{{model="{MODEL}",reason="short_output"}}') == 1
