@@ -8,9 +8,11 @@ CPU (--cpu-affinity), a real redis-server and one gateway:
 - colocated: two role-both engines behind prefix routing (the baseline, measured in the same run).
 
 One workload for both, arriving as a Poisson process with a fixed seed: chat streams (short
-prompts, --chat-output tokens) and long documents (--doc-len prompt tokens, a few output tokens).
-Reported per set-up: the chats' ITL p50/p95/p99, TTFT p50/p95 of each class, output tok/s,
-goodput under the load test's SLOs (loadtest/slos.yaml: chat and docqa), and KV bytes moved.
+prompts, --chat-output tokens) and long documents (--doc-len prompt tokens, a few output tokens),
+at each of --doc-rates (documents per second, over the span of the chats' arrivals): how often
+a document's prefill meets chats decoding is what P/D is about. Reported per load and set-up:
+the chats' ITL p50/p95/p99/p99.9/max, TTFT p50/p95 of each class, output tok/s, goodput under
+the load test's SLOs (loadtest/slos.yaml: chat and docqa), and KV bytes moved.
 """
 
 from __future__ import annotations
@@ -53,19 +55,24 @@ class Arrival:
     output: int
 
 
-def workload(args: argparse.Namespace) -> list[Arrival]:
-    """Both classes' Poisson arrivals, merged, with random token-id prompts (no cache hits between them)."""
+def workload(args: argparse.Namespace, doc_rate: float) -> list[Arrival]:
+    """Both classes' Poisson arrivals, merged, with random token-id prompts (no cache hits between
+    them); documents at `doc_rate`, as many as arrive on average while the chats do."""
     rng = random.Random(args.seed)
     out = []
     for kind, rate, n, length, output in (
         ("chat", args.chat_rate, args.chats, args.chat_len, args.chat_output),
-        ("doc", args.doc_rate, args.docs, args.doc_len, args.doc_output),
+        ("doc", doc_rate, docs_at(args, doc_rate), args.doc_len, args.doc_output),
     ):
         t = 0.0
         for _ in range(n):
             t += rng.expovariate(rate)
             out.append(Arrival(t, kind, [rng.randrange(200, 40000) for _ in range(length)], output))
     return sorted(out, key=lambda a: a.at)
+
+
+def docs_at(args: argparse.Namespace, doc_rate: float) -> int:
+    return max(1, round(doc_rate * args.chats / args.chat_rate))
 
 
 async def drive(gateway: str, arrivals: list[Arrival]) -> tuple[list[tuple[str, RequestResult]], float]:
@@ -90,6 +97,8 @@ def summarize(results: list[tuple[str, RequestResult]], wall: float, moved: floa
         "wall_s": wall,
         "output_tok_s": sum(r.output_tokens for _, r in results if r.ok) / wall,
         **{f"chat_itl_p{q}_ms": pct(itl, q) * 1000 for q in (50, 95, 99)},
+        "chat_itl_p999_ms": pct(itl, 99.9) * 1000,
+        "chat_itl_max_ms": max(itl, default=float("nan")) * 1000,
         "kv_bytes_moved": moved,
         "pd_decisions": decisions,
     }
@@ -113,6 +122,7 @@ def decisions_of(gateway_admin: str) -> dict[str, float]:
 
 
 def run_setup(name: str, args: argparse.Namespace, arrivals: list[Arrival], logs: Path) -> dict:
+    """One set-up's run; its processes' logs go to `logs` (a folder per load)."""
     roles = SETUPS[name]
     cpus = sorted(os.sched_getaffinity(0))
     with EmbeddedRedis() as rds, tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
@@ -124,14 +134,14 @@ def run_setup(name: str, args: argparse.Namespace, arrivals: list[Arrival], logs
             cmd = [*CLI, "serve", "--port", url.rsplit(":", 1)[1], "--instance-id", f"{name}-{i}", "--role", role,
                    "--redis-url", rds.url, "--dtype", args.dtype, "--num-kv-blocks", str(args.kv_blocks),
                    "--cpu-affinity", str(cpus[i % len(cpus)]), "--max-model-len", str(args.doc_len + 256)]  # fmt: skip
-            stack.enter_context(server(cmd, url, "/ready", logs / f"disagg-{name}-{i}.log", {}, 300))
+            stack.enter_context(server(cmd, url, "/ready", logs / f"{name}-{i}.log", {}, 300))
         gw, gw_admin = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
         cmd = [*CLI, "gateway", "--port", gw.rsplit(":", 1)[1], "--admin-port", gw_admin.rsplit(":", 1)[1],
                "--engines", ",".join(engines),
                "--tenants-file", str(tenants), "--redis-url", rds.url, "--slo-ttft-ms", str(args.slo_ttft_ms),
                "--pd-min-gain-ms", str(args.pd_min_gain_ms), "--max-prompt-tokens", str(args.doc_len + 64),
                *(["--disaggregation", "off"] if name == "colocated" else [])]  # fmt: skip
-        stack.enter_context(server(cmd, gw, "/ready", logs / f"disagg-{name}-gateway.log", {}, 120))
+        stack.enter_context(server(cmd, gw, "/ready", logs / f"{name}-gateway.log", {}, 120))
         print(f"{name}: warm-up ...", flush=True)
         warm = [Arrival(0.0, "chat", a.prompt[:48], 4) for a in arrivals[:4]] + [
             Arrival(0.0, "doc", [7] * args.doc_len, 2)
@@ -151,37 +161,67 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = result["setups"]
+    loads = result["loads"]
+    rates = [load["doc_rate"] for load in loads]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     panels = (
-        (left, ["chat_itl_p50_ms", "chat_itl_p95_ms", "chat_itl_p99_ms"], "chat inter-token latency (ms)"),
-        (right, ["chat_ttft_p50_ms", "chat_ttft_p95_ms", "doc_ttft_p50_ms", "doc_ttft_p95_ms"], "TTFT (ms)"),
+        (left, ["chat_itl_p50_ms", "chat_itl_p99_ms", "chat_itl_p999_ms"], "chats' inter-token latency (ms)"),
+        (right, ["chat_ttft_p95_ms", "doc_ttft_p50_ms"], "TTFT (ms)"),
     )
+    styles = {"colocated": "--", "pd": "-"}
     for ax, keys, title in panels:
-        width = 0.38
-        for j, (name, run) in enumerate(runs.items()):
-            xs = [i + (j - 0.5) * width for i in range(len(keys))]
-            bars = ax.bar(xs, [run[k] for k in keys], width, label=f"{name} ({run['output_tok_s']:.0f} out tok/s)")
-            ax.bar_label(bars, fmt="%.0f", fontsize=7)
-        ax.set_xticks(range(len(keys)), [k.replace("_ms", "").replace("_", " ") for k in keys], fontsize=8)
+        for name, style in styles.items():
+            for key in keys:
+                values = [load["setups"][name][key] for load in loads]
+                ax.plot(rates, values, style, marker="o", label=f"{name} {key.replace('_ms', '').replace('_', ' ')}")
+        ax.set_xlabel("documents per second (2,048-token prompts)")
+        ax.set_xticks(rates)
         ax.set_title(title)
         ax.set_yscale("log")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"P/D vs colocated, 2 engines pinned one per CPU - {result['title']}", fontsize=9)
+        ax.legend(fontsize=7)
+    ratios = ", ".join(f"{load['doc_rate']}/s: {load['itl_p99_ratio']:.2f}x" for load in loads)
+    fig.suptitle(f"P/D vs colocated, 2 engines pinned one per CPU; chat ITL p99 colocated/P/D {ratios}\n"
+                 f"{result['title']}", fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def print_table(result: dict) -> None:
-    keys = ["chat_itl_p50_ms", "chat_itl_p95_ms", "chat_itl_p99_ms", "chat_ttft_p50_ms", "chat_ttft_p95_ms",
-            "doc_ttft_p50_ms", "doc_ttft_p95_ms", "output_tok_s", "chat_goodput_rps", "doc_goodput_rps",
-            "kv_bytes_moved", "errors"]  # fmt: skip
-    runs = result["setups"]
-    print(f"\n{'':22}" + "".join(f"{name:>14}" for name in runs))
-    for k in keys:
-        print(f"{k:22}" + "".join(f"{run[k]:>14.1f}" for run in runs.values()))
-    print(f"\nchat ITL p99, colocated / pd: {result['itl_p99_ratio']:.2f}x (target >= 2x); "
-          f"output tok/s, pd / colocated: {result['throughput_ratio']:.2f} (target within 15%)")  # fmt: skip
+    keys = ["chat_itl_p50_ms", "chat_itl_p95_ms", "chat_itl_p99_ms", "chat_itl_p999_ms", "chat_itl_max_ms",
+            "chat_ttft_p50_ms", "chat_ttft_p95_ms", "doc_ttft_p50_ms", "doc_ttft_p95_ms", "output_tok_s",
+            "chat_goodput_rps", "doc_goodput_rps", "kv_bytes_moved", "errors"]  # fmt: skip
+    for load in result["loads"]:
+        runs = load["setups"]
+        print(f"\n{load['docs']} documents at {load['doc_rate']}/s" + "".join(f"{name:>14}" for name in runs))
+        for k in keys:
+            print(f"{k:22}" + "".join(f"{run[k]:>14.1f}" for run in runs.values()))
+        print(f"chat ITL p99, colocated / pd: {load['itl_p99_ratio']:.2f}x (target >= 2x); "
+              f"output tok/s, pd / colocated: {load['throughput_ratio']:.2f} (target within 15%)")  # fmt: skip
+
+
+def run_load(args: argparse.Namespace, doc_rate: float, logs: Path) -> dict:
+    arrivals = workload(args, doc_rate)
+    folder = logs / f"disagg-{doc_rate}"
+    folder.mkdir(exist_ok=True)
+    runs = {name: run_setup(name, args, arrivals, folder) for name in ("colocated", "pd")}
+    return {
+        "doc_rate": doc_rate,
+        "docs": docs_at(args, doc_rate),
+        "setups": runs,
+        "itl_p99_ratio": runs["colocated"]["chat_itl_p99_ms"] / runs["pd"]["chat_itl_p99_ms"],
+        "throughput_ratio": runs["pd"]["output_tok_s"] / runs["colocated"]["output_tok_s"],
+    }
+
+
+def rates(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        message = f"give documents per second, comma-separated (e.g. 0.045,0.08): {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"each document rate must be > 0: {text!r}")
+    return values
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,10 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat-rate", type=float, default=0.2, help="chat arrivals per second")
     ap.add_argument("--chat-len", type=int, default=64, help="chat prompt tokens")
     ap.add_argument("--chat-output", type=int, default=128, help="chat output tokens")
-    # NOTE: one core prefills SmolLM2 at ~150 tok/s in float32 (AMD EPYC, AVX2): a 2,048-token
-    # document is ~14 s of one engine's time, so these rates keep a lone prefill engine ~60% busy.
-    ap.add_argument("--docs", type=int, default=10, help="long-document requests")
-    ap.add_argument("--doc-rate", type=float, default=0.045, help="document arrivals per second")
+    # NOTE: one core prefills a 2,048-token document in ~9 s here (1,024-token chunks of 3.2-5.2 s
+    # on the Zen 4 VM, float32): 0.08 documents/s keeps a lone prefill engine ~70% busy.
+    ap.add_argument("--doc-rates", type=rates, default=[0.045, 0.06, 0.08],
+                    help="document arrivals per second, one run of both set-ups each (comma-separated)")  # fmt: skip
     ap.add_argument("--doc-len", type=int, default=2048, help="document prompt tokens")
     ap.add_argument("--doc-output", type=int, default=4, help="document output tokens")
     ap.add_argument("--kv-blocks", type=int, default=1024, help="each engine's KV pool, in blocks of 16 tokens")
@@ -209,23 +249,19 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = args.out.parent / "logs"
     logs.mkdir(exist_ok=True)
-    arrivals = workload(args)
     result: dict = {
         "benchmark": "disagg",
         "when": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "config": vars(args) | {"out": str(args.out)},
         "machine": machine_record(args.dtype),
         "title": machine_title(args.dtype),
-        "setups": {name: run_setup(name, args, arrivals, logs) for name in ("colocated", "pd")},
+        "loads": [run_load(args, rate, logs) for rate in args.doc_rates],
     }
-    runs = result["setups"]
-    result["itl_p99_ratio"] = runs["colocated"]["chat_itl_p99_ms"] / runs["pd"]["chat_itl_p99_ms"]
-    result["throughput_ratio"] = runs["pd"]["output_tok_s"] / runs["colocated"]["output_tok_s"]
     args.out.write_text(json.dumps(result, indent=1))
     plot(result, args.out.with_suffix(".png"))
     print_table(result)
     print(f"\nwrote {args.out} and {args.out.with_suffix('.png')}")
-    return 0 if not any(r["errors"] for r in runs.values()) else 1
+    return 0 if not any(r["errors"] for load in result["loads"] for r in load["setups"].values()) else 1
 
 
 if __name__ == "__main__":
