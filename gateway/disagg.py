@@ -87,7 +87,6 @@ def decide(
         return Decision(None, "prefill_down" if configured else "no_prefill_engine")
     bs = request.block_size
     here = uncached_tokens(request.prompt_tokens, request.held.get(decode.url, 0), bs)
-    colocated = predict_ttft_s(decode.waiting_prefill_tokens, here, decode.prefill_tokens_per_s)
     best, best_ttft = None, 0.0
     for engine in prefill_engines:
         uncached = uncached_tokens(request.prompt_tokens, request.held.get(engine.url, 0), bs)
@@ -96,9 +95,12 @@ def decide(
             best, best_ttft = engine, ttft
     transfer = transfer_s(decode, request)
     # A decode engine that has only ever continued hand-offs has not measured a whole prefill:
-    # the prefill engine's rate stands in (the same model, and in a pool the same hardware).
+    # the prefill engine's rate stands in (the same model, and in a pool the same hardware), for
+    # the gain and for the TTFT colocated serving would have (unmeasured, that was 0: every long
+    # prompt "met" the TTFT there, and the TTFT rule put documents on a fresh decode engine).
     # Neither measured yet: no evidence against the prefill pool the operator set up (predict.py's rule).
     rate = decode.prefill_tokens_per_s or best.prefill_tokens_per_s
+    colocated = predict_ttft_s(decode.waiting_prefill_tokens, here, rate)
     whole = decode_there_s(best, decode, request.max_new_tokens) <= transfer
     # Served whole, the request costs the decode engine nothing, so no transfer is set against the
     # prefill it is spared: a slow link (or a pessimistic measure of one) must not keep a long

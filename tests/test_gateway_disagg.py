@@ -126,3 +126,16 @@ def test_a_slow_link_does_not_keep_a_long_prompt_with_a_short_output_on_the_deco
     assert d.reason == "short_output" and d.whole is PREFILL and d.gain_s == pytest.approx(2.048)
     assert decide(slow, [PREFILL], request(2048, max_tokens=None), 0.05).reason == "short_prompt"
     assert decide(slow, [PREFILL], request(32, max_tokens=1), 0.05).reason == "short_prompt"  # 32 ms spared
+
+
+def test_a_decode_engine_that_never_prefilled_is_judged_at_the_prefill_engines_rate_for_the_ttft():
+    """A fresh decode engine (no prefill rate of its own) would take a 4,096-token document in
+    ~4 s at the prefill engine's 1,000 tok/s, missing a 3 s TTFT as the hand-off does: the
+    prefill engine takes it. Unmeasured, colocated serving was predicted to meet any TTFT, and the
+    TTFT rule prefilled documents on the decode engine, stalling its streams."""
+    fresh = engine("http://d", "decode", rate=0.0)
+    d = decide(fresh, [PREFILL], request(4096, slo=3.0), 0.05)
+    assert d.disaggregated and d.reason == "disaggregated"
+    # A short chat that the prefill engine's queue would make miss the TTFT still stays here.
+    busy = engine("http://p", "prefill", waiting=4000)
+    assert decide(fresh, [busy], request(256, slo=3.0), 0.05).reason == "ttft"
