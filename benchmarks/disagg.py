@@ -170,10 +170,11 @@ def plot(result: dict, path: Path) -> None:
     )
     styles = {"colocated": "--", "pd": "-"}
     for ax, keys, title in panels:
-        for name, style in styles.items():
-            for key in keys:
+        for name, style in styles.items():  # a colour per figure, a line style per set-up
+            for i, key in enumerate(keys):
                 values = [load["setups"][name][key] for load in loads]
-                ax.plot(rates, values, style, marker="o", label=f"{name} {key.replace('_ms', '').replace('_', ' ')}")
+                label = f"{name} {key.replace('_ms', '').replace('_', ' ')}"
+                ax.plot(rates, values, style, color=f"C{i}", marker="o", label=label)
         ax.set_xlabel("documents per second (2,048-token prompts)")
         ax.set_xticks(rates)
         ax.set_title(title)
