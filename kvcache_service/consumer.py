@@ -85,9 +85,10 @@ return 0
 )
 
 RING_POINTS = 64
-# Keys of an older index layout the leader removes each sweep (SCAN pages and UNLINKs of this many):
-# bounded, so the intake it runs between stays on time; a 10M-entry index has ~600k of them.
-OLD_KEYS_PER_SWEEP = 2000
+# The leader's removal of an older index layout's keys (~600k at 10M entries): SCAN calls of this
+# COUNT, this many a sweep (every 2 s), each page's old keys UNLINKed.
+OLD_SCAN_PAGE = 1000
+OLD_PAGES_PER_SWEEP = 4
 
 
 def default_consumer_name() -> str:
@@ -167,8 +168,8 @@ class EventConsumer:
         self._registry: dict[str, tuple[str, str]] = {}  # every registered stream -> (model, instance)
         self._marked: set[str] = set()  # models whose shard markers this replica has put or seen
         self._layout_claimed = False  # whether this replica recorded the index layout it writes
-        self._old_keys: Any = None  # the leader's SCAN of an older layout's keys, while one runs
-        self._old_layout_done = False  # none left, as far as this replica knows
+        self._old_keys: Any = None  # the leader's pass over an older layout's keys, while one runs
+        self._old_pass_removed = 0  # keys that pass removed
         self._slots = SlotPipelines(client)
         self._stopping = asyncio.Event()
         self._next_rebalance = 0.0
@@ -383,38 +384,35 @@ class EventConsumer:
         await self._remove_old_layout()
 
     async def _remove_old_layout(self) -> None:
-        """Up to OLD_KEYS_PER_SWEEP keys of an older index layout (left by an upgrade, never read
-        again) are removed each sweep; the mark that some remain goes once a whole SCAN found no
-        more. A failure drops the SCAN: the next leader's sweep starts it again."""
-        if self._old_layout_done:
-            return
+        """Keys of an older index layout (left by an upgrade, never read again) go a few SCAN calls
+        a sweep (OLD_PAGES_PER_SWEEP of COUNT OLD_SCAN_PAGE: bounded, so intake stays on time). A
+        pass over every node that removed nothing clears the mark (replicas of the older build may
+        still write some during a rolling upgrade). A failure drops the pass; the next sweep, or
+        the next leader, starts over. The mark is read each sweep while no pass runs."""
         if self._old_keys is None:
             if not await self.index.old_layout_left():
-                self._old_layout_done = True
                 return
-            self._old_keys = self.index.old_layout_keys()
+            self._old_keys, self._old_pass_removed = self.index.old_layout_pages(OLD_SCAN_PAGE), 0
         try:
-            keys, finished = await self._next_old_keys()
-            if keys:
-                await self.index.unlink(keys)
-                self.stats.old_layout_removed += len(keys)
+            for _ in range(OLD_PAGES_PER_SWEEP):
+                try:
+                    keys = await anext(self._old_keys)
+                except StopAsyncIteration:
+                    await self._old_pass_ended()
+                    return
+                if keys:
+                    removed = await self.index.unlink(keys)
+                    self._old_pass_removed += removed
+                    self.stats.old_layout_removed += removed
         except BaseException:
             await self._drop_old_key_scan()
             raise
-        if finished:
-            self._old_keys, self._old_layout_done = None, True
+
+    async def _old_pass_ended(self) -> None:
+        self._old_keys = None
+        if not self._old_pass_removed:
             await self.index.old_layout_removed()
             log.info("the older index layout's keys are gone", extra={"removed": self.stats.old_layout_removed})
-
-    async def _next_old_keys(self) -> tuple[list[bytes], bool]:
-        """The SCAN's next keys, and whether it has ended."""
-        keys: list[bytes] = []
-        try:
-            while len(keys) < OLD_KEYS_PER_SWEEP:
-                keys.append(await anext(self._old_keys))
-        except StopAsyncIteration:
-            return keys, True
-        return keys, False
 
     async def _drop_old_key_scan(self) -> None:
         scan, self._old_keys = self._old_keys, None

@@ -771,13 +771,13 @@ class RedisIndex:
         the engines can say again what they hold. A Redis with no layout and no instance yet is
         new, not old: False."""
         key, registered = self._global("layout"), self._global("instances")
-        calls = [Call(key, ("SET", key, LAYOUT, "GET")), Call(registered, ("HLEN", registered))]
-        old, instances = await self._run(calls)
-        if old == LAYOUT.encode() or (old is None and not int(instances)):
-            return False
-        old_key = self._global("layout:old")
-        await self._run([Call(old_key, ("SET", old_key, old or b"1"))])  # its keys are to be removed
-        return True
+        found, instances = await self._run([Call(key, ("GET", key)), Call(registered, ("HLEN", registered))])
+        older = found != LAYOUT.encode() and (found is not None or int(instances) > 0)
+        if older:  # marked before the layout moves, so no crash in between can leave its keys unmarked
+            old_key = self._global("layout:old")
+            await self._run([Call(old_key, ("SET", old_key, found or b"1"))])
+        (swapped,) = await self._run([Call(key, ("SET", key, LAYOUT, "GET"))])
+        return older and swapped != LAYOUT.encode()  # one replica of several starting at once
 
     async def old_layout_left(self) -> bool:
         """Whether keys of an older layout may remain (`claim_layout` found one; `old_layout_removed`
@@ -786,17 +786,28 @@ class RedisIndex:
         (found,) = await self._run([Call(key, ("EXISTS", key))])
         return bool(int(found))
 
-    async def old_layout_keys(self, page: int = 1000) -> AsyncIterator[bytes]:
-        """The block shard keys of layout 1, SCANned on every node (pages of `page`), checked
-        against the old key's form so no other key of the index can be taken for one."""
-        prefix = self._prefix.encode()
-        pattern = self._prefix + "{*}:b:*"
-        async for key in self._client.scan_iter(match=pattern, count=page):
-            if key.startswith(prefix) and _LAYOUT_1_KEY.fullmatch(key, len(prefix)):
-                yield key
+    async def old_layout_pages(self, page: int = 1000) -> AsyncIterator[list[bytes]]:
+        """The block shard keys of layout 1, one SCAN call (COUNT `page`) at a time on each node in
+        turn, so a caller bounds its work in calls, not in keys found (the block store shares the
+        keyspace: old keys may be sparse). Each is checked against the old key's form, so no other
+        key can be taken for one. A page may be empty."""
+        prefix, pattern = self._prefix.encode(), self._prefix + "{*}:b:*"
+        client = self._client
+        for node in client.get_primaries() if self._slots.cluster else [None]:
+            cursor = 0
+            while True:
+                if node is None:
+                    cursor, keys = await client.scan(cursor=cursor, match=pattern, count=page)
+                else:
+                    cursors, keys = await client.scan(cursor=cursor, match=pattern, count=page, target_nodes=node)
+                    cursor = cursors[node.name]
+                yield [k for k in keys if k.startswith(prefix) and _LAYOUT_1_KEY.fullmatch(k, len(prefix))]
+                if not cursor:
+                    break
 
-    async def unlink(self, keys: Sequence[bytes]) -> None:
-        await self._run([Call(_text(k), ("UNLINK", k)) for k in keys])
+    async def unlink(self, keys: Sequence[bytes]) -> int:
+        """UNLINK `keys`; how many there were (SCAN may return a key twice)."""
+        return sum(int(n) for n in await self._run([Call(_text(k), ("UNLINK", k)) for k in keys]))
 
     async def old_layout_removed(self) -> None:
         key = self._global("layout:old")
