@@ -610,15 +610,17 @@ class _Handler:
         output whole (with what that engine holds of the prompt, and its KV format)."""
         state, model = self.state, call.model
         decision, held = await self._pd_decision(call, route)
+        tried = decision.prefill
         if decision.disaggregated:
             call.transfer = await self._prefill(call, route, decision.prefill, headers)
             if call.transfer is None:
                 decision = Decision(None, "prefill_failed")
         state.metrics.pd_decisions.labels(model.name, decision.reason).inc()
-        if decision.reason != "off":  # why each request's prefill ran where it did, for the record
+        # Why each request's prefill ran where it did, where there was a choice to make.
+        if decision.reason not in ("off", "no_prefill_engine", "unsupported"):
             log.info("P/D decision", extra={
                 "reason": decision.reason, "prompt_tokens": len(call.prompts[0]), "decode": route.engine.url,
-                "prefill": (decision.prefill or decision.whole or route.engine).url,
+                "prefill": (decision.prefill or decision.whole or tried or route.engine).url,
                 "gain_ms": _ms(decision.gain_s), "ttft_ms": _ms(decision.ttft_s)})  # fmt: skip
         if call.span is not None:
             call.span.set_attribute("kvharbor.pd", decision.reason)

@@ -393,7 +393,7 @@ def test_a_completions_continuation_places_its_logprob_offsets_after_the_text_th
 
     call = SimpleNamespace(prompts=[[7]], kind="completion", engine_rid="r", body=SimpleNamespace(stop=None),
                            model=SimpleNamespace(tokenizer=None))  # fmt: skip
-    assert continued_payload({"echo": True}, call, [1, 2], None, 1, "Paris, th")["text_offset"] == 9
+    assert continued_payload({}, call, [1, 2], None, 1, "Paris, th")["text_offset"] == 9  # no echo: logprobs refuse it
     chat = continued_payload({}, _call_with_stop(["END"]), [1, 2, 3], None, 1, "The ")
     assert "text_offset" not in chat  # chat logprobs carry no offsets
 
