@@ -620,7 +620,7 @@ class _Handler:
         if decision.reason not in ("off", "no_prefill_engine", "unsupported"):
             log.info("P/D decision", extra={
                 "reason": decision.reason, "prompt_tokens": len(call.prompts[0]), "decode": route.engine.url,
-                "prefill": (decision.prefill or decision.whole or tried or route.engine).url,
+                "prefill": (decision.whole or tried or route.engine).url,
                 "gain_ms": _ms(decision.gain_s), "ttft_ms": _ms(decision.ttft_s)})  # fmt: skip
         if call.span is not None:
             call.span.set_attribute("kvharbor.pd", decision.reason)

@@ -37,8 +37,8 @@ import os
 import socket
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvharbor.common.kv_events import MalformedEvent, from_fields
 from kvharbor.common.redis_client import Call, Script, SlotPipelines
@@ -168,7 +168,7 @@ class EventConsumer:
         self._registry: dict[str, tuple[str, str]] = {}  # every registered stream -> (model, instance)
         self._marked: set[str] = set()  # models whose shard markers this replica has put or seen
         self._layout_claimed = False  # whether this replica recorded the index layout it writes
-        self._old_keys: Any = None  # the leader's pass over an older layout's keys, while one runs
+        self._old_keys: AsyncIterator[list[bytes]] | None = None  # the leader's pass over an older layout's keys
         self._old_pass_removed = 0  # keys that pass removed
         self._slots = SlotPipelines(client)
         self._stopping = asyncio.Event()

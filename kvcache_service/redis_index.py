@@ -772,7 +772,9 @@ class RedisIndex:
         new, not old: False."""
         key, registered = self._global("layout"), self._global("instances")
         found, instances = await self._run([Call(key, ("GET", key)), Call(registered, ("HLEN", registered))])
-        older = found != LAYOUT.encode() and (found is not None or int(instances) > 0)
+        if found == LAYOUT.encode():
+            return False
+        older = found is not None or int(instances) > 0
         if older:  # marked before the layout moves, so no crash in between can leave its keys unmarked
             old_key = self._global("layout:old")
             await self._run([Call(old_key, ("SET", old_key, found or b"1"))])
