@@ -46,7 +46,10 @@ def test_a_flood_of_long_output_makes_new_requests_queue_or_shed_by_the_itl_rule
         # The engine measures its decode steps while the long output runs; the gateway polls it.
         wait_for(lambda: (lo := httpx.get(engine.url + "/load").json())["running"] >= 1 and lo["decode_step_ms"] > 0,
                  what="a running, measured decode")  # fmt: skip
-        shed = chat(gw, "sk-batch", 4)  # sheddable (priority < 0): at once
+        # The gateway sees that report only at its next poll (every 0.1 s): a request sent before
+        # then is routed on the idle report and served, so send until one is not (bounded by time).
+        shed = wait_for(lambda: (r := chat(gw, "sk-batch", 4)).status_code != 200 and r,
+                        timeout=10, what="the gateway's poll of the measured decode")  # fmt: skip
         assert shed.status_code == 503 and shed.json()["error"]["code"] == "shed_slo", shed.text
         queued = chat(gw, "sk-acme", 4)
         assert queued.status_code == 503 and queued.json()["error"]["code"] == "queue_timeout", queued.text
