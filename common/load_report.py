@@ -48,6 +48,7 @@ class LoadReport:
     kv_transfer_port: int = 0  # where decode engines pull hand-offs from (0: none)
     kv_pinned_blocks: int = 0  # blocks held for hand-offs not yet confirmed
     kv_transfer_bytes_per_s: float = 0.0  # hand-off pulls into this engine, measured (EWMA); 0: none yet
+    kv_transfer_age_s: float = 0.0  # seconds since a pull last measured that rate
     # LoRA (issue 18): adapters this engine can serve, name -> identity (common/lora.py); which of
     # them hold one of its `lora_slots` (adapters one step can run); their bytes in memory.
     lora_adapters: dict[str, str] = field(default_factory=dict)

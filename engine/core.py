@@ -99,6 +99,7 @@ class EngineStats:
     spec_proposed: int = 0  # draft tokens scored
     spec_accepted: int = 0  # of those, accepted
     kv_transfer_bytes_per_s: float = 0.0  # P/D pulls into this engine (EWMA)
+    kv_transfer_at: float = 0.0  # time.monotonic() of the last pull measured (0: none yet)
     fit: DecodeFit = field(default_factory=DecodeFit)
 
     def record(self, plan: SchedulerPlan, seconds: float) -> None:
@@ -118,6 +119,13 @@ class EngineStats:
     def record_transfer(self, nbytes: int, seconds: float) -> None:
         if nbytes and seconds > 0:
             self.kv_transfer_bytes_per_s = _ewma(self.kv_transfer_bytes_per_s, nbytes / seconds)
+            self.kv_transfer_at = time.monotonic()
+
+    def kv_transfer_age_s(self) -> float:
+        """Seconds since a pull last measured the rate: the gateway trusts an old measure less
+        (gateway/disagg.py pull_rate), or a pessimistic one would keep hand-offs, and so any new
+        measure, away for good."""
+        return round(time.monotonic() - self.kv_transfer_at, 1) if self.kv_transfer_at else 0.0
 
     def decode_report(self) -> dict[str, float]:
         """The load report's decode fields, once there are enough steps to tell (else none)."""
@@ -631,6 +639,7 @@ class EngineCore:
             kv_pinned_blocks=self.handoffs.num_blocks,
             kv_transfer_port=self.kv_transfer_port,
             kv_transfer_bytes_per_s=round(stats.kv_transfer_bytes_per_s, 1),
+            kv_transfer_age_s=stats.kv_transfer_age_s(),
             **self._lora_report(),
         )
 

@@ -621,7 +621,8 @@ class _Handler:
             log.info("P/D decision", extra={
                 "reason": decision.reason, "prompt_tokens": len(call.prompts[0]), "decode": route.engine.url,
                 "prefill": (decision.whole or tried or route.engine).url,
-                "gain_ms": _ms(decision.gain_s), "ttft_ms": _ms(decision.ttft_s)})  # fmt: skip
+                "gain_ms": _ms(decision.gain_s), "ttft_ms": _ms(decision.ttft_s),
+                "transfer_ms": _ms(decision.transfer_s)})  # fmt: skip
         if call.span is not None:
             call.span.set_attribute("kvharbor.pd", decision.reason)
         if decision.whole is None:
@@ -643,7 +644,9 @@ class _Handler:
         request = PDRequest(len(call.prompts[0]), held, call.block_size, call.model.slo_ttft_s, call.pd_supported,
                             call.body.max_new_tokens())  # fmt: skip
         configured = any(e.role == "prefill" for e in everyone)
-        return decide(route.engine, pool, request, state.router.config.pd_min_gain_ms / 1000, configured), held
+        config = state.router.config
+        return decide(route.engine, pool, request, config.pd_min_gain_ms / 1000, configured,
+                      config.pd_transfer_trust_s), held  # fmt: skip
 
     async def _prefill(self, call: _Call, route: Route, engine: Engine, headers: dict[str, str]) -> dict | None:
         """The prompt's prefill on `engine`, kept there for the decode engine: its hand-off, or None."""

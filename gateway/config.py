@@ -69,12 +69,20 @@ class RoutingConfig:
     pd_min_gain_ms: float = opt(
         50.0, "P/D: decode-engine prefill time a hand-off must spare, net of its transfer, to be worth it (ms)"
     )
+    pd_transfer_trust_s: float = opt(
+        10.0,
+        "P/D: seconds a decode engine's measured KV pull rate is trusted as it is; past that it counts as twice as "
+        "fast per such period until a hand-off measures it again (0: trust it for good)",
+    )
 
     def __post_init__(self) -> None:
         if min(self.prefix_weight, self.kv_weight, self.queue_weight) < 0:
             raise ValueError("routing weights must be >= 0")
         if self.pd_min_gain_ms < 0:
             raise ValueError(f"pd_min_gain_ms must be >= 0, got {self.pd_min_gain_ms}")
+        if self.pd_transfer_trust_s < 0:
+            raise ValueError(f"pd_transfer_trust_s must be >= 0 (0: trust a measured rate for good), got "
+                             f"{self.pd_transfer_trust_s}")  # fmt: skip
         if self.imbalance_threshold < 1:
             raise ValueError(f"imbalance_threshold must be >= 1, got {self.imbalance_threshold}")
 

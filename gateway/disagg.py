@@ -8,7 +8,10 @@ is `decode` or `both`. Then `decide` asks whether a `prefill` engine is worth it
   pulling the KV (the blocks it lacks, over the transfer rate it measured; DEFAULT_TRANSFER_BPS
   before it has), or nothing to pull for a request served whole (below). Below `min_gain_s` P/D
   does not pay: short prompts, a warm cache. A prompt shorter than one block has nothing to hand
-  over.
+  over. A measured rate older than `transfer_trust_s` counts as twice as fast for each further
+  such period (`pull_rate`): only hand-offs measure it, so one measured while the prefill engine
+  was busy (0.6 MB/s for a 3 MB chat that took 3.5 s, against 100-250 MB/s idle, in one
+  benchmark run) kept every later chat colocated, and nothing measured it again.
 - the TTFT: P/D is refused only where it would miss the TTFT SLO that colocated serving meets
   (a short chat while the prefill engine works through a long document). Where both miss it (a
   long document), the prefill engine takes the prompt anyway: that is what keeps the decode
@@ -19,7 +22,9 @@ is `decode` or `both`. Then `decide` asks whether a `prefill` engine is worth it
   float32 KV to decode 4 tokens cost the decode engine's streams more than those 4 steps cost the
   prefill engine: the pull runs on the decode engine's own cores. The step is the prefill
   engine's measured one, else the decode engine's (the same model); with neither measured, or no
-  `max_tokens`, the request is handed over as before.
+  `max_tokens`, the request is handed over as before. This rule takes the measured rate as it
+  is, however old: a pessimistic one errs towards serving whole, which costs little, while an
+  optimistic one would move a document's KV to decode a few tokens.
 
 Colocated serving is the answer whenever there is no prefill engine (counted apart from a pool
 that is configured but down), or the request is one P/D does not carry (n > 1, logprobs, several
@@ -37,6 +42,7 @@ from kvharbor.gateway.predict import predict_ttft_s, uncached_tokens
 
 # Loopback on these machines moves GB/s; a pod network less. Only until the first pull is measured.
 DEFAULT_TRANSFER_BPS = 500e6
+MAX_DOUBLINGS = 40  # an engine unmeasured for hours: ~1e12x, far past any decision, and no overflow
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Decision:
     reason: str
     gain_s: float = 0.0
     ttft_s: float = 0.0  # predicted TTFT of the chosen way
+    transfer_s: float = 0.0  # the predicted KV pull a hand-off would take (0: none predicted)
     whole: Engine | None = None  # short_output: the prefill engine that serves the whole request
 
     @property
@@ -76,11 +83,17 @@ def prefill_pool(engines: Sequence[Engine]) -> list[Engine]:
 
 
 def decide(
-    decode: Engine, prefill_engines: Sequence[Engine], request: Request, min_gain_s: float, configured: bool = True
+    decode: Engine,
+    prefill_engines: Sequence[Engine],
+    request: Request,
+    min_gain_s: float,
+    configured: bool = True,
+    transfer_trust_s: float = 0.0,
 ) -> Decision:
     """P/D or colocated for one request whose decode engine is `decode`. `prefill_engines`: the
     routable prefill engines; `configured`: whether any prefill engine exists at all (else the
-    fallback counts as no_prefill_engine rather than prefill_down)."""
+    fallback counts as no_prefill_engine rather than prefill_down); `transfer_trust_s`: how long
+    a measured pull rate is trusted as it is (0: for good)."""
     if not request.supported:
         return Decision(None, "unsupported")
     if not prefill_engines:
@@ -93,7 +106,7 @@ def decide(
         ttft = predict_ttft_s(engine.waiting_prefill_tokens, uncached, engine.prefill_tokens_per_s)
         if best is None or ttft < best_ttft:
             best, best_ttft = engine, ttft
-    transfer = transfer_s(decode, request)
+    transfer = transfer_s(decode, request, pull_rate(decode, transfer_trust_s))
     # A decode engine that has only ever continued hand-offs has not measured a whole prefill:
     # the prefill engine's rate stands in (the same model, and in a pool the same hardware), for
     # the gain and for the TTFT colocated serving would have (unmeasured, that was 0: every long
@@ -101,20 +114,21 @@ def decide(
     # Neither measured yet: no evidence against the prefill pool the operator set up (predict.py's rule).
     rate = decode.prefill_tokens_per_s or best.prefill_tokens_per_s
     colocated = predict_ttft_s(decode.waiting_prefill_tokens, here, rate)
-    whole = decode_there_s(best, decode, request.max_new_tokens) <= transfer
+    # The short_output rule takes the measured rate however old: pessimism there costs little.
+    whole = decode_there_s(best, decode, request.max_new_tokens) <= transfer_s(decode, request, pull_rate(decode))
     # Served whole, the request costs the decode engine nothing, so no transfer is set against the
     # prefill it is spared: a slow link (or a pessimistic measure of one) must not keep a long
     # prompt with a short output on the decode engine, stalling its streams for its whole prefill.
     gain = (here / rate if rate > 0 else math.inf) - (0.0 if whole else transfer)
     if request.prompt_tokens < request.block_size or gain < min_gain_s:
-        return Decision(None, "short_prompt", gain, colocated)
+        return Decision(None, "short_prompt", gain, colocated, transfer)
     # Served whole, the request pays no transfer: its TTFT there is the prefill engine's own.
     ttft = best_ttft if whole else best_ttft + transfer
     if ttft > request.slo_ttft_s >= colocated:
-        return Decision(None, "ttft", gain, colocated)
+        return Decision(None, "ttft", gain, colocated, transfer)
     if whole:
-        return Decision(None, "short_output", gain, ttft, whole=best)
-    return Decision(best, "disaggregated", gain, ttft)
+        return Decision(None, "short_output", gain, ttft, 0.0, whole=best)
+    return Decision(best, "disaggregated", gain, ttft, transfer)
 
 
 def decode_there_s(prefill: Engine, decode: Engine, max_new_tokens: int | None) -> float:
@@ -125,10 +139,20 @@ def decode_there_s(prefill: Engine, decode: Engine, max_new_tokens: int | None) 
     return max_new_tokens * step if step > 0 else math.inf
 
 
-def transfer_s(decode: Engine, request: Request) -> float:
-    """Seconds for `decode` to pull the prompt's full blocks it lacks."""
+def pull_rate(decode: Engine, trust_s: float = 0.0) -> float:
+    """The pull rate to predict `decode`'s transfers with: the one it measured (DEFAULT_TRANSFER_BPS
+    before it has), taken as twice as fast for each `trust_s` it has gone unmeasured past the
+    first (0: as measured, however old). The request whose decision this first flips is handed
+    over, and its pull measures the rate afresh; a measure kept fresh by hand-offs stays as it is."""
+    measured = decode.load.kv_transfer_bytes_per_s
+    if not measured:
+        return DEFAULT_TRANSFER_BPS
+    periods = decode.load.kv_transfer_age_s / trust_s - 1 if trust_s > 0 else 0.0
+    return measured * 2 ** min(periods, MAX_DOUBLINGS) if periods > 0 else measured
+
+
+def transfer_s(decode: Engine, request: Request, rate: float) -> float:
+    """Seconds for `decode` to pull the prompt's full blocks it lacks, at `rate` bytes/s."""
     full = request.prompt_tokens // request.block_size
     missing = max(0, full - request.held.get(decode.url, 0))
-    nbytes = missing * request.block_size * decode.load.kv_bytes_per_token
-    rate = decode.load.kv_transfer_bytes_per_s or DEFAULT_TRANSFER_BPS
-    return nbytes / rate
+    return missing * request.block_size * decode.load.kv_bytes_per_token / rate

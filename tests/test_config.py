@@ -126,3 +126,17 @@ def test_intake_ownership_must_be_renewed_before_it_lapses():
     assert (cfg.intake.owner_ttl, cfg.intake.rebalance_interval) == (6.0, 1.5)
     with pytest.raises(ConfigError, match=r"rebalance_interval must be > 0 and under owner_ttl / 3"):
         load_config(KVCacheServiceConfig, env={}, overrides={"owner_ttl": 3, "rebalance_interval": 1})
+
+
+def test_the_gateways_pd_settings_come_from_env_and_refuse_negatives():
+    from kvharbor.gateway.config import GatewayConfig
+
+    routing = load_config(GatewayConfig, env={}).routing
+    assert (routing.pd_min_gain_ms, routing.pd_transfer_trust_s) == (50.0, 10.0)
+    env = {"KVHARBOR_PD_TRANSFER_TRUST_S": "0", "KVHARBOR_PD_MIN_GAIN_MS": "5"}
+    routing = load_config(GatewayConfig, env=env).routing
+    assert (routing.pd_min_gain_ms, routing.pd_transfer_trust_s) == (5.0, 0.0)
+    with pytest.raises(ConfigError, match=r"pd_transfer_trust_s must be >= 0 \(0: trust a measured rate for good\)"):
+        load_config(GatewayConfig, env={}, overrides={"pd_transfer_trust_s": -1})
+    with pytest.raises(ConfigError, match="pd_min_gain_ms must be >= 0"):
+        load_config(GatewayConfig, env={}, overrides={"pd_min_gain_ms": -1})

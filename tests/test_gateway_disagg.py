@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvharbor.common.load_report import LoadReport
-from kvharbor.gateway.disagg import Request, decide, decode_candidates, prefill_pool, transfer_s
+from kvharbor.gateway.disagg import Request, decide, decode_candidates, prefill_pool, pull_rate, transfer_s
 from kvharbor.gateway.engines import Engine
 
 BS = 16
@@ -15,11 +15,17 @@ KV_BYTES = 46_080  # SmolLM2 in float32, per token
 
 
 def engine(
-    url: str, role: str, rate: float = 1000.0, waiting: int = 0, transfer_bps: float = 0.0, step_ms: float = 0.0
+    url: str,
+    role: str,
+    rate: float = 1000.0,
+    waiting: int = 0,
+    transfer_bps: float = 0.0,
+    step_ms: float = 0.0,
+    transfer_age_s: float = 0.0,
 ) -> Engine:
     load = LoadReport(role=role, prefill_tokens_per_s=rate, waiting_prefill_tokens=waiting,
                       kv_bytes_per_token=KV_BYTES, kv_transfer_bytes_per_s=transfer_bps,
-                      decode_step_ms=step_ms, decode_batch=1.0)  # fmt: skip
+                      kv_transfer_age_s=transfer_age_s, decode_step_ms=step_ms, decode_batch=1.0)  # fmt: skip
     e = Engine(url, "m", url[-1], load)
     e.polled = True
     return e
@@ -52,7 +58,7 @@ def test_a_slow_link_makes_the_transfer_not_pay():
     slow = engine("http://d", "decode", transfer_bps=20e6)  # 20 MB/s measured: 4.7 s for 2048 tokens
     d = decide(slow, [PREFILL], request(2048), 0.05)
     assert d.reason == "short_prompt" and d.gain_s < 0
-    assert transfer_s(slow, request(2048)) == pytest.approx(2048 * KV_BYTES / 20e6)
+    assert transfer_s(slow, request(2048), pull_rate(slow)) == pytest.approx(2048 * KV_BYTES / 20e6)
 
 
 def test_a_busy_prefill_engine_is_not_used_when_only_it_would_miss_the_ttft():
@@ -139,3 +145,36 @@ def test_a_decode_engine_that_never_prefilled_is_judged_at_the_prefill_engines_r
     # A short chat that the prefill engine's queue would make miss the TTFT still stays here.
     busy = engine("http://p", "prefill", waiting=4000)
     assert decide(fresh, [busy], request(256, slo=3.0), 0.05).reason == "ttft"
+
+
+def test_a_pessimistic_pull_rate_is_tried_again_once_it_is_old():
+    """One pull measured while the prefill engine was busy (0.6 MB/s, as in a benchmark run)
+    makes a 1,024-token prompt's 47 MB look 79 s away, so such prompts stay colocated and
+    nothing measures the rate again. Trusted for 10 s, it counts as twice as fast each 10 s
+    after: the prompt is handed over once the transfer it predicts fits the gain (1 s spared at
+    1,000 tok/s), and a fresh measure (age 0) is trusted as it is."""
+    chat = request(64 * BS)
+
+    def at(age_s: float, trust_s: float = 10.0):
+        slow = engine("http://d", "decode", transfer_bps=0.6e6, transfer_age_s=age_s)
+        return decide(slow, [PREFILL], chat, 0.05, transfer_trust_s=trust_s)
+
+    assert at(0.0).reason == at(10.0).reason == "short_prompt"  # 79 s to pull
+    assert at(60.0).reason == "short_prompt"  # 32x: 2.5 s
+    d = at(80.0)  # 128x: 0.61 s, under the 1 s spared
+    assert d.disaggregated and d.transfer_s == pytest.approx(64 * BS * KV_BYTES / (0.6e6 * 128))
+    assert d.gain_s == pytest.approx(1.024 - d.transfer_s)
+    assert at(80.0, trust_s=0.0).reason == "short_prompt"  # 0: trusted for good
+    ancient = engine("http://d", "decode", transfer_bps=0.6e6, transfer_age_s=1e9)
+    assert pull_rate(ancient, 10.0) == pytest.approx(0.6e6 * 2**40)  # bounded: no overflow
+    assert pull_rate(engine("http://d", "decode"), 10.0) == 500e6  # never measured: the default
+
+
+def test_an_old_pull_rate_does_not_move_a_short_outputs_kv():
+    """The short_output rule takes the measured rate however old: erring there towards serving
+    whole costs a few steps on the prefill engine, while a hopeful rate would have the decode
+    engine pull a document's 94 MB to decode 4 tokens."""
+    slow = engine("http://d", "decode", step_ms=40.0, transfer_bps=10e6, transfer_age_s=1000.0)
+    d = decide(slow, [PREFILL], request(2048, max_tokens=4), 0.05, transfer_trust_s=10.0)
+    assert d.reason == "short_output" and d.whole is PREFILL
+    assert decide(slow, [PREFILL], request(2048, max_tokens=None), 0.05, transfer_trust_s=10.0).disaggregated

@@ -45,13 +45,15 @@ class FakeEngines:
         return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
 
 
-def serve(max_tokens: int) -> tuple[list[tuple[str, dict]], str]:
-    """One streamed completion of PROMPT through the gateway: the engines' calls and /metrics."""
+def serve(max_tokens: int, decode_load: dict | None = None) -> tuple[list[tuple[str, dict]], str]:
+    """One streamed completion of PROMPT through the gateway: the engines' calls and /metrics.
+    `decode_load`: fields the decode engine's /load adds to MEASURED."""
+    loads = {"http://p": MEASURED, "http://d": {**MEASURED, **(decode_load or {})}}
 
     async def main():
         fake = FakeEngines()
         http = httpx.AsyncClient(transport=httpx.MockTransport(fake))
-        pool = polled_pool(http, MODEL, list(ROLES), lambda url: {**MEASURED, "role": ROLES[url]})
+        pool = polled_pool(http, MODEL, list(ROLES), lambda url: {**loads[url], "role": ROLES[url]})
         state = gateway_state(http, pool, {MODEL: None}, TENANTS)
         transport = httpx.ASGITransport(app=build_app(state))
         try:
@@ -90,10 +92,13 @@ def test_a_short_output_is_sent_whole_to_the_prefill_engine_and_counted_there(ca
     assert [r for r, n in routed if float(n)] == ["short_output"]
 
 
-def test_a_long_output_is_prefilled_on_the_prefill_engine_and_handed_to_the_decode_engine():
+def test_a_long_output_is_prefilled_on_the_prefill_engine_and_handed_to_the_decode_engine(caplog):
     """64 tokens take the prefill engine 2.6 s: the prompt is prefilled there and its hand-off sent
-    to the decode engine, whose route is the one counted."""
+    to the decode engine, whose route is the one counted. The log gives the predicted pull."""
+    caplog.set_level(logging.INFO, logger="kvharbor.gateway.api")
     calls, metrics = serve(max_tokens=64)
+    (logged,) = [r for r in caplog.records if r.getMessage() == "P/D decision"]
+    assert (logged.reason, logged.transfer_ms, logged.gain_ms) == ("disaggregated", 82.6, 817.4)
     assert [host for host, _ in calls] == ["p", "d"]
     assert calls[0][1]["kv_transfer_params"] == {"do_remote_decode": True} and calls[0][1]["stream"] is False
     assert calls[1][1]["kv_transfer_params"]["remote_handle"] == "h1" and calls[1][1]["stream"] is True
@@ -101,3 +106,17 @@ def test_a_long_output_is_prefilled_on_the_prefill_engine_and_handed_to_the_deco
     series = rf'^kvharbor_gateway_routing_decisions_total{{model="{MODEL}",reason="(\w+)"}} (\S+)$'
     counted = {r: float(n) for r, n in re.findall(series, metrics, re.M) if float(n)}
     assert len(counted) == 1 and sum(counted.values()) == 1 and "short_output" not in counted  # the decode route
+
+
+def test_an_old_pessimistic_pull_rate_is_tried_again_by_the_gateways_default_trust():
+    """The decode engine measured 2 MB/s (its 41 MB pull: 20.6 s, against 0.9 s of prefill
+    spared; 1,000 tokens would take the prefill engine 40 s, so it is not served whole there):
+    fresh, that keeps the prompt colocated; 80 s old, past the gateway's 10 s trust, it counts as
+    128 times faster and the prompt is handed over, so its pull measures the rate again."""
+    fresh = {"kv_transfer_bytes_per_s": 2e6, "kv_transfer_age_s": 0.0}
+    calls, metrics = serve(max_tokens=1000, decode_load=fresh)
+    assert [host for host, _ in calls] == ["d"]
+    assert count(metrics, f'kvharbor_gateway_pd_decisions_total{{model="{MODEL}",reason="short_prompt"}}') == 1
+    calls, metrics = serve(max_tokens=1000, decode_load={**fresh, "kv_transfer_age_s": 80.0})
+    assert [host for host, _ in calls] == ["p", "d"]
+    assert count(metrics, f'kvharbor_gateway_pd_decisions_total{{model="{MODEL}",reason="disaggregated"}}') == 1

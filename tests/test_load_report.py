@@ -113,3 +113,22 @@ def test_a_decode_step_prediction_counts_the_kv_it_would_read():
     older = LoadReport(decode_step_ms=40.0, decode_batch=4.0, decode_ms_per_seq=2.0)  # an engine without the fit
     assert older.decode_step_s_at(5, 10**6) == pytest.approx(0.042)
     assert LoadReport.from_json(report.to_json()) == report
+
+
+def test_the_engine_reports_how_old_its_measured_pull_rate_is():
+    """The gateway trusts an old pull rate less (gateway/disagg.py pull_rate): the engine says
+    how long ago a pull last measured it; 0 before any pull, and each pull starts it again."""
+    import time
+
+    from kvharbor.engine.core import EngineStats
+
+    stats = EngineStats()
+    assert stats.kv_transfer_age_s() == 0.0 and stats.kv_transfer_bytes_per_s == 0.0
+    stats.record_transfer(3_000_000, 0.02)
+    assert stats.kv_transfer_age_s() < 1.0
+    stats.kv_transfer_at = time.monotonic() - 42.0  # as if that pull were 42 s ago
+    assert stats.kv_transfer_age_s() == pytest.approx(42.0, abs=1.0)
+    stats.record_transfer(0, 0.0)  # nothing moved: no measure, so no fresher
+    assert stats.kv_transfer_age_s() == pytest.approx(42.0, abs=1.0)
+    stats.record_transfer(3_000_000, 0.03)
+    assert stats.kv_transfer_age_s() < 1.0 and stats.kv_transfer_bytes_per_s > 0
