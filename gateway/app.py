@@ -491,7 +491,11 @@ class _Handler:
             )  # fmt: skip
             return nxt.engine if nxt else None
 
-        route = await self._disaggregate(call, route, headers)
+        try:
+            route = await self._disaggregate(call, route, headers)
+        except asyncio.CancelledError:
+            self._count_route(call, route)  # gone while a prefill engine ran its prefill: it was routed
+            raise
         self._count_route(call, route)
         first = route.engine
 

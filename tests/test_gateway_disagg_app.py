@@ -5,6 +5,7 @@ The slow e2e tests (test_disagg_e2e.py) run the same paths with real engines."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -45,25 +46,36 @@ class FakeEngines:
         return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
 
 
+@contextlib.asynccontextmanager
+async def gateway(engines, loads: dict[str, dict]):
+    """A client of the gateway app in front of `engines` (an httpx.MockTransport handler), whose
+    /load answers are `loads` by URL."""
+    http = httpx.AsyncClient(transport=httpx.MockTransport(engines))
+    pool = polled_pool(http, MODEL, list(ROLES), lambda url: {**loads[url], "role": ROLES[url]})
+    state = gateway_state(http, pool, {MODEL: None}, TENANTS)
+    transport = httpx.ASGITransport(app=build_app(state))
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=30) as client:
+            yield client
+    finally:
+        await http.aclose()
+
+
+def post(client: httpx.AsyncClient, max_tokens: int):
+    body = {"model": MODEL, "prompt_token_ids": PROMPT, "max_tokens": max_tokens, "stream": True}
+    return client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-acme"})
+
+
 def serve(max_tokens: int, decode_load: dict | None = None) -> tuple[list[tuple[str, dict]], str]:
     """One streamed completion of PROMPT through the gateway: the engines' calls and /metrics.
     `decode_load`: fields the decode engine's /load adds to MEASURED."""
-    loads = {"http://p": MEASURED, "http://d": {**MEASURED, **(decode_load or {})}}
 
     async def main():
         fake = FakeEngines()
-        http = httpx.AsyncClient(transport=httpx.MockTransport(fake))
-        pool = polled_pool(http, MODEL, list(ROLES), lambda url: {**loads[url], "role": ROLES[url]})
-        state = gateway_state(http, pool, {MODEL: None}, TENANTS)
-        transport = httpx.ASGITransport(app=build_app(state))
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=30) as client:
-                body = {"model": MODEL, "prompt_token_ids": PROMPT, "max_tokens": max_tokens, "stream": True}
-                reply = await client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-acme"})
-                assert reply.status_code == 200 and "[DONE]" in reply.text, reply.text
-                return fake.calls, (await client.get("/metrics")).text
-        finally:
-            await http.aclose()
+        async with gateway(fake, {"http://p": MEASURED, "http://d": {**MEASURED, **(decode_load or {})}}) as client:
+            reply = await post(client, max_tokens)
+            assert reply.status_code == 200 and "[DONE]" in reply.text, reply.text
+            return fake.calls, (await client.get("/metrics")).text
 
     return asyncio.run(main())
 
@@ -120,3 +132,32 @@ def test_an_old_pessimistic_pull_rate_is_tried_again_by_the_gateways_default_tru
     calls, metrics = serve(max_tokens=1000, decode_load={**fresh, "kv_transfer_age_s": 80.0})
     assert [host for host, _ in calls] == ["p", "d"]
     assert count(metrics, f'kvharbor_gateway_pd_decisions_total{{model="{MODEL}",reason="disaggregated"}}') == 1
+
+
+def test_a_request_cancelled_while_a_prefill_engine_prefills_it_is_counted_as_routed():
+    """The route is counted once P/D has decided; a request that goes (its task cancelled: the
+    client left, the gateway shut down) while its prompt is on the prefill engine was still
+    routed, to the decode engine, and counts there."""
+
+    async def main():
+        fake, prefilling = FakeEngines(), asyncio.Event()
+
+        async def slow_prefill(request: httpx.Request) -> httpx.Response:
+            if not json.loads(request.content).get("stream"):
+                prefilling.set()
+                await asyncio.sleep(30)  # cancelled long before
+            return await fake(request)
+
+        async with gateway(slow_prefill, dict.fromkeys(ROLES, MEASURED)) as client:
+            sent = asyncio.create_task(post(client, 64))
+            await asyncio.wait_for(prefilling.wait(), 10)
+            sent.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sent
+            return fake.calls, (await client.get("/metrics")).text
+
+    calls, metrics = asyncio.run(main())
+    assert calls == []  # the prefill never answered, and nothing reached the decode engine
+    series = rf'^kvharbor_gateway_routing_decisions_total{{model="{MODEL}",reason="(\w+)"}} (\S+)$'
+    counted = {r: float(n) for r, n in re.findall(series, metrics, re.M) if float(n)}
+    assert sum(counted.values()) == 1 and "short_output" not in counted, counted
