@@ -139,7 +139,8 @@ def run_setup(name: str, args: argparse.Namespace, arrivals: list[Arrival], logs
         cmd = [*CLI, "gateway", "--port", gw.rsplit(":", 1)[1], "--admin-port", gw_admin.rsplit(":", 1)[1],
                "--engines", ",".join(engines),
                "--tenants-file", str(tenants), "--redis-url", rds.url, "--slo-ttft-ms", str(args.slo_ttft_ms),
-               "--pd-min-gain-ms", str(args.pd_min_gain_ms), "--max-prompt-tokens", str(args.doc_len + 64),
+               "--pd-min-gain-ms", str(args.pd_min_gain_ms), "--pd-transfer-trust-s", str(args.pd_transfer_trust_s),
+               "--max-prompt-tokens", str(args.doc_len + 64),
                *(["--disaggregation", "off"] if name == "colocated" else [])]  # fmt: skip
         stack.enter_context(server(cmd, gw, "/ready", logs / f"{name}-gateway.log", {}, 120))
         print(f"{name}: warm-up ...", flush=True)
@@ -240,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=1024, help="each engine's KV pool, in blocks of 16 tokens")
     ap.add_argument("--dtype", default="float32", help="engines' dtype (float32: the same on every CPU here)")
     ap.add_argument("--pd-min-gain-ms", type=float, default=50.0, help="the gateway's P/D threshold")
+    ap.add_argument("--pd-transfer-trust-s", type=float, default=10.0,
+                    help="seconds the gateway trusts a measured KV pull rate as it is (0: for good)")  # fmt: skip
     ap.add_argument("--slo-ttft-ms", type=float, default=float(SLOS["chat"]["ttft_p95_ms"]),
                     help="the gateway's TTFT target (admission, and P/D's TTFT rule)")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)

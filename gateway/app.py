@@ -494,7 +494,7 @@ class _Handler:
         try:
             route = await self._disaggregate(call, route, headers)
         except asyncio.CancelledError:
-            self._count_route(call, route)  # gone while a prefill engine ran its prefill: it was routed
+            self._count_route(call, route)  # cancelled while a prefill engine ran its prefill: it was routed
             raise
         self._count_route(call, route)
         first = route.engine
@@ -616,7 +616,11 @@ class _Handler:
         decision, held = await self._pd_decision(call, route)
         tried = decision.prefill
         if decision.disaggregated:
-            call.transfer = await self._prefill(call, route, decision.prefill, headers)
+            try:
+                call.transfer = await self._prefill(call, route, decision.prefill, headers)
+            except asyncio.CancelledError:  # decided, then cancelled (_forward counts its route too)
+                state.metrics.pd_decisions.labels(model.name, decision.reason).inc()
+                raise
             if call.transfer is None:
                 decision = Decision(None, "prefill_failed")
         state.metrics.pd_decisions.labels(model.name, decision.reason).inc()

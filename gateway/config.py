@@ -71,8 +71,9 @@ class RoutingConfig:
     )
     pd_transfer_trust_s: float = opt(
         10.0,
-        "P/D: seconds a decode engine's measured KV pull rate is trusted as it is; past that it counts as twice as "
-        "fast per such period until a hand-off measures it again (0: trust it for good)",
+        "P/D: seconds a decode engine's measured KV pull rate is trusted as it is; past that it counts as "
+        "2^(age/trust - 1) times as fast, up to the 500 MB/s assumed before any pull, until a hand-off measures it "
+        "again (0: trust it for good)",
     )
 
     def __post_init__(self) -> None:
@@ -80,7 +81,7 @@ class RoutingConfig:
             raise ValueError("routing weights must be >= 0")
         if self.pd_min_gain_ms < 0:
             raise ValueError(f"pd_min_gain_ms must be >= 0, got {self.pd_min_gain_ms}")
-        if self.pd_transfer_trust_s < 0:
+        if not self.pd_transfer_trust_s >= 0:  # NaN too
             raise ValueError(f"pd_transfer_trust_s must be >= 0 (0: trust a measured rate for good), got "
                              f"{self.pd_transfer_trust_s}")  # fmt: skip
         if self.imbalance_threshold < 1:

@@ -8,10 +8,11 @@ is `decode` or `both`. Then `decide` asks whether a `prefill` engine is worth it
   pulling the KV (the blocks it lacks, over the transfer rate it measured; DEFAULT_TRANSFER_BPS
   before it has), or nothing to pull for a request served whole (below). Below `min_gain_s` P/D
   does not pay: short prompts, a warm cache. A prompt shorter than one block has nothing to hand
-  over. A measured rate older than `transfer_trust_s` counts as twice as fast for each further
-  such period (`pull_rate`): only hand-offs measure it, so one measured while the prefill engine
-  was busy (0.6 MB/s for a 3 MB chat that took 3.5 s, against 100-250 MB/s idle, in one
-  benchmark run) kept every later chat colocated, and nothing measured it again.
+  over. Only hand-offs measure the rate, so a measure older than `transfer_trust_s` is trusted
+  less (`pull_rate`): pulls behind a busy prefill engine measured as little as 0.6 MB/s (a 2.2 MB
+  chat in 3.5 s; 100-250 MB/s otherwise) in one benchmark run, and a rate that low, trusted for
+  good, keeps every later chat colocated, so nothing measures it again (a sweep kept 38 chats
+  colocated after 2 hand-offs).
 - the TTFT: P/D is refused only where it would miss the TTFT SLO that colocated serving meets
   (a short chat while the prefill engine works through a long document). Where both miss it (a
   long document), the prefill engine takes the prompt anyway: that is what keeps the decode
@@ -22,9 +23,7 @@ is `decode` or `both`. Then `decide` asks whether a `prefill` engine is worth it
   float32 KV to decode 4 tokens cost the decode engine's streams more than those 4 steps cost the
   prefill engine: the pull runs on the decode engine's own cores. The step is the prefill
   engine's measured one, else the decode engine's (the same model); with neither measured, or no
-  `max_tokens`, the request is handed over as before. This rule takes the measured rate as it
-  is, however old: a pessimistic one errs towards serving whole, which costs little, while an
-  optimistic one would move a document's KV to decode a few tokens.
+  `max_tokens`, the request is handed over as before.
 
 Colocated serving is the answer whenever there is no prefill engine (counted apart from a pool
 that is configured but down), or the request is one P/D does not carry (n > 1, logprobs, several
@@ -37,12 +36,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvharbor.common.load_report import LoadReport
 from kvharbor.gateway.engines import Engine
 from kvharbor.gateway.predict import predict_ttft_s, uncached_tokens
 
 # Loopback on these machines moves GB/s; a pod network less. Only until the first pull is measured.
 DEFAULT_TRANSFER_BPS = 500e6
-MAX_DOUBLINGS = 40  # an engine unmeasured for hours: ~1e12x, far past any decision, and no overflow
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class Decision:
     reason: str
     gain_s: float = 0.0
     ttft_s: float = 0.0  # predicted TTFT of the chosen way
-    transfer_s: float = 0.0  # the predicted KV pull a hand-off would take (0: none predicted)
+    transfer_s: float = 0.0  # the KV pull a hand-off would take, predicted (short_output: the one it avoids)
     whole: Engine | None = None  # short_output: the prefill engine that serves the whole request
 
     @property
@@ -106,7 +105,7 @@ def decide(
         ttft = predict_ttft_s(engine.waiting_prefill_tokens, uncached, engine.prefill_tokens_per_s)
         if best is None or ttft < best_ttft:
             best, best_ttft = engine, ttft
-    transfer = transfer_s(decode, request, pull_rate(decode, transfer_trust_s))
+    transfer = transfer_s(decode, request, pull_rate(decode.load, transfer_trust_s))
     # A decode engine that has only ever continued hand-offs has not measured a whole prefill:
     # the prefill engine's rate stands in (the same model, and in a pool the same hardware), for
     # the gain and for the TTFT colocated serving would have (unmeasured, that was 0: every long
@@ -114,8 +113,7 @@ def decide(
     # Neither measured yet: no evidence against the prefill pool the operator set up (predict.py's rule).
     rate = decode.prefill_tokens_per_s or best.prefill_tokens_per_s
     colocated = predict_ttft_s(decode.waiting_prefill_tokens, here, rate)
-    # The short_output rule takes the measured rate however old: pessimism there costs little.
-    whole = decode_there_s(best, decode, request.max_new_tokens) <= transfer_s(decode, request, pull_rate(decode))
+    whole = decode_there_s(best, decode, request.max_new_tokens) <= transfer
     # Served whole, the request costs the decode engine nothing, so no transfer is set against the
     # prefill it is spared: a slow link (or a pessimistic measure of one) must not keep a long
     # prompt with a short output on the decode engine, stalling its streams for its whole prefill.
@@ -127,7 +125,7 @@ def decide(
     if ttft > request.slo_ttft_s >= colocated:
         return Decision(None, "ttft", gain, colocated, transfer)
     if whole:
-        return Decision(None, "short_output", gain, ttft, 0.0, whole=best)
+        return Decision(None, "short_output", gain, ttft, transfer, whole=best)
     return Decision(best, "disaggregated", gain, ttft, transfer)
 
 
@@ -139,16 +137,20 @@ def decode_there_s(prefill: Engine, decode: Engine, max_new_tokens: int | None) 
     return max_new_tokens * step if step > 0 else math.inf
 
 
-def pull_rate(decode: Engine, trust_s: float = 0.0) -> float:
-    """The pull rate to predict `decode`'s transfers with: the one it measured (DEFAULT_TRANSFER_BPS
-    before it has), taken as twice as fast for each `trust_s` it has gone unmeasured past the
-    first (0: as measured, however old). The request whose decision this first flips is handed
-    over, and its pull measures the rate afresh; a measure kept fresh by hand-offs stays as it is."""
-    measured = decode.load.kv_transfer_bytes_per_s
-    if not measured:
+def pull_rate(load: LoadReport, trust_s: float = 0.0) -> float:
+    """The pull rate to predict a decode engine's transfers with: the one it measured
+    (DEFAULT_TRANSFER_BPS before it has). A measure older than `trust_s` (0: trusted for good)
+    is taken as 2^(age / trust_s - 1) times as fast, up to DEFAULT_TRANSFER_BPS: an old measure
+    is worth no more than none, so a stale slow rate ends where a fresh gateway starts, and the
+    requests it then hands over (as a fresh gateway would, until the next poll) measure it
+    afresh. A measured rate above the default never changes with age."""
+    measured = load.kv_transfer_bytes_per_s
+    if not measured > 0:  # none yet (or nonsense: negative, NaN)
         return DEFAULT_TRANSFER_BPS
-    periods = decode.load.kv_transfer_age_s / trust_s - 1 if trust_s > 0 else 0.0
-    return measured * 2 ** min(periods, MAX_DOUBLINGS) if periods > 0 else measured
+    periods = load.kv_transfer_age_s / trust_s - 1 if trust_s > 0 else 0.0
+    if not periods > 0 or measured >= DEFAULT_TRANSFER_BPS:
+        return measured
+    return measured * 2 ** min(periods, math.log2(DEFAULT_TRANSFER_BPS / measured))  # no overflow
 
 
 def transfer_s(decode: Engine, request: Request, rate: float) -> float:

@@ -138,5 +138,7 @@ def test_the_gateways_pd_settings_come_from_env_and_refuse_negatives():
     assert (routing.pd_min_gain_ms, routing.pd_transfer_trust_s) == (5.0, 0.0)
     with pytest.raises(ConfigError, match=r"pd_transfer_trust_s must be >= 0 \(0: trust a measured rate for good\)"):
         load_config(GatewayConfig, env={}, overrides={"pd_transfer_trust_s": -1})
+    with pytest.raises(ConfigError, match="pd_transfer_trust_s must be >= 0"):  # NaN is no number of seconds
+        load_config(GatewayConfig, env={"KVHARBOR_PD_TRANSFER_TRUST_S": "nan"})
     with pytest.raises(ConfigError, match="pd_min_gain_ms must be >= 0"):
         load_config(GatewayConfig, env={}, overrides={"pd_min_gain_ms": -1})

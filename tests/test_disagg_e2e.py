@@ -93,6 +93,7 @@ def test_a_chat_through_prefill_and_decode_engines_equals_one_engines(pd):
     assert metric(pm, "kvharbor_kv_handoff_sent_blocks_total") == usage.prompt_tokens // 16
     assert load(pd["prefill"])["kv_pinned_blocks"] == 0  # released on the decode engine's confirmation
     assert load(pd["decode"])["kv_transfer_bytes_per_s"] > 0 and load(pd["prefill"])["role"] == "prefill"
+    assert 0 <= load(pd["decode"])["kv_transfer_age_s"] < 120  # how old that measure is (gateway/disagg.py pull_rate)
     # One trace: the gateway's span, its prefill call's span, and both engines' spans.
     # Each process exports its spans in the background: wait for both engines' (4 spans could be
     # the gateway's and P's alone, which made this flaky).

@@ -58,7 +58,7 @@ def test_a_slow_link_makes_the_transfer_not_pay():
     slow = engine("http://d", "decode", transfer_bps=20e6)  # 20 MB/s measured: 4.7 s for 2048 tokens
     d = decide(slow, [PREFILL], request(2048), 0.05)
     assert d.reason == "short_prompt" and d.gain_s < 0
-    assert transfer_s(slow, request(2048), pull_rate(slow)) == pytest.approx(2048 * KV_BYTES / 20e6)
+    assert transfer_s(slow, request(2048), pull_rate(slow.load)) == pytest.approx(2048 * KV_BYTES / 20e6)
 
 
 def test_a_busy_prefill_engine_is_not_used_when_only_it_would_miss_the_ttft():
@@ -151,8 +151,9 @@ def test_a_pessimistic_pull_rate_is_tried_again_once_it_is_old():
     """One pull measured while the prefill engine was busy (0.6 MB/s, as in a benchmark run)
     makes a 1,024-token prompt's 47 MB look 79 s away, so such prompts stay colocated and
     nothing measures the rate again. Trusted for 10 s, it counts as twice as fast each 10 s
-    after: the prompt is handed over once the transfer it predicts fits the gain (1 s spared at
-    1,000 tok/s), and a fresh measure (age 0) is trusted as it is."""
+    after, up to the 500 MB/s assumed before any pull: the prompt is handed over once the
+    transfer it predicts fits the gain (1 s spared at 1,000 tok/s), and a fresh measure (age 0)
+    is trusted as it is."""
     chat = request(64 * BS)
 
     def at(age_s: float, trust_s: float = 10.0):
@@ -165,16 +166,33 @@ def test_a_pessimistic_pull_rate_is_tried_again_once_it_is_old():
     assert d.disaggregated and d.transfer_s == pytest.approx(64 * BS * KV_BYTES / (0.6e6 * 128))
     assert d.gain_s == pytest.approx(1.024 - d.transfer_s)
     assert at(80.0, trust_s=0.0).reason == "short_prompt"  # 0: trusted for good
-    ancient = engine("http://d", "decode", transfer_bps=0.6e6, transfer_age_s=1e9)
-    assert pull_rate(ancient, 10.0) == pytest.approx(0.6e6 * 2**40)  # bounded: no overflow
-    assert pull_rate(engine("http://d", "decode"), 10.0) == 500e6  # never measured: the default
+    # A chat's 100 output tokens (4 s on the prefill engine) beat its 2.9 MB pull at 0.6 MB/s
+    # (4.9 s), so it was served whole there, behind the documents' prefills; old, the rate
+    # no longer decides that either.
+    prefill = engine("http://p", "prefill", step_ms=40.0)
+    chat_here = request(64, max_tokens=100)
+    for age_s, reason in ((0.0, "short_output"), (1000.0, "disaggregated")):
+        slow = engine("http://d", "decode", transfer_bps=0.6e6, transfer_age_s=age_s)
+        assert decide(slow, [prefill], chat_here, 0.05, transfer_trust_s=10.0).reason == reason
+    assert pull_rate(engine("http://d", "decode", transfer_bps=0.6e6, transfer_age_s=15.0).load, 10.0) == (
+        pytest.approx(0.6e6 * 2**0.5)  # between periods: it grows smoothly
+    )
 
 
-def test_an_old_pull_rate_does_not_move_a_short_outputs_kv():
-    """The short_output rule takes the measured rate however old: erring there towards serving
-    whole costs a few steps on the prefill engine, while a hopeful rate would have the decode
-    engine pull a document's 94 MB to decode 4 tokens."""
-    slow = engine("http://d", "decode", step_ms=40.0, transfer_bps=10e6, transfer_age_s=1000.0)
-    d = decide(slow, [PREFILL], request(2048, max_tokens=4), 0.05, transfer_trust_s=10.0)
-    assert d.reason == "short_output" and d.whole is PREFILL
-    assert decide(slow, [PREFILL], request(2048, max_tokens=None), 0.05, transfer_trust_s=10.0).disaggregated
+def test_an_old_pull_rate_is_worth_no_more_than_none():
+    """However old, a measured rate grows to the 500 MB/s a gateway assumes before any pull, not
+    past it (and with no overflow); a rate measured above that is kept, old or not; a rate that
+    is not a rate counts as none."""
+
+    def rate(bps: float, age_s: float) -> float:
+        return pull_rate(engine("http://d", "decode", transfer_bps=bps, transfer_age_s=age_s).load, 10.0)
+
+    assert rate(0.6e6, 1e9) == pytest.approx(500e6) and rate(0.0, 1e9) == 500e6
+    assert rate(2e9, 1e9) == rate(2e9, 0.0) == 2e9
+    assert rate(-5.0, 0.0) == rate(float("nan"), 0.0) == 500e6
+    # A document's 4 output tokens (160 ms on the prefill engine) still beat its 94 MB pull at
+    # 500 MB/s (189 ms): an old slow rate leaves it served whole, as a fresh gateway would.
+    stale = engine("http://d", "decode", step_ms=40.0, transfer_bps=10e6, transfer_age_s=1000.0)
+    d = decide(stale, [PREFILL], request(2048, max_tokens=4), 0.05, transfer_trust_s=10.0)
+    assert d.reason == "short_output" and d.transfer_s == pytest.approx(2048 * KV_BYTES / 500e6)
+    assert decide(stale, [PREFILL], request(2048, max_tokens=None), 0.05, transfer_trust_s=10.0).disaggregated

@@ -12,6 +12,7 @@ import re
 
 import httpx
 from gateway_state import gateway_state, polled_pool
+from servers import metric
 
 from kvharbor.gateway.app import build_app
 from kvharbor.gateway.tenants import hash_key
@@ -80,9 +81,15 @@ def serve(max_tokens: int, decode_load: dict | None = None) -> tuple[list[tuple[
     return asyncio.run(main())
 
 
-def count(metrics: str, series: str) -> float:
-    match = re.search(rf"^{re.escape(series)} (\S+)$", metrics, re.M)
-    return float(match.group(1)) if match else 0.0
+def decided(metrics: str, reason: str) -> float:
+    """P/D decisions of `reason` counted in the gateway's /metrics."""
+    return metric(metrics, "kvharbor_gateway_pd_decisions_total", f'reason="{reason}"')
+
+
+def routed(metrics: str) -> dict[str, float]:
+    """The routing reasons counted, and how often (those never counted left out)."""
+    series = rf'^kvharbor_gateway_routing_decisions_total{{model="{MODEL}",reason="(\w+)"}} (\S+)$'
+    return {r: float(n) for r, n in re.findall(series, metrics, re.M) if float(n)}
 
 
 def test_a_short_output_is_sent_whole_to_the_prefill_engine_and_counted_there(caplog):
@@ -97,11 +104,8 @@ def test_a_short_output_is_sent_whole_to_the_prefill_engine_and_counted_there(ca
     ]
     assert [host for host, _ in calls] == ["p"]
     assert calls[0][1]["stream"] is True and "kv_transfer_params" not in calls[0][1]
-    assert count(metrics, f'kvharbor_gateway_pd_decisions_total{{model="{MODEL}",reason="short_output"}}') == 1
-    assert count(metrics, f'kvharbor_gateway_routing_decisions_total{{model="{MODEL}",reason="short_output"}}') == 1
-    series = rf'^kvharbor_gateway_routing_decisions_total{{model="{MODEL}",reason="(\w+)"}} (\S+)$'
-    routed = re.findall(series, metrics, re.M)
-    assert [r for r, n in routed if float(n)] == ["short_output"]
+    assert decided(metrics, "short_output") == 1
+    assert routed(metrics) == {"short_output": 1.0}
 
 
 def test_a_long_output_is_prefilled_on_the_prefill_engine_and_handed_to_the_decode_engine(caplog):
@@ -114,9 +118,8 @@ def test_a_long_output_is_prefilled_on_the_prefill_engine_and_handed_to_the_deco
     assert [host for host, _ in calls] == ["p", "d"]
     assert calls[0][1]["kv_transfer_params"] == {"do_remote_decode": True} and calls[0][1]["stream"] is False
     assert calls[1][1]["kv_transfer_params"]["remote_handle"] == "h1" and calls[1][1]["stream"] is True
-    assert count(metrics, f'kvharbor_gateway_pd_decisions_total{{model="{MODEL}",reason="disaggregated"}}') == 1
-    series = rf'^kvharbor_gateway_routing_decisions_total{{model="{MODEL}",reason="(\w+)"}} (\S+)$'
-    counted = {r: float(n) for r, n in re.findall(series, metrics, re.M) if float(n)}
+    assert decided(metrics, "disaggregated") == 1
+    counted = routed(metrics)
     assert len(counted) == 1 and sum(counted.values()) == 1 and "short_output" not in counted  # the decode route
 
 
@@ -128,16 +131,16 @@ def test_an_old_pessimistic_pull_rate_is_tried_again_by_the_gateways_default_tru
     fresh = {"kv_transfer_bytes_per_s": 2e6, "kv_transfer_age_s": 0.0}
     calls, metrics = serve(max_tokens=1000, decode_load=fresh)
     assert [host for host, _ in calls] == ["d"]
-    assert count(metrics, f'kvharbor_gateway_pd_decisions_total{{model="{MODEL}",reason="short_prompt"}}') == 1
+    assert decided(metrics, "short_prompt") == 1
     calls, metrics = serve(max_tokens=1000, decode_load={**fresh, "kv_transfer_age_s": 80.0})
     assert [host for host, _ in calls] == ["p", "d"]
-    assert count(metrics, f'kvharbor_gateway_pd_decisions_total{{model="{MODEL}",reason="disaggregated"}}') == 1
+    assert decided(metrics, "disaggregated") == 1
 
 
 def test_a_request_cancelled_while_a_prefill_engine_prefills_it_is_counted_as_routed():
-    """The route is counted once P/D has decided; a request that goes (its task cancelled: the
-    client left, the gateway shut down) while its prompt is on the prefill engine was still
-    routed, to the decode engine, and counts there."""
+    """The route is counted once P/D has decided; a request cancelled (the gateway shutting down,
+    an outer timeout) while its prompt is on the prefill engine was still routed, to the decode
+    engine, and counts there, as its P/D decision does."""
 
     async def main():
         fake, prefilling = FakeEngines(), asyncio.Event()
@@ -158,6 +161,6 @@ def test_a_request_cancelled_while_a_prefill_engine_prefills_it_is_counted_as_ro
 
     calls, metrics = asyncio.run(main())
     assert calls == []  # the prefill never answered, and nothing reached the decode engine
-    series = rf'^kvharbor_gateway_routing_decisions_total{{model="{MODEL}",reason="(\w+)"}} (\S+)$'
-    counted = {r: float(n) for r, n in re.findall(series, metrics, re.M) if float(n)}
+    counted = routed(metrics)
     assert sum(counted.values()) == 1 and "short_output" not in counted, counted
+    assert decided(metrics, "disaggregated") == 1
