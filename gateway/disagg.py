@@ -23,7 +23,8 @@ is `decode` or `both`. Then `decide` asks whether a `prefill` engine is worth it
   float32 KV to decode 4 tokens cost the decode engine's streams more than those 4 steps cost the
   prefill engine: the pull runs on the decode engine's own cores. The step is the prefill
   engine's measured one, else the decode engine's (the same model); with neither measured, or no
-  `max_tokens`, the request is handed over as before.
+  `max_tokens`, the request is handed over as before. This rule takes the measured pull rate
+  as it is, however old (see `decide`).
 
 Colocated serving is the answer whenever there is no prefill engine (counted apart from a pool
 that is configured but down), or the request is one P/D does not carry (n > 1, logprobs, several
@@ -113,7 +114,13 @@ def decide(
     # Neither measured yet: no evidence against the prefill pool the operator set up (predict.py's rule).
     rate = decode.prefill_tokens_per_s or best.prefill_tokens_per_s
     colocated = predict_ttft_s(decode.waiting_prefill_tokens, here, rate)
-    whole = decode_there_s(best, decode, request.max_new_tokens) <= transfer
+    # The short-output rule prices the pull at the rate as measured, however old. Priced at the
+    # aged rate (which ends at DEFAULT_TRANSFER_BPS, above the ~150 MB/s a 94 MB pull measures
+    # here), 4-token documents were handed over: 4-7x the KV moved, P/D's max gap 455-639 ms
+    # against 224-373 (benchmarks/README.md). The cost: a rate measured very slow keeps serving
+    # long outputs whole on the prefill engine, so nothing re-measures it through them.
+    avoided = transfer_s(decode, request, pull_rate(decode.load))
+    whole = decode_there_s(best, decode, request.max_new_tokens) <= avoided
     # Served whole, the request costs the decode engine nothing, so no transfer is set against the
     # prefill it is spared: a slow link (or a pessimistic measure of one) must not keep a long
     # prompt with a short output on the decode engine, stalling its streams for its whole prefill.
@@ -125,7 +132,7 @@ def decide(
     if ttft > request.slo_ttft_s >= colocated:
         return Decision(None, "ttft", gain, colocated, transfer)
     if whole:
-        return Decision(None, "short_output", gain, ttft, transfer, whole=best)
+        return Decision(None, "short_output", gain, ttft, avoided, whole=best)
     return Decision(best, "disaggregated", gain, ttft, transfer)
 
 
