@@ -49,12 +49,13 @@ class DecodeGroup:
 
 @dataclass
 class CpuDecode:
-    """Every decode of the step in one call of the CPU kernel (engine/cpu_kernels.py), which reads
-    the paged cache in place through the block tables."""
+    """The first rows of the step in one call of the CPU kernel (engine/cpu_kernels.py), which
+    reads the paged cache in place through the block tables: every decode, or (batch-invariant
+    mode) every row, a prefill chunk's rows each with the context up to its own position."""
 
     kernels: Any  # cpu_kernels.CpuKernels
-    tables: torch.Tensor  # [num_decodes, max_blocks] int32, padded with 0
-    ctx_lens: torch.Tensor  # [num_decodes] int32
+    tables: torch.Tensor  # [rows, max_blocks] int32, padded with 0
+    ctx_lens: torch.Tensor  # [rows] int32
 
 
 @dataclass
@@ -117,12 +118,15 @@ def build_metadata(
     kv_shape: tuple[int, int] = (0, 0),  # (kv_heads, head_dim), for the triton backend
     cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decodes through its attention kernel
     kv_dtype: str = "auto",  # the cache's --kv-cache-dtype
+    invariant: bool = False,  # batch-invariant: every row through cpu_kernels' kernel
 ) -> AttentionMetadata:
     """Metadata for sequences (decodes first) with these block tables, computed prefixes
     (`starts`) and new-token counts (`lengths`)."""
     slots: list[int] = []
     for table, start, n in zip(block_tables, starts, lengths, strict=True):
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+    if invariant:
+        return _invariant_metadata(block_tables, starts, lengths, num_decodes, block_size, slots, cpu_kernels, kv_dtype)
     if backend == "triton":
         from kvharbor.engine.attention_triton import build_triton_metadata
 
@@ -159,6 +163,34 @@ def build_metadata(
     return AttentionMetadata(
         block_size, slot_mapping, num_decodes, groups, prefills, cpu_decode=cpu_decode, kv_dtype=kv_dtype,
         kv_writer=writer, slot_bounds=(min(slots), max(slots)) if slots else None,
+    )  # fmt: skip
+
+
+def _invariant_metadata(
+    block_tables: list[list[int]], starts: list[int], lengths: list[int], num_decodes: int, block_size: int,
+    slots: list[int], kernels: Any, kv_dtype: str,
+) -> AttentionMetadata:
+    """Every row of the step through the CPU kernel, each as one query over the context up to its
+    own position (written first): the same computation for a token whether it is decoded alone,
+    in a batch, in a prefill chunk of any size, or recomputed after a preemption.
+    NOTE: prefill attention then costs one pass over the context per row (no shared tiles): fine
+    for chat-sized prompts, a visible share of a long document's prefill."""
+    if kernels is None or kv_dtype == "fp8":
+        raise ValueError("batch-invariant attention needs the CPU kernels and a float32, bfloat16 or int8 KV cache")
+    rows = sum(lengths)
+    width = max(-(-(s + n) // block_size) for s, n in zip(starts, lengths, strict=True))
+    tables = torch.zeros(rows, width, dtype=torch.int32)
+    ctx_lens = torch.empty(rows, dtype=torch.int32)
+    r = 0
+    for table, start, n in zip(block_tables, starts, lengths, strict=True):
+        used = -(-(start + n) // block_size)
+        tables[r : r + n, :used] = torch.tensor(table[:used], dtype=torch.int32)
+        ctx_lens[r : r + n] = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
+        r += n
+    return AttentionMetadata(
+        block_size, torch.tensor(slots, dtype=torch.long), num_decodes, [], [],
+        cpu_decode=CpuDecode(kernels, tables, ctx_lens), kv_dtype=kv_dtype, kv_writer=kernels,
+        slot_bounds=(min(slots), max(slots)) if slots else None,
     )  # fmt: skip
 
 
@@ -233,8 +265,13 @@ def paged_attention(
     heads, dim = q.shape[1], q.shape[2]
     bs = meta.block_size
     if (cpu := meta.cpu_decode) is not None:
-        n = meta.num_decodes
-        cpu.kernels.decode_attention(q[:n], k_cache, v_cache, cpu.tables, cpu.ctx_lens, bs, out[:n])
+        n = cpu.tables.shape[0]
+        if q.dtype == torch.float32:
+            cpu.kernels.decode_attention(q[:n], k_cache, v_cache, cpu.tables, cpu.ctx_lens, bs, out[:n])
+        else:  # bfloat16: the kernel takes float32 queries (widened exactly) and writes float32
+            o = torch.empty(n, heads, dim, dtype=torch.float32)
+            cpu.kernels.decode_attention(q[:n].float(), k_cache, v_cache, cpu.tables, cpu.ctx_lens, bs, o)
+            out[:n] = o
     for g in meta.decode_groups:
         rows = slice(g.start, g.start + g.size)
         keys = _gather(k_cache, g.blocks, bs, kvd, q.dtype).view(kv_heads, g.size, -1, dim).transpose(0, 1)

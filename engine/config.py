@@ -114,6 +114,12 @@ class RuntimeConfig:
     cpu_affinity: str | None = opt(
         None, "run only on these CPUs, e.g. 0 or 0-3,8 (engines sharing a machine keep off each other's cores)"
     )
+    batch_invariant: Literal["auto", "on", "off"] = opt(
+        "auto",
+        "a request's logits do not depend on the batch it shares a step with, how its prompt was chunked or "
+        "where its prefix KV came from (greedy output equals the request run alone): on, off, or auto (on where "
+        "it runs: CPU kernels, no LoRA, no fp8 KV; engine/README.md has its cost)",
+    )
 
     def __post_init__(self) -> None:
         if self.cpu_affinity:

@@ -191,10 +191,14 @@ class EngineCore:
         fingerprint = weights_fingerprint(loaded.state_dict)
         del loaded
         threads = cpu_threads(self.device, config.runtime.threads)
+        self.attention_backend = resolve_backend(
+            config.runtime.attention_backend, self.device, config.cache.block_size, config.cache.kv_cache_dtype
+        )
+        self.batch_invariant = self._batch_invariant(threads)
         if config.model.quantization != "none":
             self._quantize(threads, say)
             fingerprint += "+" + config.model.quantization  # other weights: other KV, never imported
-        if config.runtime.cpu_kernels and (fast := self.model.prepare_cpu_linears(threads)):
+        if config.runtime.cpu_kernels and (fast := self.model.prepare_cpu_linears(threads, self.batch_invariant)):
             say(f"CPU linears: {fast}")
         self.weight_bytes = self.model.weight_bytes()
         self.draft_model = self._load_draft(config, say)
@@ -224,17 +228,16 @@ class EngineCore:
         )
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.eos_token_ids, self.loras)
         self.sampler = Sampler(self.arch.vocab_size, self.eos_token_ids, config.model.engine_seed)
-        self.attention_backend = resolve_backend(
-            config.runtime.attention_backend, self.device, self.capacity.block_size, config.cache.kv_cache_dtype
-        )
         say(f"attention backend: {self.attention_backend}")
         self.cpu_kernels = self._cpu_attention(threads)
-        if self.cpu_kernels is not None:
+        if self.batch_invariant:
+            say("batch-invariant: every row's attention and linears through kvharbor's CPU kernels")
+        elif self.cpu_kernels is not None:
             say("decode attention: AVX2 kernel over the paged cache")
         kv_dtype = config.cache.kv_cache_dtype
         self.runner = ModelRunner(
             self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend, self.cpu_kernels,
-            kv_dtype,
+            kv_dtype, self.batch_invariant,
         )  # fmt: skip
         self.kv_io = KVBlockIO(
             self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint, kv_dtype, self.arch.head_dim
@@ -266,7 +269,7 @@ class EngineCore:
                 mode, here, mode,
             )  # fmt: skip
         say("repacking the GGUF blocks ..." if mode == "gguf" else f"quantizing the linear layers to {mode} ...")
-        nbytes = self.model.quantize(gemm, mode)
+        nbytes = self.model.quantize(gemm, mode, self.batch_invariant)
         path = "AVX2 kernels" if gemm is not None else "torch dequantize + matmul"
         say(f"{mode} weights: {nbytes / 2**20:.0f} MiB ({QUANT_NOTES[mode]}; {path})")
 
@@ -300,17 +303,57 @@ class EngineCore:
 
     def _cpu_attention(self, threads: int):
         """The CPU kernels for decode attention, where they run (_cpu_gemm) with the torch backend,
-        this model's head shape and a float32 or int8 cache. None elsewhere."""
+        this model's head shape and a float32 or int8 cache (bfloat16 too in batch-invariant
+        mode). None elsewhere."""
         a = self.arch
         if self.config.cache.kv_cache_dtype == "fp8":
-            return None  # the kernel reads float32 and int8 rows; fp8 rows go through torch
+            return None  # the kernel reads float32, bfloat16 and int8 rows; fp8 rows go through torch
         from kvharbor.engine import cpu_kernels
 
         if self.attention_backend != "torch" or not cpu_kernels.CpuKernels.takes_attention(
             a.num_heads, a.num_kv_heads, a.head_dim
         ):
             return None
-        return self._cpu_gemm(threads)
+        return self._cpu_gemm(threads, (torch.float32, torch.bfloat16) if self.batch_invariant else (torch.float32,))
+
+    def _batch_invariant(self, threads: int) -> bool:
+        """Whether this engine runs batch-invariant (--batch-invariant): `on` where it cannot
+        raises ValueError saying why; `auto` is on wherever it can run."""
+        mode = self.config.runtime.batch_invariant
+        if mode == "off":
+            return False
+        blocker = self._invariance_blocker(threads)
+        if blocker is not None and mode == "on":
+            raise ValueError(f"--batch-invariant on cannot run here: {blocker}; use --batch-invariant auto or off")
+        if blocker is not None:
+            log.info("batch-invariant mode off: %s", blocker)
+        return blocker is None
+
+    def _invariance_blocker(self, threads: int) -> str | None:
+        """Why batch-invariant mode cannot run with this configuration, or None."""
+        config, a = self.config, self.arch
+        from kvharbor.engine import cpu_kernels
+
+        if self.device.type != "cpu":
+            return f"it runs on CPU only (kvharbor's kernels), not {self.device.type}"
+        if not config.runtime.cpu_kernels:
+            return "it needs --cpu-kernels"
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            return f"it runs float32 and bfloat16, not {str(self.dtype).removeprefix('torch.')}"
+        if config.model.quantization != "none" and self.dtype != torch.float32:
+            return "quantized weights run batch-invariant in float32 only"
+        if config.cache.kv_cache_dtype == "fp8":
+            return "the kernels read no fp8 KV cache (use --kv-cache-dtype int8 or auto)"
+        if config.lora.enabled:
+            return "LoRA adapters' prefill deltas run through torch's products"
+        if self.attention_backend != "torch":
+            return f"it runs on the torch attention backend, not {self.attention_backend}"
+        if not cpu_kernels.CpuKernels.takes_attention(a.num_heads, a.num_kv_heads, a.head_dim):
+            heads = f"{a.num_heads} heads / {a.num_kv_heads} KV heads / dim {a.head_dim}"
+            return f"the attention kernel does not take {heads}"
+        if cpu_kernels.load(threads) is None:
+            return "kvharbor's CPU kernels do not run on this machine (x86-64 with AVX2 + FMA and a C compiler)"
+        return None
 
     def _load_draft(self, config: EngineConfig, say: Progress) -> LlamaModel | None:
         spec = config.speculative
@@ -464,6 +507,12 @@ class EngineCore:
             raise ValueError(f"a disaggregated request samples one sequence, not n={params.n}")
         if hand_off and first_token is not None:
             raise ValueError("a request is either a hand-off prefill or its continuation, not both")
+        if first_token is not None and params.logprobs is not None:
+            # NOTE: the first token's logprob was computed on the prefill engine; without it every
+            # logprob reported here would sit one token off (they did, before this check).
+            raise ValueError(
+                "a hand-off continuation (first_token_id) reports no logprobs: send logprobs requests whole"
+            )
         if first_token is not None and not (isinstance(first_token, int) and 0 <= first_token < self.arch.vocab_size):
             raise ValueError(f"first_token_id {first_token!r} is outside the vocabulary [0, {self.arch.vocab_size})")
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvharbor.common.machine import cpu_info
-from kvharbor.engine.quantize import FORMATS, QuantWeight
+from kvharbor.engine.quantize import FORMATS, INT_ROWS, QuantWeight  # noqa: F401 (INT_ROWS: re-exported)
 
 log = logging.getLogger("kvharbor.engine.cpu_kernels")
 
@@ -51,8 +51,10 @@ MAX_ROWS = 16
 MAX_ROWS_WIDE = 64
 WIDE = 16384  # output columns from which a weight counts as wide
 # Rows up to which a quantized product makes x int8 per group of 32 and sums integer dot products
-# (cpu_kernels.c's INT_ROWS): there the float path is bound by widening the weights, not memory.
-INT_ROWS = 32
+# (cpu_kernels.c's INT_ROWS, quantize.INT_ROWS): there the float path is bound by widening the
+# weights, not memory.
+BF16_FORMAT = 4  # cpu_kernels.c's weight format 4: bfloat16 [n, k]
+KV_FORMATS = {torch.float32: 0, torch.uint8: 1, torch.bfloat16: 2}  # the attention kernel's kv_fmt
 
 
 def cache_dir() -> Path:
@@ -145,6 +147,30 @@ class CpuKernels:
             x.data_ptr(), x.stride(0), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
             y.data_ptr(), n, m, k, n,
         )  # fmt: skip
+        return y
+
+    def linear_bf16(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] float32 @ weight [n, k]^T (+ bias float32) for a contiguous bfloat16 weight, as float32:
+        each weight widened exactly, every product summed in float32, in the same order for any m
+        (the kernel's tile), so a row's result does not depend on the other rows."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        n = weight.shape[0]
+        kinds = (x.dtype, weight.dtype) == (torch.float32, torch.bfloat16)
+        if not kinds or weight.shape[1] != k or not weight.is_contiguous():
+            raise ValueError(f"linear_bf16 takes float32 x [m, k] and a contiguous bfloat16 [n, {k}] weight, got "
+                             f"{x.dtype} {tuple(x.shape)} and {weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m == 0:
+            return y
+        code = self._lib.kvharbor_linear_quant(
+            BF16_FORMAT, x.data_ptr(), x.stride(0), weight.data_ptr(), None, None, _ptr(bias), y.data_ptr(), n, m, k, n
+        )
+        if code != 0:
+            raise ValueError(f"the kernel does not take a bfloat16 weight of {n}x{k}")
         return y
 
     def lora_plan(self, a: torch.Tensor, bt: list[torch.Tensor], offsets: list[int]) -> LoRAPlan:
@@ -294,7 +320,7 @@ class CpuKernels:
     def decode_attention(
         self,
         q: torch.Tensor,  # [B, heads, dim] (rows may be strided)
-        k_cache: torch.Tensor,  # [kv_heads, slots, dim] float32, or uint8 [.., dim + 2] (int8 KV), contiguous
+        k_cache: torch.Tensor,  # [kv_heads, slots, dim] float32 or bfloat16, or uint8 [.., dim + 2] (int8 KV)
         v_cache: torch.Tensor,
         tables: torch.Tensor,  # [B, max_blocks] int32
         ctx_lens: torch.Tensor,  # [B] int32
@@ -302,20 +328,22 @@ class CpuKernels:
         out: torch.Tensor,  # [B, heads, dim] (rows may be strided), written
     ) -> None:
         """Attention of one query per sequence over its first ctx_lens positions, in place from
-        the paged cache (float32 rows, or engine/kv_quant.py's int8 rows). Raises ValueError for a
-        shape the kernel does not take."""
+        the paged cache (float32 or bfloat16 rows, or engine/kv_quant.py's int8 rows); q and out
+        float32. A query's result does not depend on the others in the call. Raises ValueError for
+        a shape the kernel does not take."""
         b, heads, dim = q.shape
         kv_heads, slots, row = k_cache.shape
-        kv_int8 = k_cache.dtype == torch.uint8
-        if row != (dim + 2 if kv_int8 else dim) or k_cache.dtype not in (torch.uint8, torch.float32):
-            raise ValueError(f"decode attention reads float32 rows of {dim} or int8 rows of {dim + 2}, got {row}")
+        kv_fmt = KV_FORMATS.get(k_cache.dtype)
+        if kv_fmt is None or row != (dim + 2 if kv_fmt == 1 else dim) or v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"decode attention reads float32 or bfloat16 rows of {dim} or int8 rows of {dim + 2}, "
+                             f"got {k_cache.dtype} rows of {row}")  # fmt: skip
         for name, t in (("q", q), ("out", out)):
-            if t.stride(2) != 1 or t.stride(1) != dim:
-                raise ValueError(f"decode attention needs {name}'s heads packed in each row")
+            if t.stride(2) != 1 or t.stride(1) != dim or t.dtype != torch.float32:
+                raise ValueError(f"decode attention needs {name} float32 with its heads packed in each row")
         code = self._lib.kvharbor_decode_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots * row * k_cache.element_size(),
             tables.data_ptr(), tables.stride(0), ctx_lens.data_ptr(), out.data_ptr(), out.stride(0), b, heads,
-            kv_heads, dim, block_size, dim**-0.5, int(kv_int8),
+            kv_heads, dim, block_size, dim**-0.5, kv_fmt,
         )  # fmt: skip
         if code != 0:
             raise ValueError(f"decode attention does not take heads={heads}, kv_heads={kv_heads}, dim={dim}")
@@ -386,14 +414,20 @@ class SkinnyLinear:
     """One float32 weight: decode-sized inputs through the kernel, larger ones through oneDNN's
     packed copy when there is one (measured here 1.0-1.5x MKL at 32-512 rows), else F.linear."""
 
-    def __init__(self, gemm: CpuKernels, weight: torch.Tensor, packed: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, gemm: CpuKernels, weight: torch.Tensor, packed: torch.Tensor | None = None, max_rows: int | None = -1
+    ) -> None:
+        """`max_rows`: the most rows that go through the kernel (-1: chosen by the weight's width;
+        None: every row count, as batch-invariant mode runs)."""
         self.gemm = gemm
         self.weight = weight.contiguous()
         self.packed = packed
-        self.max_rows = MAX_ROWS_WIDE if weight.shape[0] >= WIDE else MAX_ROWS
+        if max_rows == -1:
+            max_rows = MAX_ROWS_WIDE if weight.shape[0] >= WIDE else MAX_ROWS
+        self.max_rows = max_rows
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x.shape[0] <= self.max_rows:
+        if self.max_rows is None or x.shape[0] <= self.max_rows:
             return self.gemm.linear(x, self.weight, bias)
         if self.packed is not None:
             from kvharbor.engine.cpu_linear import packed_linear

@@ -4,6 +4,14 @@
 - float32 on x86 with AVX2 + FMA: decode-sized inputs through kvharbor's kernel
   (engine/cpu_kernels.py), larger ones through F.linear on the same weight.
 - anything else: F.linear.
+- batch-invariant mode (`invariant=True`): every row count through kvharbor's kernel (float32
+  weights, or bfloat16 weights widened exactly, products summed in float32), whose order of
+  summation does not depend on how many rows a call has; oneDNN and MKL choose their blocking by
+  the row count, so a token's projection would change with the batch it runs in.
+
+The LM head has its own choice, `float32_head`: logits are always float32 sums of float32 (or
+exactly widened) products, never rounded to the model dtype: bfloat16 logits of ~25 are 0.125
+apart, and two candidate tokens' logits were seen rounded onto one value (issue 21).
 
 torch's F.linear in bfloat16 re-lays the weight out for oneDNN on every call; a decode step reads
 each weight once, so that work is never amortized. Prepacking once at load made a SmolLM2 decode
@@ -61,10 +69,13 @@ FastLinear = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, 
 
 
 def prepare_linears(
-    dtype: torch.dtype, device: torch.device, threads: int, weight_bytes: int
+    dtype: torch.dtype, device: torch.device, threads: int, weight_bytes: int, invariant: bool = False
 ) -> tuple[str, Callable] | None:
     """(what it is, weight -> FastLinear) for this dtype and device, or None for plain F.linear.
-    `weight_bytes`: the model's, to decide whether float32 prefill gets a packed copy."""
+    `weight_bytes`: the model's, to decide whether float32 prefill gets a packed copy. `invariant`:
+    the batch-invariant kernel for every row count (ValueError where it cannot run)."""
+    if invariant:
+        return _invariant_linears(dtype, device, threads)
     if dtype == torch.bfloat16 and packing_available(dtype, device):
         return "weights prepacked for oneDNN", lambda w: functools.partial(_onednn, pack(w))
     if device.type == "cpu" and dtype == torch.float32:
@@ -81,6 +92,70 @@ def prepare_linears(
 
 
 PREFILL_ROWS_HINT = 128
+
+
+def _invariant_linears(dtype: torch.dtype, device: torch.device, threads: int) -> tuple[str, Callable]:
+    from kvharbor.engine.cpu_kernels import SkinnyLinear, load
+
+    gemm = load(threads) if device.type == "cpu" else None
+    if gemm is None or dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"batch-invariant linears need kvharbor's CPU kernels (x86-64 with AVX2 + FMA, a C compiler) and "
+            f"float32 or bfloat16, here {str(dtype).removeprefix('torch.')} on {device.type}: "
+            "run with --batch-invariant off"
+        )
+    what = f"batch-invariant: every row count through kvharbor's kernel ({gemm.threads} threads)"
+    if dtype == torch.float32:
+        return what, lambda w: SkinnyLinear(gemm, w, None, max_rows=None)
+    return what, lambda w: Bf16Linear(gemm, w, torch.bfloat16)
+
+
+class Bf16Linear:
+    """A bfloat16 weight through the kernel (cpu_kernels.CpuKernels.linear_bf16): x widened to
+    float32, float32 sums in one fixed order, the result returned as `out_dtype`."""
+
+    def __init__(self, gemm, weight: torch.Tensor, out_dtype: torch.dtype) -> None:
+        self.gemm = gemm
+        self.weight = weight.contiguous()
+        self.out_dtype = out_dtype
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.gemm.linear_bf16(x.float(), self.weight, bias)
+        return y if self.out_dtype == torch.float32 else y.to(self.out_dtype)
+
+
+# Weight elements widened to float32 at a time by WidenedLinear (16 MB of scratch).
+WIDEN_ELEMENTS = 4 * 1024 * 1024
+
+
+class WidenedLinear:
+    """float32 products of a low-precision weight where no kernel runs (CUDA, no AVX2): a slice of
+    rows widened at a time, so the float32 copy is never whole."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        w, x = self.weight, x.float()
+        n, step = w.shape[0], max(1, WIDEN_ELEMENTS // max(1, w.shape[1]))
+        y = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            y[:, a:b] = F.linear(x, w[a:b].float(), None if bias is None else bias[a:b].float())
+        return y
+
+
+def float32_head(weight: torch.Tensor, fast: FastLinear | None, gemm) -> FastLinear:
+    """The LM head as float32 logits from float32 rows: a quantized head's own kernel (`fast`,
+    already float32), a float32 weight's fast path or F.linear, a bfloat16 weight through the
+    kernel (`gemm`, None where it does not run), else widened slices."""
+    if fast is not None:
+        return fast
+    if weight.dtype == torch.float32:
+        return lambda x, bias: F.linear(x, weight, bias)
+    if gemm is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
+        return Bf16Linear(gemm, weight, torch.float32)
+    return WidenedLinear(weight)
 
 
 def _onednn(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

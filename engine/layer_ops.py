@@ -53,18 +53,25 @@ class CpuOps(TorchOps):
     place where the reference makes a new tensor (the residual, the fused q/k); larger ones through
     torch's ops."""
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels, max_rows: int | None = CPU_MAX_ROWS) -> None:
+        """`max_rows`: the most rows that go through the kernels; None: every row count (batch-
+        invariant mode: torch's ops and the kernels round differently, so a token's norm would
+        depend on the size of the batch it runs in)."""
         self.kernels = kernels
+        self.max_rows = max_rows
+
+    def _torch(self, rows: int) -> bool:
+        return self.max_rows is not None and rows > self.max_rows
 
     def add_rms_norm(self, x, residual, weight, eps):
-        if x.shape[0] > CPU_MAX_ROWS:
+        if self._torch(x.shape[0]):
             return super().add_rms_norm(x, residual, weight, eps)
         if residual is None:  # the first layer: x (the embedding's output, ours) becomes the residual
             residual, x = x.contiguous(), None
         return self.kernels.add_rms_norm(x, residual, weight, eps), residual
 
     def rope(self, qkv, heads, kv_heads, dim, cos, sin):
-        if qkv.shape[0] > CPU_MAX_ROWS:
+        if self._torch(qkv.shape[0]):
             return super().rope(qkv, heads, kv_heads, dim, cos, sin)
         t = qkv.shape[0]
         self.kernels.rope(qkv, heads + kv_heads, dim, cos, sin)
@@ -73,6 +80,6 @@ class CpuOps(TorchOps):
         )
 
     def silu_mul(self, gate_up):
-        if gate_up.shape[0] > CPU_MAX_ROWS:
+        if self._torch(gate_up.shape[0]):
             return super().silu_mul(gate_up)
         return self.kernels.silu_mul(gate_up)

@@ -15,7 +15,7 @@ from torch import nn
 
 from kvharbor.engine import cpu_linear
 from kvharbor.engine.attention import AttentionMetadata, paged_attention
-from kvharbor.engine.layer_ops import CpuOps, TorchOps
+from kvharbor.engine.layer_ops import CPU_MAX_ROWS, CpuOps, TorchOps
 from kvharbor.engine.lora_slots import LoRAStep
 from kvharbor.engine.model_arch import ModelArch
 from kvharbor.engine.quantize import QuantWeight, concat
@@ -135,33 +135,43 @@ class LlamaModel(nn.Module):
         self.embed_blocks: QuantWeight | None = None
         self.head_blocks: QuantWeight | None = None
         self.ops = TorchOps()  # the layers' pointwise ops (engine/layer_ops.py)
+        self.head: cpu_linear.FastLinear | None = None  # float32 logits (cpu_linear.float32_head), set on first use
 
-    def prepare_cpu_linears(self, threads: int) -> str | None:
+    def prepare_cpu_linears(self, threads: int, invariant: bool = False) -> str | None:
         """Give the projections and the LM head the CPU fast path for this dtype, if there is one
         (engine/cpu_linear.py), and the layers the AVX2 kernels' pointwise ops where those run
-        (float32 on CPU, engine/layer_ops.py). Returns what it is, or None. The weights stay as they are."""
-        if self.embed.device.type == "cpu" and self.embed.dtype == torch.float32:
+        (float32 on CPU, engine/layer_ops.py). `invariant`: batch-invariant paths only (every row
+        count through the same kernels; ValueError where they cannot run). Returns what it is, or
+        None. The weights stay as they are."""
+        dtype, device = self.embed.dtype, self.embed.device
+        kernels = None
+        if device.type == "cpu":
             from kvharbor.engine import cpu_kernels
 
-            if (kernels := cpu_kernels.load(threads)) is not None:
-                self.ops = CpuOps(kernels)
+            kernels = cpu_kernels.load(threads)
+        if kernels is not None and dtype == torch.float32:
+            self.ops = CpuOps(kernels, None if invariant else CPU_MAX_ROWS)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
-        chosen = cpu_linear.prepare_linears(self.embed.dtype, self.embed.device, threads, weight_bytes)
+        chosen = cpu_linear.prepare_linears(dtype, device, threads, weight_bytes, invariant)
+        self.head = None
         if chosen is None:
             return None
         what, make = chosen
         for layer in self.layers:
             layer.prepare(make)
-        self.lm_head_fast = self.lm_head_fast or make(self.lm_head.data)
+        if dtype == torch.float32:
+            self.lm_head_fast = self.lm_head_fast or make(self.lm_head.data)
+        self.head = cpu_linear.float32_head(self.lm_head.data, self.lm_head_fast, kernels)
         return what
 
-    def quantize(self, gemm, mode: str) -> int:
+    def quantize(self, gemm, mode: str, invariant: bool = False) -> int:
         """Run every projection from a quantized weight (engine/quantize.py) through `gemm`
         (cpu_kernels.CpuKernels; None: torch's dequantize-and-matmul), releasing the float
         copies. Projections loaded as GGUF blocks (mode gguf) keep those; float ones are quantized
         to `mode` (int8, int4). The LM head (and a tied embedding) is kept as loaded in gguf, and
         made q8 (int8 groups of 32) in int8 and int4 (engine/quantize.py says why). Norms stay float.
-        Call before prepare_cpu_linears (which then leaves them). Returns the quantized bytes."""
+        Call before prepare_cpu_linears (which then leaves them). `invariant`: batch-invariant
+        products (QuantLinear). Returns the quantized bytes."""
         from kvharbor.engine.quantize import QuantLinear, quantize
 
         total = 0
@@ -169,12 +179,12 @@ class LlamaModel(nn.Module):
             for name in layer.fast:
                 weight = getattr(layer, name)
                 qw = (layer.blocks.pop(name, None) or quantize(weight.data.float(), mode)).to(self.embed.device)
-                layer.fast[name] = fast = QuantLinear(gemm, qw, QUANT_MAX_ROWS)
+                layer.fast[name] = fast = QuantLinear(gemm, qw, QUANT_MAX_ROWS, invariant)
                 weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # only the quantized copy stays
                 total += fast.nbytes
-        return total + self._quantize_head(gemm, mode)
+        return total + self._quantize_head(gemm, mode, invariant)
 
-    def _quantize_head(self, gemm, mode: str) -> int:
+    def _quantize_head(self, gemm, mode: str, invariant: bool) -> int:
         from kvharbor.engine.quantize import GROUP, QuantLinear, quantize_q8
 
         device, tied = self.embed.device, self.arch.tie_word_embeddings
@@ -188,7 +198,7 @@ class LlamaModel(nn.Module):
             self.head_blocks = self.embed_blocks if tied else self.head_blocks.to(device)
         total = 0
         if self.head_blocks is not None:
-            self.lm_head_fast = QuantLinear(gemm, self.head_blocks, QUANT_MAX_ROWS_WIDE)
+            self.lm_head_fast = QuantLinear(gemm, self.head_blocks, QUANT_MAX_ROWS_WIDE, invariant)
             self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype, device=self.lm_head.device)
             total += self.head_blocks.nbytes if self.embed_blocks is not self.head_blocks else 0
         if self.embed_blocks is not None:
@@ -234,12 +244,17 @@ class LlamaModel(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops, lora)
-        return x + residual
+        return x.float() + residual  # float32, for the final norm (logits())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [rows, vocab] for the selected hidden rows."""
-        h = F.rms_norm(hidden, (hidden.shape[-1],), self.norm, self.arch.rms_norm_eps)
-        return _linear(h, self.lm_head, self.lm_head_fast).float()
+        """float32 logits [rows, vocab] for the selected hidden rows. NOTE: the final norm and the
+        LM head run in float32 whatever the model dtype (HF rounds both to the model dtype): a
+        logit rounded to bfloat16 moves by up to 0.06 at ~25, enough to tie or swap the top two
+        tokens, and ties then go to the lower token id."""
+        h = F.rms_norm(hidden.float(), (hidden.shape[-1],), self.norm.float(), self.arch.rms_norm_eps)
+        if self.head is None:
+            self.head = cpu_linear.float32_head(self.lm_head.data, self.lm_head_fast, None)
+        return self.head(h, None)
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

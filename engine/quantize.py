@@ -59,6 +59,8 @@ FORMATS = {"int8": 1, "q4": 2, "q8": 3}  # the kernel's format numbers (cpu_kern
 # Scratch for the dequantized slice of a prefill product: bounded so the LM head (49,152 rows)
 # goes in slices instead of a 113 MB float copy.
 SCRATCH_FLOATS = 2 * 1024 * 1024
+# Rows up to which a kernel call takes the integer path (cpu_kernels.c's INT_ROWS; the same number).
+INT_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -184,10 +186,15 @@ class QuantLinear:
     slices dequantized by torch ops into x's dtype: the memory of the quantized weights at the
     cost of a dequantization per step (no fused kernel for that path yet)."""
 
-    def __init__(self, gemm, weight: QuantWeight, max_rows: int) -> None:
+    def __init__(self, gemm, weight: QuantWeight, max_rows: int, invariant: bool = False) -> None:
+        """`invariant` (batch-invariant mode, needs `gemm`): every input through the kernel's
+        integer path, INT_ROWS rows a call, so a row's result never depends on the others."""
+        if invariant and gemm is None:
+            raise ValueError("batch-invariant quantized linears need kvharbor's CPU kernels (float32, AVX2)")
         self.gemm = gemm
         self.weight = weight
         self.max_rows = max_rows if gemm is not None else -1
+        self.invariant = invariant
 
     @property
     def nbytes(self) -> int:
@@ -199,6 +206,9 @@ class QuantLinear:
         return self.weight.dequantize(slice(first, last)).to(dtype)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.invariant and x.shape[0] > INT_ROWS:
+            return torch.cat([self.gemm.linear_quant(x[r : r + INT_ROWS], self.weight, bias)
+                              for r in range(0, x.shape[0], INT_ROWS)])  # fmt: skip
         if x.shape[0] <= self.max_rows:
             return self.gemm.linear_quant(x, self.weight, bias)
         w = self.weight

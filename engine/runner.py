@@ -36,6 +36,7 @@ class ModelRunner:
         attention_backend: str = "torch",
         cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decode attention through its kernel
         kv_dtype: str = "auto",  # int8 / fp8: the cache holds 8-bit rows (engine/kv_quant.py)
+        invariant: bool = False,  # batch-invariant attention: every row through cpu_kernels (engine/attention.py)
     ) -> None:
         arch = model.arch
         self.attention_backend = attention_backend
@@ -49,6 +50,7 @@ class ModelRunner:
         slots = kv.pool.num_blocks * self.block_size
         self.dtype = dtype
         self.kv_dtype = kv_dtype
+        self.invariant = invariant
         quantized = kv_dtype != "auto"
         row = arch.head_dim + SCALE_BYTES if quantized else arch.head_dim
         # NOTE: zeros, not empty: padded decode slots are masked, but 0 x NaN garbage would be NaN.
@@ -121,6 +123,7 @@ class ModelRunner:
             self.kv_shape,
             self.cpu_kernels,
             self.kv_dtype,
+            self.invariant,
         )
         lora = None
         if self.lora is not None:

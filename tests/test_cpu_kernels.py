@@ -80,6 +80,45 @@ def test_decode_attention_matches_float64(heads, kv_heads, dim, block_size):
 
 
 @needs_kernels
+def test_decode_attention_reads_bfloat16_rows_and_each_query_alone_gives_the_same_bits():
+    heads, kv_heads, dim, block_size, num_blocks = 9, 3, 64, 16, 12
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen).bfloat16()
+    ctx_lens = torch.tensor([1, 17, 40, 70, 33], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:5] for _ in ctx_lens]).to(torch.int32)
+    q = torch.randn(len(ctx_lens), heads, dim, generator=gen)
+    out = torch.empty(len(ctx_lens), heads, dim)
+    KERNELS.decode_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, out)
+    assert (out.double() - reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size)).abs().max() <= 1e-5
+    for b in range(len(ctx_lens)):  # batch-invariant mode relies on this: a query's bits ignore the others
+        one = torch.empty(1, heads, dim)
+        row = slice(b, b + 1)
+        KERNELS.decode_attention(q[row], k_cache, v_cache, tables[row], ctx_lens[row], block_size, one)
+        assert torch.equal(one[0], out[b])
+    with pytest.raises(ValueError, match="float32"):
+        KERNELS.decode_attention(q.bfloat16(), k_cache, v_cache, tables, ctx_lens, block_size, out)
+    with pytest.raises(ValueError, match="rows"):
+        KERNELS.decode_attention(q, k_cache, v_cache.float(), tables, ctx_lens, block_size, out)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("n", "k"), [(1, 8), (7, 13), (1000, 64), (96, 576)])
+def test_a_bfloat16_weight_gives_float32_sums_the_same_for_any_row_count(n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(37, k + 3, generator=gen)[:, 1 : 1 + k]  # strided rows
+    got = KERNELS.linear_bf16(x, w, bias)
+    want = F.linear(x.double(), w.double(), bias.double())  # the weight's exact values: no rounding but the sums'
+    assert got.dtype == torch.float32 and (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+    for rows in (1, 2, 3, 5, 16, 17):
+        assert torch.equal(KERNELS.linear_bf16(x[:rows], w, bias), got[:rows])
+    with pytest.raises(ValueError, match="bfloat16"):
+        KERNELS.linear_bf16(x, w.float())
+
+
+@needs_kernels
 def test_shapes_the_attention_kernel_does_not_take_are_refused():
     assert not cpu_kernels.CpuKernels.takes_attention(32, 1, 64)  # a query group over 16
     assert not cpu_kernels.CpuKernels.takes_attention(8, 2, 60)  # dim not a multiple of 8

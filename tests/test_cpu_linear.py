@@ -3,6 +3,8 @@ and answers do not change."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,14 +33,16 @@ def test_only_cpu_bfloat16_and_float32_are_packed():
 
 
 def test_the_engine_packs_in_bfloat16_and_answers_the_same(smollm, make_llm):
-    # Not France: there the float32 logits of "The" and "L" differ by 0.08 at ~25, where bfloat16
-    # steps by 0.125, so the bfloat16 answer is a tie that the lower token id wins ("L'Étoile...").
-    question = [{"role": "user", "content": "What is the capital of Germany?"}]
+    # France: its float32 logits of "The" and "L" differ by 0.08 at ~25, where bfloat16 steps by
+    # 0.125; with logits rounded to bfloat16 the two tied on an AMX machine and the lower token id
+    # won ("L'Étoile..."). The LM head now sums and answers in float32 on every path.
+    question = [{"role": "user", "content": "What is the capital of France?"}]
     params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=0)
-    packed = make_llm(smollm, dtype="bfloat16")
+    packed = make_llm(smollm, dtype="bfloat16", batch_invariant="off")
     plain = make_llm(smollm, dtype="bfloat16", cpu_kernels=False)
-    assert packed.engine.model.lm_head_fast is not None and plain.engine.model.lm_head_fast is None
-    assert packed.engine.model.layers[0].fast["qkv"] is not None
+    assert isinstance(packed.engine.model.layers[0].fast["qkv"], functools.partial)  # the oneDNN pack
+    assert plain.engine.model.layers[0].fast["qkv"] is None
     a, b = packed.chat(question, params)[0].outputs[0], plain.chat(question, params)[0].outputs[0]
-    assert a.text == b.text == "The capital of Germany is Berlin."
+    assert isinstance(plain.engine.model.head, cpu_linear.WidenedLinear)
+    assert a.text == b.text == "The capital of France is Paris."
     assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=0.1)

@@ -114,6 +114,7 @@ def test_a_first_token_that_ends_the_request_finishes_it_without_a_step(tiny_lla
         ({"first_token": 3, "params": SamplingParams(n=2)}, "one sequence"),
         ({"first_token": 512}, "outside the vocabulary"),
         ({"first_token": 3, "hand_off": "x#1"}, "not both"),
+        ({"first_token": 3, "params": SamplingParams(logprobs=0)}, "reports no logprobs"),
     ],
 )
 def test_bad_handoff_requests_are_refused(tiny_llama, make_llm, kwargs, match):

@@ -42,7 +42,10 @@ static int spin_rounds = 2000;  // _mm_pause rounds an idle worker spins before 
 //     j + 16 (high nibble), as GGUF's Q4_0/Q4_1 blocks do; w = q * scale[g] + min[g]
 //     with one float scale and min per (row, group)                 (--quantization int4, gguf)
 //   3 int8 [n, k] in groups of 32, w = q * scale[g]                  (gguf's Q8_0)
+//   4 bfloat16 [n, k], no scale: widened exactly to float, products summed in float (the
+//     bfloat16 model's linears in batch-invariant mode, and its LM head's float32 logits)
 #define GROUP 32
+#define GROUPED(Q) ((Q) == 2 || (Q) == 3)
 
 typedef struct {
     const float *x;
@@ -54,12 +57,12 @@ typedef struct {
 
 typedef struct {
     const float *q;
-    const void *k_cache, *v_cache;  // float rows of dim, or (kv_int8) rows of dim int8 + a bf16 scale
+    const void *k_cache, *v_cache;  // rows of dim floats (kv_fmt 0), dim int8 + a bf16 scale (1), dim bf16 (2)
     const int32_t *tables, *ctx_lens;
     float *out;
     int64_t q_row, head_stride, table_stride, out_row, seqs, heads, kv_heads, dim, block_size;
     float scale;
-    int kv_int8;
+    int kv_fmt;
 } attention_job_t;
 
 static int job_kind;  // 0 linear, 1 decode attention, 2 linear of weight format job_q, 3 dequantize,
@@ -210,13 +213,13 @@ static inline __attribute__((always_inline)) void grouped_tile(const int Q, cons
 // R rows of x (row stride ldx) against C rows of w starting at column n; R, C and Q are constants
 // in every inlined copy, so acc[][] lives in registers and the weight type's branches fold away.
 // Q = 0: w is float; Q = 1: w is int8 with one float scale per row (the sums are scaled at the end);
-// Q = 2, 3: grouped formats (grouped_tile): unscaled codes times x, each group's sum scaled once,
+// Q = 4: w is bfloat16; Q = 2, 3: grouped formats (grouped_tile): unscaled codes times x, each group's sum scaled once,
 // format 2's mins added at the end; k is then a multiple of GROUP.
 static inline __attribute__((always_inline)) void tile(const int Q, const int R, const int C, const float *x,
                                                        int64_t ldx, const void *w, const float *scale,
                                                        const float *mins, int64_t k, int64_t n, float *y,
                                                        int64_t ldy, const float *bias) {
-    if (Q >= 2) {
+    if (GROUPED(Q)) {
         grouped_tile(Q, R, C, x, ldx, w, scale, mins, k, n, y, ldy, bias, xsums + (x - job.x) / ldx * (k / GROUP));
         return;
     }
@@ -225,18 +228,20 @@ static inline __attribute__((always_inline)) void tile(const int Q, const int R,
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     const float *wf = (const float *)w + n * k;
     const int8_t *wq = (const int8_t *)w + n * k;
+    const uint16_t *wh = (const uint16_t *)w + n * k;
     // The next tile's C weight rows follow these in memory: prefetch them a line at a time, as
-    // fast as this tile consumes its own (C half-lines a step in float, C eighth-lines in int8),
-    // so the next tile starts warm.
-    const char *next = Q ? (const char *)(wq + C * k) : (const char *)(wf + C * k);
+    // fast as this tile consumes its own (C half-lines a step in float, C quarter-lines in
+    // bfloat16, C eighth-lines in int8), so the next tile starts warm.
+    const char *next = Q == 1 ? (const char *)(wq + C * k) : Q == 4 ? (const char *)(wh + C * k) : (const char *)(wf + C * k);
     int64_t i = 0;
     for (; i + 8 <= k; i += 8) {
         if (!Q)
             for (int q = 0; q < (C + 1) / 2; q++) _mm_prefetch(next + ((i / 8) * ((C + 1) / 2) + q) * 64, _MM_HINT_T0);
-        else if ((i & 63) == 0)
-            for (int q = 0; q < C; q++) _mm_prefetch(next + ((i / 64) * C + q) * 64, _MM_HINT_T0);
+        else if ((i & (Q == 4 ? 31 : 63)) == 0)
+            for (int q = 0; q < C; q++) _mm_prefetch(next + ((i / (Q == 4 ? 32 : 64)) * C + q) * 64, _MM_HINT_T0);
         __m256 wv[8];
-        for (int c = 0; c < C; c++) wv[c] = Q ? load_q8(wq + c * k + i) : _mm256_loadu_ps(wf + c * k + i);
+        for (int c = 0; c < C; c++)
+            wv[c] = Q == 1 ? load_q8(wq + c * k + i) : Q == 4 ? load_bf16(wh + c * k + i) : _mm256_loadu_ps(wf + c * k + i);
         for (int r = 0; r < R; r++) {
             __m256 xv = _mm256_loadu_ps(x + r * ldx + i);
             for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
@@ -245,8 +250,9 @@ static inline __attribute__((always_inline)) void tile(const int Q, const int R,
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float s = hsum(acc[r][c]);
-            for (int64_t j = i; j < k; j++) s += x[r * ldx + j] * (Q ? (float)wq[c * k + j] : wf[c * k + j]);
-            if (Q) s *= scale[n + c];
+            for (int64_t j = i; j < k; j++)
+                s += x[r * ldx + j] * (Q == 1 ? (float)wq[c * k + j] : Q == 4 ? bf16_to_float(wh[c * k + j]) : wf[c * k + j]);
+            if (Q == 1) s *= scale[n + c];
             y[r * ldy + n + c] = bias ? s + bias[n + c] : s;
         }
 }
@@ -283,7 +289,7 @@ static inline __attribute__((always_inline)) void columns(const int Q, int64_t n
         for (; n < n1; n++) tile(Q, 2, 1, j.x, j.ldx, j.w, j.scale, j.mins, j.k, n, j.y, j.ldy, j.bias);
         return;
     }
-    if (Q >= 2) {  // 4 code vectors per column: 2 columns keep 8 sums in the 16 registers
+    if (GROUPED(Q)) {  // 4 code vectors per column: 2 columns keep 8 sums in the 16 registers
         for (; n + 2 <= n1; n += 2) column_group(Q, 2, &j, n);
     } else {
         for (; n + 3 <= n1; n += 3) column_group(Q, 3, &j, n);
@@ -297,6 +303,7 @@ static void run_columns(int q, int64_t n0, int64_t n1) {
         case 1: columns(1, n0, n1); break;
         case 2: columns(2, n0, n1); break;
         case 3: columns(3, n0, n1); break;
+        case 4: columns(4, n0, n1); break;
     }
 }
 
@@ -711,14 +718,14 @@ static int fill_xsums(const float *x, int64_t ldx, int64_t m, int64_t k) {
     return 0;
 }
 
-// The same with a quantized weight of format q (1-3, above): scale [n] (format 1) or [n, k / 32],
+// The same with a weight of format q (1-4, above): scale [n] (format 1) or [n, k / 32],
 // mins [n, k / 32] (format 2) or NULL. Returns -1 for a format it does not know or a k that is
 // not a multiple of 32 in a grouped one, -2 when out of memory.
 int kvharbor_linear_quant(int q, const float *x, int64_t ldx, const void *w, const float *scale, const float *mins,
                           const float *bias, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n) {
-    if (q < 1 || q > 3 || (q >= 2 && k % GROUP)) return -1;
+    if (q < 1 || q > 4 || (GROUPED(q) && k % GROUP)) return -1;
     pthread_mutex_lock(&call_lock);
-    const int integer = m >= 1 && m <= INT_ROWS && k % GROUP == 0;
+    const int integer = q != 4 && m >= 1 && m <= INT_ROWS && k % GROUP == 0;
     if (integer ? fill_xcodes(x, ldx, m, k) != 0 : q == 2 && fill_xsums(x, ldx, m, k) != 0) {
         pthread_mutex_unlock(&call_lock);
         return -2;
@@ -835,20 +842,23 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-// 8 elements of a key or value row as floats: float32 rows, or (Q8) int8 codes, unscaled.
-static inline __attribute__((always_inline)) __m256 load_row(const int Q8, const char *row, int64_t i) {
-    return Q8 ? load_q8((const int8_t *)row + i) : _mm256_loadu_ps((const float *)row + i);
+// 8 elements of a key or value row as floats: float32 rows (KV 0), int8 codes, unscaled (KV 1),
+// or bfloat16 rows (KV 2).
+static inline __attribute__((always_inline)) __m256 load_row(const int KV, const char *row, int64_t i) {
+    if (KV == 1) return load_q8((const int8_t *)row + i);
+    if (KV == 2) return load_bf16((const uint16_t *)row + i);
+    return _mm256_loadu_ps((const float *)row + i);
 }
 
 // a . row over d elements (row as load_row reads it).
-static inline __attribute__((always_inline)) float dot(const int Q8, const float *a, const char *row, int64_t d) {
+static inline __attribute__((always_inline)) float dot(const int KV, const float *a, const char *row, int64_t d) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 16 <= d; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_row(Q8, row, i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_row(Q8, row, i + 8), s1);
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_row(KV, row, i), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_row(KV, row, i + 8), s1);
     }
-    if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_row(Q8, row, i), s0);
+    if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_row(KV, row, i), s0);
     return hsum(_mm256_add_ps(s0, s1));
 }
 
@@ -856,10 +866,14 @@ static inline __attribute__((always_inline)) float dot(const int Q8, const float
 // every position of the sequence's context, in blocks of ATT_BLOCK positions:
 //   | block 0 | block 1 | ... |   scores -> running max m, sum l, and acc = sum p v, rescaled.
 // int8 rows: a score is (q . codes) x the K row's scale; a value row adds p x its scale x codes.
-static inline __attribute__((always_inline)) void attention_units(const int Q8, int64_t first, int64_t last) {
+// NOTE: a query's result depends only on it and its context (the positions are visited in the same
+// order, in the same blocks, whatever else the call holds): batch-invariant mode runs prefill rows
+// through here too, so a token's attention is the same bits in any batch or chunk.
+static inline __attribute__((always_inline)) void attention_units(const int KV, int64_t first, int64_t last) {
     const attention_job_t j = ajob;
+    const int Q8 = KV == 1;
     const int64_t G = j.heads / j.kv_heads, D = j.dim;
-    const int64_t row = Q8 ? D + 2 : D * 4;  // bytes per (slot, head) row
+    const int64_t row = Q8 ? D + 2 : KV == 2 ? D * 2 : D * 4;  // bytes per (slot, head) row
     for (int64_t u = first; u < last; u++) {
         const int64_t b = u / j.kv_heads, g = u % j.kv_heads, ctx = j.ctx_lens[b];
         const int32_t *table = j.tables + b * j.table_stride;
@@ -891,7 +905,7 @@ static inline __attribute__((always_inline)) void attention_units(const int Q8, 
                 float s[ATT_BLOCK] __attribute__((aligned(32)));
                 float top = m[h];
                 for (int64_t i = 0; i < nb; i++) {
-                    s[i] = dot(Q8, q + h * D, krow[i], D) * (Q8 ? kscale[i] : j.scale);
+                    s[i] = dot(KV, q + h * D, krow[i], D) * (Q8 ? kscale[i] : j.scale);
                     top = s[i] > top ? s[i] : top;
                 }
                 for (int64_t i = nb; i < ATT_BLOCK; i++) s[i] = -INFINITY;
@@ -907,7 +921,7 @@ static inline __attribute__((always_inline)) void attention_units(const int Q8, 
                 for (int64_t d = 0; d < D; d += 8) {
                     __m256 a = _mm256_mul_ps(_mm256_load_ps(acc[h] + d), cv);
                     for (int64_t i = 0; i < nb; i++)
-                        a = _mm256_fmadd_ps(_mm256_set1_ps(Q8 ? s[i] * vscale[i] : s[i]), load_row(Q8, vrow[i], d), a);
+                        a = _mm256_fmadd_ps(_mm256_set1_ps(Q8 ? s[i] * vscale[i] : s[i]), load_row(KV, vrow[i], d), a);
                     _mm256_store_ps(acc[h] + d, a);
                 }
             }
@@ -921,25 +935,27 @@ static inline __attribute__((always_inline)) void attention_units(const int Q8, 
 }
 
 static void run_attention(int64_t first, int64_t last) {
-    if (ajob.kv_int8)
-        attention_units(1, first, last);
-    else
-        attention_units(0, first, last);
+    switch (ajob.kv_fmt) {
+        case 1: attention_units(1, first, last); break;
+        case 2: attention_units(2, first, last); break;
+        default: attention_units(0, first, last); break;
+    }
 }
 
 // out[b, h, :] = softmax(q[b, h] . K_b^T * scale) V_b for each decode sequence b, with K_b/V_b the
 // first ctx_lens[b] positions of its blocks in the paged cache. q rows: [heads * dim] floats every
-// q_row; caches: [kv_heads][slots][row] with row dim floats, or (kv_int8) dim int8 codes and a
-// bf16 scale; head_stride in bytes; tables: int32 block ids, table_stride per sequence. Needs
+// q_row; caches: [kv_heads][slots][row] with row dim floats (kv_fmt 0), dim int8 codes and a bf16
+// scale (1), or dim bfloat16 (2); head_stride in bytes; tables: int32 block ids, table_stride per sequence. Needs
 // heads / kv_heads <= 16, dim a multiple of 8, at most 256.
 int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache, const void *v_cache,
                               int64_t head_stride, const int32_t *tables, int64_t table_stride,
                               const int32_t *ctx_lens, float *out, int64_t out_row, int64_t seqs, int64_t heads,
-                              int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int kv_int8) {
-    if (heads % kv_heads || heads / kv_heads > MAX_GROUP || dim % 8 || dim > MAX_DIM) return -1;
+                              int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int kv_fmt) {
+    if (heads % kv_heads || heads / kv_heads > MAX_GROUP || dim % 8 || dim > MAX_DIM || kv_fmt < 0 || kv_fmt > 2)
+        return -1;
     pthread_mutex_lock(&call_lock);
     ajob = (attention_job_t){q, k_cache, v_cache, tables, ctx_lens, out, q_row, head_stride, table_stride,
-                             out_row, seqs, heads, kv_heads, dim, block_size, scale, kv_int8};
+                             out_row, seqs, heads, kv_heads, dim, block_size, scale, kv_fmt};
     run_job(1);
     pthread_mutex_unlock(&call_lock);
     return 0;
