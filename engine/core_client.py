@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -135,9 +136,10 @@ class CoreClient:
         self._reader_task = asyncio.create_task(self._read(reader))
 
     def kill(self) -> None:
-        """Stop the core process at once if it still runs (after the server stopped)."""
+        """Stop the core process at once if it still runs (after the server stopped): SIGKILL, since
+        it ignores SIGTERM (the API server drains first, then stops it over the link: stop())."""
         if self.proc is not None:
-            stop_process(self.proc)
+            stop_process(self.proc, sig=signal.SIGKILL)
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Ask the core process to stop, then wait for it (killed after `timeout`)."""

@@ -262,7 +262,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="kvharbor's engine core process (started by `kvharbor serve`)")
     ap.add_argument("--link-fd", type=int, required=True, help="the socket to the API server")
     args = ap.parse_args(argv)
+    # NOTE: Ctrl-C, systemd's default KillMode, dumb-init and a terminal's job control signal the
+    # whole process group. The API server drains on SIGTERM/SIGINT, then stops this process over the
+    # link (and a closed link stops it too): a core that died on the signal failed every in-flight
+    # request, and `kvharbor serve` exited 1.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sock = socket.socket(fileno=args.link_fd)
     started = time.monotonic()
     code = asyncio.run(serve_link(sock))

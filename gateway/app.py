@@ -105,6 +105,13 @@ class GatewayState:
 
 
 ADMIN_PATHS = ("/metrics",)  # on the admin listener only (common/admin_listener.py)
+# A P/D prefill's deadline, in predicted TTFTs (at least --pd-prefill-deadline-s): past it the
+# prefill engine counts as stalled. Predictions from EWMAs of a busy engine can be off by 2x.
+PREFILL_DEADLINE_X_TTFT = 4.0
+
+
+class PrefillStalled(Exception):
+    """A P/D prefill engine did not answer within its deadline."""
 
 
 def build_app(state: GatewayState, lifespan: Any = None, admin_port: int | None = None) -> FastAPI:
@@ -609,20 +616,25 @@ class _Handler:
 
     async def _disaggregate(self, call: _Call, route: Route, headers: dict[str, str]) -> Route:
         """P/D: decide, and when a prefill engine is worth it, run the prefill there (DESIGN §9).
-        A prefill that fails leaves the request colocated, counted as prefill_failed. Returns the
+        A prefill that fails leaves the request colocated, counted as prefill_failed (or
+        prefill_timeout, past its deadline: _prefill). Returns the
         route the request takes: the routed one, or one to the prefill engine that serves a short
         output whole (with what that engine holds of the prompt, and its KV format)."""
         state, model = self.state, call.model
         decision, held = await self._pd_decision(call, route)
         tried = decision.prefill
         if decision.disaggregated:
+            deadline = max(state.router.config.pd_prefill_deadline_s, PREFILL_DEADLINE_X_TTFT * decision.ttft_s)
+            failure = "prefill_failed"
             try:
-                call.transfer = await self._prefill(call, route, decision.prefill, headers)
+                call.transfer = await self._prefill(call, route, decision.prefill, headers, deadline)
+            except PrefillStalled:
+                call.transfer, failure = None, "prefill_timeout"
             except asyncio.CancelledError:  # decided, then cancelled (_forward counts its route too)
                 state.metrics.pd_decisions.labels(model.name, decision.reason).inc()
                 raise
             if call.transfer is None:
-                decision = Decision(None, "prefill_failed")
+                decision = Decision(None, failure)
         state.metrics.pd_decisions.labels(model.name, decision.reason).inc()
         # Why each request's prefill ran where it did, where there was a choice to make.
         if decision.reason not in ("off", "no_prefill_engine", "unsupported"):
@@ -656,8 +668,13 @@ class _Handler:
         return decide(route.engine, pool, request, config.pd_min_gain_ms / 1000, configured,
                       config.pd_transfer_trust_s), held  # fmt: skip
 
-    async def _prefill(self, call: _Call, route: Route, engine: Engine, headers: dict[str, str]) -> dict | None:
-        """The prompt's prefill on `engine`, kept there for the decode engine: its hand-off, or None."""
+    async def _prefill(
+        self, call: _Call, route: Route, engine: Engine, headers: dict[str, str], deadline: float
+    ) -> dict | None:
+        """The prompt's prefill on `engine`, kept there for the decode engine: its hand-off, or None
+        when the engine fails it. Raises PrefillStalled, and ejects the engine, when it has not
+        answered within `deadline` seconds (a stopped or wedged process accepts the connection and
+        never answers: the request waited for the whole request timeout)."""
         state = self.state
         payload = {**self._payload(call, route, engine), "stream": False,
                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
@@ -668,8 +685,16 @@ class _Handler:
         with state.tracer.start_as_current_span("gateway prefill") as span:
             span.set_attribute("kvharbor.engine", engine.url)
             try:
-                content, _ = await state.caller.call(engine, call.path, payload, inject(dict(headers)))
+                content, _ = await asyncio.wait_for(
+                    state.caller.call(engine, call.path, payload, inject(dict(headers))), deadline
+                )
                 transfer = json.loads(content)["kv_transfer_params"]
+            except TimeoutError:
+                state.pool.failed(engine, "prefill deadline", hard=True)
+                log.warning("prefill engine stalled past its deadline; prefilling on the decode engine", extra={
+                    "engine": engine.url, "deadline_s": round(deadline, 3)})  # fmt: skip
+                span.set_status(trace.StatusCode.ERROR, "prefill deadline")
+                raise PrefillStalled(engine.url) from None
             except (APIError, EngineFailed, ValueError, KeyError, TypeError) as exc:
                 if isinstance(exc, EngineFailed) and exc.blame is not None:
                     exc.blame()  # the request goes on colocated: a prefill engine that fails it is at fault

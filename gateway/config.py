@@ -75,6 +75,12 @@ class RoutingConfig:
         "2^(age/trust - 1) times as fast, up to the 500 MB/s assumed before any pull, until a hand-off measures it "
         "again (0: trust it for good)",
     )
+    pd_prefill_deadline_s: float = opt(
+        10.0,
+        "P/D: the least time a prefill engine gets for a prompt before the gateway prefills it on the decode "
+        "engine instead and ejects the prefill engine as stalled; the deadline is the larger of this and 4x the "
+        "predicted TTFT",
+    )
 
     def __post_init__(self) -> None:
         if min(self.prefix_weight, self.kv_weight, self.queue_weight) < 0:
@@ -84,6 +90,8 @@ class RoutingConfig:
         if not self.pd_transfer_trust_s >= 0:  # NaN too
             raise ValueError(f"pd_transfer_trust_s must be >= 0 (0: trust a measured rate for good), got "
                              f"{self.pd_transfer_trust_s}")  # fmt: skip
+        if not self.pd_prefill_deadline_s > 0:  # NaN too
+            raise ValueError(f"pd_prefill_deadline_s must be > 0 seconds, got {self.pd_prefill_deadline_s}")
         if self.imbalance_threshold < 1:
             raise ValueError(f"imbalance_threshold must be >= 1, got {self.imbalance_threshold}")
 

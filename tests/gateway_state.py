@@ -42,6 +42,7 @@ def gateway_state(
     tenants: dict,
     index: Any = None,
     max_body_bytes: int = 100_000,
+    routing: RoutingConfig | None = None,
 ) -> GatewayState:
     """A gateway with no Redis (limits in memory), 2 attempts, a 1,000-token prompt cap and short
     timeouts; `models`: name -> tokenizer (or None for one that hashes token ids as given)."""
@@ -50,7 +51,7 @@ def gateway_state(
         tenants=TenantRegistry(None, parse_tenants(tenants)),
         limiter=RateLimiter(None),
         pool=pool,
-        router=Router(RoutingConfig(), index),
+        router=Router(routing or RoutingConfig(), index),
         admission=AdmissionQueue(8, 1.0),
         caller=EngineCaller(http, pool, 1.0, 5.0, 10.0),
         metrics=GatewayMetrics(),

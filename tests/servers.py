@@ -49,8 +49,17 @@ class EngineServerProcess:
     probe = "/ready"  # answers 200 once the process can take work
 
     def __init__(
-        self, log_dir: Path, *args: str, port: int | None = None, env: dict[str, str] | None = None, admin: bool = False
+        self,
+        log_dir: Path,
+        *args: str,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+        admin: bool = False,
+        own_group: bool = False,
     ) -> None:
+        """`own_group`: start it as a process group of its own, for signal_group (as systemd,
+        dumb-init and a terminal's job control signal a service)."""
+        self.own_group = own_group
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.admin_url = self.url  # /metrics and admin calls: here unless the process has --admin-port
@@ -71,7 +80,9 @@ class EngineServerProcess:
     def launch(self) -> EngineServerProcess:
         """Start the process without waiting (several can load their models at once)."""
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, env=self.env, start_new_session=self.own_group
+        )
         return self
 
     def wait_ready(self, timeout: float = 180.0) -> EngineServerProcess:
@@ -93,6 +104,11 @@ class EngineServerProcess:
     def signal(self, sig: int) -> None:
         assert self.proc is not None
         self.proc.send_signal(sig)
+
+    def signal_group(self, sig: int) -> None:
+        """`sig` to every process of its group (the API server and its engine core)."""
+        assert self.proc is not None and self.own_group, "signal_group needs own_group=True"
+        os.killpg(self.proc.pid, sig)
 
     def wait(self, timeout: float) -> int:
         assert self.proc is not None

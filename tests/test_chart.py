@@ -150,7 +150,7 @@ def test_inference_services_in_values_render_and_satisfy_the_crd():
     values = {
         "inferenceServices": [{"name": example["metadata"]["name"], "spec": example["spec"]}],
         "gateway": {"discoveryNamespace": "models", "disaggregation": "off", "pdMinGainMs": 20,
-                    "pdTransferTrustS": 30},
+                    "pdTransferTrustS": 30, "pdPrefillDeadlineS": 4},
     }
     docs = render(values)
     (service,) = [d for d in docs if d["kind"] == "InferenceService"]
@@ -162,6 +162,7 @@ def test_inference_services_in_values_render_and_satisfy_the_crd():
             kubernetes_validate.validate(doc, "1.37", strict=True)
     routing = _config_of(_container(docs, "gateway"), GatewayConfig).routing
     assert (routing.disaggregation, routing.pd_min_gain_ms, routing.pd_transfer_trust_s) == ("off", 20.0, 30.0)
+    assert routing.pd_prefill_deadline_s == 4.0
     assert _config_of(_container(render({}), "gateway"), GatewayConfig).routing.disaggregation == "auto"
     assert not [d for d in render({}) if d["kind"] == "InferenceService"]  # none unless asked
 

@@ -83,13 +83,18 @@ def test_options_come_from_env_and_yaml_too(capsys, monkeypatch, tmp_path, tiny_
     assert "in float32" in err  # the dtype came from the environment
 
 
+# The README's first example, at the default dtype (auto: bfloat16 on AMX machines and GPUs,
+# float32 elsewhere) and in bfloat16 on every CPU (emulated where it has no native support): on an
+# AMX machine bfloat16 once answered "L'Étoile, la Marseillaise, la femme," (logits rounded to
+# bfloat16 tied "The" with "L").
 @pytest.mark.slow  # the real command, in a subprocess, with SmolLM2
-def test_chat_generates_with_the_default_model_and_reports_progress():
+@pytest.mark.parametrize("dtype", [(), ("--dtype", "bfloat16")], ids=["auto", "bfloat16"])
+def test_chat_generates_with_the_default_model_and_reports_progress(dtype):
     version = subprocess.run([*KVHARBOR, "--version"], capture_output=True, text=True)
     assert version.stdout == f"kvharbor {__version__}\n"
     out = subprocess.run(
         [*KVHARBOR, "chat", "What is the capital of France?", "--max-tokens", "20", "--num-kv-blocks", "64",
-         "--dtype", "float32"],
+         *dtype],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr

@@ -142,3 +142,8 @@ def test_the_gateways_pd_settings_come_from_env_and_refuse_negatives():
         load_config(GatewayConfig, env={"KVHARBOR_PD_TRANSFER_TRUST_S": "nan"})
     with pytest.raises(ConfigError, match="pd_min_gain_ms must be >= 0"):
         load_config(GatewayConfig, env={}, overrides={"pd_min_gain_ms": -1})
+    routing = load_config(GatewayConfig, env={"KVHARBOR_PD_PREFILL_DEADLINE_S": "2.5"}).routing
+    assert routing.pd_prefill_deadline_s == 2.5
+    for bad in ("0", "-1", "nan"):
+        with pytest.raises(ConfigError, match="pd_prefill_deadline_s must be > 0"):
+            load_config(GatewayConfig, env={"KVHARBOR_PD_PREFILL_DEADLINE_S": bad})

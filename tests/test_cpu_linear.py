@@ -46,3 +46,28 @@ def test_the_engine_packs_in_bfloat16_and_answers_the_same(smollm, make_llm):
     assert isinstance(plain.engine.model.head, cpu_linear.WidenedLinear)
     assert a.text == b.text == "The capital of France is Paris."
     assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=0.1)
+
+
+@pytest.mark.parametrize("options", [{}, {"cpu_kernels": False}, {"batch_invariant": "off"}],
+                         ids=["kernels", "no-kernels", "onednn"])  # fmt: skip
+def test_bfloat16_logits_are_float32_sums(tiny_llama, make_llm, options):
+    """Logits rounded to bfloat16 sit on its grid (steps of 0.125 at 16-32) and tie near-equal
+    tokens; the final norm and LM head run in float32, so they are off that grid, and as near
+    the float64 product of the same final hidden rows as float32 rounding allows."""
+    llm = make_llm(tiny_llama.loaded, dtype="bfloat16", **options)
+    model, captured = llm.engine.model, []
+    original = model.logits
+
+    def recording(hidden):
+        captured.append(hidden.detach().clone())
+        return original(hidden)
+
+    model.logits = recording
+    llm.generate([tiny_llama.prompts[3]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    hidden = torch.cat(captured)
+    got = original(hidden)
+    assert got.dtype == torch.float32 and hidden.dtype == torch.float32
+    assert (got != got.bfloat16().float()).float().mean() > 0.9  # float32 values, not bfloat16 ones
+    h = F.rms_norm(hidden.double(), (hidden.shape[-1],), model.norm.double(), model.arch.rms_norm_eps)
+    want = F.linear(h, model.lm_head.double())
+    assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()

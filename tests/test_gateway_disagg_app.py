@@ -15,6 +15,7 @@ from gateway_state import gateway_state, polled_pool
 from servers import metric
 
 from kvharbor.gateway.app import build_app
+from kvharbor.gateway.config import RoutingConfig
 from kvharbor.gateway.tenants import hash_key
 
 MODEL = "pd-m"
@@ -48,12 +49,14 @@ class FakeEngines:
 
 
 @contextlib.asynccontextmanager
-async def gateway(engines, loads: dict[str, dict]):
+async def gateway(engines, loads: dict[str, dict], routing: RoutingConfig | None = None, pools: list | None = None):
     """A client of the gateway app in front of `engines` (an httpx.MockTransport handler), whose
-    /load answers are `loads` by URL."""
+    /load answers are `loads` by URL. `pools`: the engine pool is appended to it, for a test to read."""
     http = httpx.AsyncClient(transport=httpx.MockTransport(engines))
     pool = polled_pool(http, MODEL, list(ROLES), lambda url: {**loads[url], "role": ROLES[url]})
-    state = gateway_state(http, pool, {MODEL: None}, TENANTS)
+    if pools is not None:
+        pools.append(pool)
+    state = gateway_state(http, pool, {MODEL: None}, TENANTS, routing=routing)
     transport = httpx.ASGITransport(app=build_app(state))
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://gw", timeout=30) as client:
@@ -164,3 +167,35 @@ def test_a_request_cancelled_while_a_prefill_engine_prefills_it_is_counted_as_ro
     counted = routed(metrics)
     assert sum(counted.values()) == 1 and "short_output" not in counted, counted
     assert decided(metrics, "disaggregated") == 1
+
+
+def test_a_stalled_prefill_engine_is_ejected_and_the_prompt_prefilled_on_the_decode_engine(caplog):
+    """A prefill engine that accepts the call and never answers (SIGSTOPped, wedged) held the
+    request for the whole request timeout. Past its deadline (the larger of
+    --pd-prefill-deadline-s and 4x the predicted TTFT: here 4 x ~0.17 s) the gateway stops waiting,
+    ejects that engine, and serves the request colocated, counted as prefill_timeout."""
+    caplog.set_level(logging.INFO, logger="kvharbor.gateway.api")
+    fast_prefill = {**MEASURED, "prefill_tokens_per_s": 10_000.0}  # 900 tokens in 0.09 s there
+
+    async def main():
+        fake, pools = FakeEngines(), []
+
+        async def stalled(request: httpx.Request) -> httpx.Response:
+            if request.url.host == "p" and not json.loads(request.content).get("stream"):
+                await asyncio.sleep(60)  # far past the deadline, and the test's own bound
+            return await fake(request)
+
+        routing = RoutingConfig(pd_prefill_deadline_s=0.1)
+        async with gateway(stalled, {"http://p": fast_prefill, "http://d": MEASURED}, routing, pools) as client:
+            reply = await asyncio.wait_for(post(client, 64), 20)
+            assert reply.status_code == 200 and "[DONE]" in reply.text, reply.text
+            (prefill_engine,) = [e for e in pools[0].all(MODEL) if e.url == "http://p"]
+            return fake.calls, (await client.get("/metrics")).text, prefill_engine
+
+    calls, metrics, prefill_engine = asyncio.run(main())
+    assert [host for host, _ in calls] == ["d"]  # the stalled call never answered; d prefilled the prompt
+    assert "kv_transfer_params" not in calls[0][1]
+    assert decided(metrics, "prefill_timeout") == 1 and decided(metrics, "disaggregated") == 0
+    assert prefill_engine.ejected
+    (stalled_log,) = [r for r in caplog.records if "stalled past its deadline" in r.getMessage()]
+    assert 0.1 < stalled_log.deadline_s < 2.0  # 4x the predicted TTFT, above the configured floor

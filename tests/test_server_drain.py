@@ -4,6 +4,7 @@ aborted and it still exits 0."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import time
@@ -72,5 +73,29 @@ def test_sigterm_drains_then_exits_zero(tmp_path, tiny_chat_model, drain_timeout
         finished = [json.loads(line) for line in log.splitlines() if '"msg": "finished"' in line]
         assert finished and finished[0]["request_id"].startswith("chatcmpl-")
         assert finished[0]["finish_reasons"] == [finish] and finished[0]["output_tokens"] > 0
+    finally:
+        proc.stop()
+
+
+def test_sigterm_to_the_process_group_drains_every_stream_and_exits_zero(tmp_path, tiny_chat_model):
+    # systemd's default KillMode, dumb-init and a terminal's job control signal the whole group:
+    # the engine core must leave SIGTERM to the API server, which drains and then stops it.
+    proc = EngineServerProcess(tmp_path, "--model", str(tiny_chat_model), *ARGS, "--drain-timeout", "60",
+                               own_group=True)  # fmt: skip
+    proc.start()
+    body = {**LONG, "max_tokens": 300}
+    try:
+        with httpx.Client(timeout=120) as http, contextlib.ExitStack() as streams:
+            opened = [streams.enter_context(http.stream("POST", proc.url + "/v1/chat/completions", json=body))
+                      for _ in range(3)]  # fmt: skip
+            lines = [s.iter_lines() for s in opened]
+            for it in lines:
+                next(line for line in it if line.startswith("data: {"))  # every stream is running
+            proc.signal_group(signal.SIGTERM)
+            reasons = [[c["finish_reason"] for e in stream_events(it) for c in e["choices"] if c["finish_reason"]]
+                       for it in lines]  # fmt: skip
+        assert reasons == [["length"]] * 3
+        assert proc.wait(timeout=60) == 0
+        assert '"msg": "drained; stopping"' in proc.log()
     finally:
         proc.stop()

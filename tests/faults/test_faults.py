@@ -240,6 +240,52 @@ def test_engine_sigterm_drains_under_load(platform):
     drill(platform, "engine SIGTERM drain", drain)
 
 
+@pytest.fixture(scope="module")
+def pd_gateway(platform, tmp_path_factory):
+    """A P/D pair on the platform's Redis (a prefill and a decode engine) behind a gateway of its
+    own that gives a prefill engine at least 3 s (--pd-prefill-deadline-s)."""
+    logs = tmp_path_factory.mktemp("faults-pd")
+    prefill = EngineServerProcess(logs, "--role", "prefill", "--instance-id", "P", *ENGINE_ARGS)
+    decode = EngineServerProcess(logs, "--role", "decode", "--instance-id", "D", *ENGINE_ARGS)
+    procs = [prefill, decode]
+    try:
+        for p in procs:
+            p.launch()
+        for p in procs:
+            p.wait_ready()
+        gateway = GatewayProcess(
+            logs, "--engines", f"{prefill.url},{decode.url}", "--tenants-file", str(platform.logs / "tenants.yaml"),
+            "--redis-url", platform.redis.url, *GATEWAY_ARGS, "--pd-min-gain-ms", "0", "--pd-prefill-deadline-s", "3",
+        )  # fmt: skip
+        procs.append(gateway)
+        gateway.start()
+        wait_until(lambda: platform.routable(gateway) == 2, 60, "the P/D gateway to route to both engines")
+        yield {"prefill": prefill, "decode": decode, "gateway": gateway}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
+def test_prefill_engine_sigstop_under_pd(platform, pd_gateway):
+    # A stopped prefill engine accepts connections and never answers: each request must fall back
+    # to prefilling on the decode engine at its deadline instead of waiting out the request timeout.
+    gateway, prefill = pd_gateway["gateway"], pd_gateway["prefill"]
+    system = "You are a careful assistant for a shipping company. " * 24  # ~300 tokens: worth a hand-off
+    load = [{**b, "messages": [{"role": "system", "content": system}, *b["messages"]]} for b in bodies("pd", 4)]
+    prefill.signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        outcomes = asyncio.run(run_load([gateway.url], "sk-load", load, 2, DEADLINE_S))
+    finally:
+        prefill.signal(signal.SIGCONT)
+    recovery = wait_until(lambda: platform.routable(gateway) == 2, 60, "the prefill engine back in rotation")
+    check("P/D prefill engine SIGSTOP", outcomes, time.monotonic() - stopped, 0)
+    gw = httpx.get(gateway.admin_url + "/metrics", timeout=5).text
+    timeouts = metric(gw, "kvharbor_gateway_pd_decisions_total", 'reason="prefill_timeout"')
+    assert timeouts >= 1  # then the engine is ejected, and the rest are prefill_down until it is back
+    assert recovery < 60
+
+
 def test_nothing_leaked_after_the_faults(platform):
     def idle() -> bool:
         loads = [httpx.get(e.url + "/load", timeout=2).json() for e in platform.engines]
