@@ -26,7 +26,15 @@ measures each mode's server on its own).
 `gguf` runs on a GGUF file's own blocks, so its reference is the same file dequantized to float32
 (what `none` serves): the two hold the same values, and its KL measures only float rounding.
 
+The bfloat16 ledger: `bf16` runs the engine in bfloat16 (weights, activations and KV; logits are
+float32 sums whatever the dtype), alone or joined to a quantized mode (`bf16+int8`, `bf16+gguf`:
+their weights quantized, everything else bfloat16). `--hf-peers bf16` measures Hugging Face
+transformers on the same weights in bfloat16 in the same run, against the same float32 reference,
+as row `hf-bf16` (no speed columns: it is the quality peer, not a serving engine); `hf-f32` is the
+check that the reference and transformers agree.
+
     python benchmarks/quality.py [--modes none,int8,int4,gguf,kv-int8] [--model PATH] [--text-tokens 256]
+    python benchmarks/quality.py --modes bf16,bf16+int8,bf16+gguf,bf16+kv-int8 --hf-peers bf16
 
 Prints a table, writes benchmarks/results/quality.{json,png} (speed against KL for every mode).
 """
@@ -58,17 +66,23 @@ RESULTS = Path(__file__).resolve().parent / "results"
 MODULES = ("json", "argparse", "csv", "unittest", "itertools", "heapq", "subprocess", "sqlite3", "collections")
 WEIGHTS = ("none", "int8", "int4", "gguf")
 KV = ("kv-int8", "kv-fp8")
-MODE_HELP = "weights none|int8|int4|gguf and/or KV kv-int8|kv-fp8, joined by '+' (e.g. gguf+kv-int8)"
+DTYPES = {"bf16": "bfloat16"}
+HF_PEERS = {"bf16": torch.bfloat16, "f32": torch.float32}
+MODE_HELP = ("weights none|int8|int4|gguf, KV kv-int8|kv-fp8 and/or dtype bf16, joined by '+' "
+             "(e.g. gguf+kv-int8, bf16+int8)")  # fmt: skip
 
 
 def mode_options(mode: str) -> dict:
-    """The engine options of a mode name: `int4`, `kv-int8`, `gguf+kv-int8`, ... ValueError if unknown."""
+    """The engine options of a mode name: `int4`, `kv-int8`, `gguf+kv-int8`, `bf16+int8`, ...
+    ValueError if unknown."""
     options: dict = {}
     for part in mode.split("+"):
         if part in WEIGHTS and "quantization" not in options:
             options["quantization"] = part
         elif part in KV and "kv_cache_dtype" not in options:
             options["kv_cache_dtype"] = part.removeprefix("kv-")
+        elif part in DTYPES and "dtype" not in options:
+            options["dtype"] = DTYPES[part]
         else:
             raise ValueError(f"unknown mode {mode!r}: {MODE_HELP}")
     return options
@@ -140,7 +154,27 @@ def linear_bytes(llm: LLM) -> int:
 
 
 def build(options: dict, loaded) -> LLM:
-    return LLM(loaded_model=loaded, dtype="float32", max_model_len=2048, num_kv_blocks=256, **options)
+    return LLM(loaded_model=loaded, **{"dtype": "float32", **options}, max_model_len=2048, num_kv_blocks=256)
+
+
+@torch.inference_mode()
+def measure_hf(name: str, loaded, dtype: torch.dtype, texts: list[list[int]], chats: list[list[int]], steps: int):
+    """The same measures for transformers on the same weights in `dtype`: logits of one forward
+    over each text, and greedy tokens through its own KV cache (EOS ignored, as for the engine)."""
+    from kvharbor.engine.hf_reference import hf_reference_model
+
+    model = hf_reference_model(loaded, dtype)
+    logits = [model(torch.tensor([ids])).logits[0].float() for ids in texts]
+    greedy = []
+    for prompt in chats:
+        out = model(torch.tensor([prompt]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        for _ in range(steps - 1):
+            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            tokens.append(int(out.logits[0, -1].argmax()))
+        greedy.append(tokens)
+    return {"mode": name, "logits": logits, "greedy": greedy, "speed_tok_s": {}, "linear_weight_bytes": None,
+            "kv_bytes_per_token": None, "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
 def measure(name: str, llm: LLM, args, texts: list[list[int]], chats: list[list[int]]) -> dict:
@@ -186,7 +220,7 @@ def summarize(ref: dict, got: dict, texts: list[list[int]], decode_tail: int = 0
         "greedy_match_mean": sum(matches) / len(matches),
         "greedy_full_matches": sum(m == full for m in matches),
         "greedy_prompts": len(matches),
-        "speed_ratio": {k: got["speed_tok_s"][k] / ref["speed_tok_s"][k] for k in ref["speed_tok_s"]},
+        "speed_ratio": {k: got["speed_tok_s"][k] / ref["speed_tok_s"][k] for k in got["speed_tok_s"]},
         "speed_tok_s": got["speed_tok_s"],
         "linear_weight_bytes": got["linear_weight_bytes"],
         "weight_bytes": got["weight_bytes"],
@@ -201,12 +235,13 @@ def table(rows: list[dict]) -> str:
     lines = [head]
     for r in rows:
         s, x = r["speed_tok_s"], r["speed_ratio"]
+        batches = ("batch_1", "batch_8")
+        speed = "".join(f"{s[b]:>10.1f}{x[b]:>7.2f}" if b in s else f"{'-':>10}{'-':>7}" for b in batches)
+        linears = f"{r['linear_weight_bytes'] / 2**20:>13.0f}" if r["linear_weight_bytes"] else f"{'-':>13}"
         lines.append(
             f"{r['mode']:<14}{r['mean_kl']:>10.5f}{r['p99_kl']:>10.5f}{r['decode_mean_kl'] or 0:>11.5f}"
-            f"{r['top1_agreement']:>8.1%}{r['ppl_ratio']:>8.4f}"
-            f"{r['greedy_match_mean']:>9.1f}{s['batch_1']:>10.1f}{x['batch_1']:>7.2f}{s['batch_8']:>10.1f}"
-            f"{x['batch_8']:>7.2f}{r['linear_weight_bytes'] / 2**20:>13.0f}{r['weight_bytes'] / 2**20:>13.0f}"
-            f"{r['kv_bytes_per_token']:>10}"
+            f"{r['top1_agreement']:>8.1%}{r['ppl_ratio']:>8.4f}{r['greedy_match_mean']:>9.1f}{speed}"
+            f"{linears}{r['weight_bytes'] / 2**20:>13.0f}{r['kv_bytes_per_token'] or '-':>10}"
         )
     return "\n".join(lines)
 
@@ -220,6 +255,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
         for batch, marker in (("batch_1", "o"), ("batch_8", "s")):
+            if batch not in r["speed_ratio"]:  # a quality peer (hf-*): KL only, drawn at speed 0
+                ax.scatter(max(r["mean_kl"], 1e-9), 0.0, marker="x")
+                ax.annotate(r["mode"], (max(r["mean_kl"], 1e-9), 0.0))
+                break
             ax.scatter(max(r["mean_kl"], 1e-9), r["speed_ratio"][batch], marker=marker)
             ax.annotate(f"{r['mode']} {batch.replace('_', ' ')}", (max(r["mean_kl"], 1e-9), r["speed_ratio"][batch]))
     ax.set_xscale("log")
@@ -239,8 +278,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="of those, the last ones run one step each, as decoding runs them")  # fmt: skip
     parser.add_argument("--greedy-tokens", type=int, default=48, help="tokens generated per chat prompt")
     parser.add_argument("--speed-tokens", type=int, default=64, help="tokens per sequence for the speed columns")
+    parser.add_argument("--hf-peers", default="", help=f"comma-separated: {', '.join(HF_PEERS)} (transformers "
+                        "in that dtype, same weights, quality only)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS / "quality.json")
     args = parser.parse_args(argv)
+    peers = [p.strip() for p in args.hf_peers.split(",") if p.strip()]
+    if set(peers) - set(HF_PEERS):
+        parser.error(f"--hf-peers takes {', '.join(HF_PEERS)}, got {args.hf_peers!r}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes:
         parser.error(f"no mode given: {MODE_HELP}")
@@ -265,8 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     llms |= {m: build(options[m], blocks if m in gguf else loaded) for m in modes}
     records = {name: measure(name, llm, args, texts, chats) for name, llm in llms.items()}
     measure_speeds(llms, records, args.speed_tokens)
+    records |= {f"hf-{p}": measure_hf(f"hf-{p}", loaded, HF_PEERS[p], texts, chats, args.greedy_tokens) for p in peers}
     ref = records["reference"]
-    rows = [summarize(ref, records[m], texts, args.decode_positions) for m in modes]
+    rows = [summarize(ref, records[m], texts, args.decode_positions) for m in [*modes, *(f"hf-{p}" for p in peers)]]
     machine = machine_record("float32")
     print(f"quality ledger of {loaded.name} against float32, {machine_title('float32')}")
     print(f"{sum(len(t) - 1 for t in texts)} teacher-forced positions from {len(texts)} stdlib docstrings; "
@@ -277,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     record = {"benchmark": "quality", "when": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine,
               "model": loaded.name, "text": {"modules": MODULES, "tokens_each": args.text_tokens},
               "chat_prompts": len(chats), "reference_speed_tok_s": ref["speed_tok_s"], "rows": rows,
-              "peak_rss_bytes": peak_rss}  # fmt: skip
+              "modes": {m: mode_options(m) for m in modes}, "hf_peers": peers, "peak_rss_bytes": peak_rss}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     plot(rows, args.out.with_suffix(".png"), f"speed vs KL, {loaded.name} — {machine_title('float32')}")

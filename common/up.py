@@ -57,6 +57,9 @@ class UpConfig(TracedListenConfig):
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = opt(
         "auto", "engines' KV cache storage: auto (their dtype), or int8 / fp8 with a scale per token and head"
     )
+    batch_invariant: Literal["auto", "on", "off"] = opt(
+        "auto", "engines' batch-invariant mode: a request's tokens do not depend on its batch (engine/README.md)"
+    )
     kv_cache_memory: str = opt("512MiB", "KV pool of each engine, in bytes (float32 takes twice bfloat16's)")
     num_kv_blocks: int | None = opt(None, "KV pool of each engine in blocks of 16 tokens; overrides kv_cache_memory")
     max_model_len: int | None = opt(None, "context length of each engine (default: the model's, capped to the pool)")
@@ -251,7 +254,8 @@ class Platform:
             port = free_port()
             cmd = [*cli, "serve", "--port", str(port), "--instance-id", f"engine-{i}",
                    "--kv-cache-memory", c.kv_cache_memory, "--dtype", c.dtype, "--role", role,
-                   "--quantization", c.quantization, "--kv-cache-dtype", c.kv_cache_dtype, *traced]  # fmt: skip
+                   "--quantization", c.quantization, "--kv-cache-dtype", c.kv_cache_dtype,
+                   "--batch-invariant", c.batch_invariant, *traced]  # fmt: skip
             if c.pin_cpus:
                 cmd += ["--cpu-affinity", str(cpus[i % len(cpus)])]
             if c.num_kv_blocks is not None:

@@ -39,10 +39,30 @@ def test_none_is_exact_and_the_lossy_modes_are_measured_as_lossy(tiny_chat_model
     assert "mean KL" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # three engines and two transformers models load and run
+def test_the_bfloat16_ledger_measures_the_engine_and_transformers_alike(tiny_chat_model, tmp_path, capsys):
+    out = tmp_path / "quality.json"
+    args = ["--model", str(tiny_chat_model), "--modes", "bf16,bf16+kv-int8", "--hf-peers", "bf16,f32",
+            "--text-tokens", "24", "--decode-positions", "5", "--greedy-tokens", "6", "--speed-tokens", "3",
+            "--out", str(out)]  # fmt: skip
+    assert quality.main(args) == 0
+    record = json.loads(out.read_text())
+    bf16, bf16_kv, hf_bf16, hf_f32 = record["rows"]
+    assert [r["mode"] for r in record["rows"]] == ["bf16", "bf16+kv-int8", "hf-bf16", "hf-f32"]
+    assert record["modes"]["bf16+kv-int8"] == {"dtype": "bfloat16", "kv_cache_dtype": "int8"}
+    assert 0 < bf16["mean_kl"] < bf16_kv["mean_kl"]  # bfloat16 loses a little; 8-bit KV on top, more
+    assert bf16_kv["kv_bytes_per_token"] < bf16["kv_bytes_per_token"]  # int8 rows and a scale, not bfloat16's
+    assert hf_bf16["mean_kl"] > 0 and hf_bf16["speed_tok_s"] == {} and hf_bf16["positions"] == bf16["positions"]
+    assert hf_f32["mean_kl"] < 1e-6 and hf_f32["top1_agreement"] == 1  # the reference is transformers' float32
+    assert "hf-bf16" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("argv", "match"),
     [
         (["--modes", "int3"], "unknown mode"),
+        (["--modes", "bf16+bf16"], "unknown mode"),
+        (["--hf-peers", "fp8"], "--hf-peers takes"),
         (["--modes", "kv-int8+kv-fp8"], "unknown mode"),
         (["--text-tokens", "1"], ">= 2"),
         (["--decode-positions", "300"], "below --text-tokens"),

@@ -50,6 +50,9 @@ def test_engines_size_their_pool_in_blocks_and_cap_their_context_by_default(plat
 def test_engines_get_the_platforms_quantization(platform_for):
     (cmd,) = engine_cmds(platform_for(engines=1, dtype="float32", quantization="int8", kv_cache_dtype="int8"))
     assert cmd[cmd.index("--quantization") + 1] == "int8" and cmd[cmd.index("--kv-cache-dtype") + 1] == "int8"
+    assert cmd[cmd.index("--batch-invariant") + 1] == "auto"
+    (cmd,) = engine_cmds(platform_for(engines=1, batch_invariant="off"))
+    assert cmd[cmd.index("--batch-invariant") + 1] == "off"
 
 
 def test_every_engine_serves_the_platforms_lora_adapters_and_the_demo_tenant_may_use_them(platform_for):
