@@ -164,13 +164,15 @@ def measure_hf(name: str, loaded, dtype: torch.dtype, texts: list[list[int]], ch
     from kvharbor.engine.hf_reference import hf_reference_model
 
     model = hf_reference_model(loaded, dtype)
+    # transformers 5 renamed past_key_values to cache.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     logits = [model(torch.tensor([ids])).logits[0].float() for ids in texts]
     greedy = []
     for prompt in chats:
         out = model(torch.tensor([prompt]), use_cache=True)
         tokens = [int(out.logits[0, -1].argmax())]
         for _ in range(steps - 1):
-            out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+            out = model(torch.tensor([[tokens[-1]]]), use_cache=True, **{cache_arg: getattr(out, cache_arg)})
             tokens.append(int(out.logits[0, -1].argmax()))
         greedy.append(tokens)
     return {"mode": name, "logits": logits, "greedy": greedy, "speed_tok_s": {}, "linear_weight_bytes": None,

@@ -52,7 +52,7 @@ class UpConfig(TracedListenConfig):
         "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX, else float32"
     )
     quantization: Literal["none", "int8", "int4", "gguf"] = opt(
-        "none", "engines' weight quantization: none, int8, int4 or gguf (fast on CPU in float32: pass dtype float32)"
+        "none", "engines' weight quantization: none, int8, int4 or gguf (fast on a CPU with AVX2)"
     )
     kv_cache_dtype: Literal["auto", "int8", "fp8"] = opt(
         "auto", "engines' KV cache storage: auto (their dtype), or int8 / fp8 with a scale per token and head"

@@ -32,7 +32,7 @@ class ModelConfig:
     device: Device = opt("auto", "where to run: cuda when available, else cpu")
     quantization: Literal["none", "int8", "int4", "gguf"] = opt(
         "none",
-        "weight quantization (float32 CPU with AVX2): none; int8 (per channel) or int4 (groups of 32) of the "
+        "weight quantization (fast on a CPU with AVX2): none; int8 (per channel) or int4 (groups of 32) of the "
         "linear layers; gguf (a GGUF model's own Q4_0/Q4_1/Q8_0 blocks, never stored dequantized)",
     )
     engine_seed: int = opt(0, "seed of the engine RNG that seeds requests without a seed of their own")

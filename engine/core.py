@@ -257,15 +257,17 @@ class EngineCore:
     # -- set-up -------------------------------------------------------------------------------
 
     def _quantize(self, threads: int, say: Progress) -> None:
-        """Quantize (or adopt GGUF blocks), through the AVX2 kernels where they run (CPU, float32),
-        else through torch's dequantize-and-matmul, which saves the memory but not the time."""
+        """Quantize (or adopt GGUF blocks), through the AVX2 kernels where they run (CPU, float32 or
+        bfloat16 rows widened for them), else through torch's dequantize-and-matmul, which saves
+        the memory but not the time."""
         mode = self.config.model.quantization
-        gemm = self._cpu_gemm(threads)
+        gemm = self._cpu_gemm(threads, (torch.float32, torch.bfloat16))
         if gemm is None:
             here = f"{str(self.dtype).removeprefix('torch.')} on {self.device}"
             log.warning(
                 "--quantization %s on %s runs through torch's dequantize-and-matmul: the memory of %s weights, "
-                "but slower than unquantized (the fast kernels need CPU, float32, AVX2 and --cpu-kernels)",
+                "but slower than unquantized (the fast kernels need a CPU with AVX2, float32 or bfloat16, and "
+                "--cpu-kernels)",
                 mode, here, mode,
             )  # fmt: skip
         say("repacking the GGUF blocks ..." if mode == "gguf" else f"quantizing the linear layers to {mode} ...")
@@ -340,8 +342,6 @@ class EngineCore:
             return "it needs --cpu-kernels"
         if self.dtype not in (torch.float32, torch.bfloat16):
             return f"it runs float32 and bfloat16, not {str(self.dtype).removeprefix('torch.')}"
-        if config.model.quantization != "none" and self.dtype != torch.float32:
-            return "quantized weights run batch-invariant in float32 only"
         if config.cache.kv_cache_dtype == "fp8":
             return "the kernels read no fp8 KV cache (use --kv-cache-dtype int8 or auto)"
         if config.lora.enabled:

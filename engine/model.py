@@ -153,16 +153,13 @@ class LlamaModel(nn.Module):
             self.ops = CpuOps(kernels, None if invariant else CPU_MAX_ROWS)
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         chosen = cpu_linear.prepare_linears(dtype, device, threads, weight_bytes, invariant)
-        self.head = None
-        if chosen is None:
-            return None
-        what, make = chosen
-        for layer in self.layers:
-            layer.prepare(make)
-        if dtype == torch.float32:
-            self.lm_head_fast = self.lm_head_fast or make(self.lm_head.data)
+        if chosen is not None:
+            for layer in self.layers:
+                layer.prepare(chosen[1])
+            if dtype == torch.float32:
+                self.lm_head_fast = self.lm_head_fast or chosen[1](self.lm_head.data)
         self.head = cpu_linear.float32_head(self.lm_head.data, self.lm_head_fast, kernels)
-        return what
+        return chosen[0] if chosen is not None else None
 
     def quantize(self, gemm, mode: str, invariant: bool = False) -> int:
         """Run every projection from a quantized weight (engine/quantize.py) through `gemm`

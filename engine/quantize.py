@@ -182,15 +182,16 @@ def quantize(weight: torch.Tensor, mode: str) -> QuantWeight:
 class QuantLinear:
     """One projection's quantized weight. With the CPU kernels (`gemm`): decode-sized inputs
     through the kernel on the quantized bytes, larger ones through MKL on dequantized slices (the
-    module docstring says why). Without them (CUDA, bfloat16, no AVX2): every input through
-    slices dequantized by torch ops into x's dtype: the memory of the quantized weights at the
-    cost of a dequantization per step (no fused kernel for that path yet)."""
+    module docstring says why); bfloat16 rows are widened to float32 for them and the result
+    rounded back once. Without them (CUDA, no AVX2): every input through slices dequantized by
+    torch ops into x's dtype: the memory of the quantized weights at the cost of a
+    dequantization per step (no fused kernel for that path yet)."""
 
     def __init__(self, gemm, weight: QuantWeight, max_rows: int, invariant: bool = False) -> None:
         """`invariant` (batch-invariant mode, needs `gemm`): every input through the kernel's
         integer path, INT_ROWS rows a call, so a row's result never depends on the others."""
         if invariant and gemm is None:
-            raise ValueError("batch-invariant quantized linears need kvharbor's CPU kernels (float32, AVX2)")
+            raise ValueError("batch-invariant quantized linears need kvharbor's CPU kernels (AVX2)")
         self.gemm = gemm
         self.weight = weight
         self.max_rows = max_rows if gemm is not None else -1
@@ -206,6 +207,10 @@ class QuantLinear:
         return self.weight.dequantize(slice(first, last)).to(dtype)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.gemm is not None and x.dtype != torch.float32:  # the kernels take float32 rows
+            # NOTE: measured on the AMD EPYC Zen 4 (benchmarks/README.md, the bfloat16 ledger):
+            # bfloat16 through torch's dequantize-and-matmul ran gguf at 0.10x bfloat16's speed.
+            return self(x.float(), None if bias is None else bias.float()).to(x.dtype)
         if self.invariant and x.shape[0] > INT_ROWS:
             return torch.cat([self.gemm.linear_quant(x[r : r + INT_ROWS], self.weight, bias)
                               for r in range(0, x.shape[0], INT_ROWS)])  # fmt: skip

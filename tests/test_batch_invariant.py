@@ -33,9 +33,11 @@ def results(outs) -> list[tuple[list[int], list[float]]]:
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
-def alone(make_llm, case, dtype: str, prompts: list[list[int]], params=GREEDY) -> list[tuple[list[int], list[float]]]:
+def alone(
+    make_llm, case, dtype: str, prompts: list[list[int]], params=GREEDY, **options
+) -> list[tuple[list[int], list[float]]]:
     """The reference: each prompt alone, on an engine with no cache to hit."""
-    llm = make_llm(case.loaded, dtype=dtype, batch_invariant="on", enable_prefix_caching=False)
+    llm = make_llm(case.loaded, dtype=dtype, batch_invariant="on", enable_prefix_caching=False, **options)
     return [results(llm.generate([p], params))[0] for p in prompts]
 
 
@@ -45,6 +47,18 @@ def test_a_batch_equals_each_request_alone(case, make_llm, dtype):
     llm = make_llm(case.loaded, dtype=dtype, batch_invariant="on")
     assert llm.engine.batch_invariant
     assert results(llm.generate(case.prompts, GREEDY)) == want
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_batched_and_chunked_equal_alone(case, make_llm, dtype, quantization):
+    # Their kernel switches to float sums above 32 rows: invariant mode keeps every row on the
+    # integer path (and widens bfloat16 rows for it).
+    want = alone(make_llm, case, dtype, case.prompts, quantization=quantization)
+    for chunk in (1024, 7):
+        llm = make_llm(case.loaded, dtype=dtype, batch_invariant="on", quantization=quantization,
+                       max_num_batched_tokens=chunk)  # fmt: skip
+        assert results(llm.generate(case.prompts, GREEDY)) == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
