@@ -26,6 +26,9 @@ measures each mode's server on its own).
 `gguf` runs on a GGUF file's own blocks, so its reference is the same file dequantized to float32
 (what `none` serves): the two hold the same values, and its KL measures only float rounding.
 
+`bi-off` / `bi-on` join a mode to run it with batch-invariant mode off / on (unnamed: the
+engine's default, `auto`), to price what the mode costs.
+
 The bfloat16 ledger: `bf16` runs the engine in bfloat16 (weights, activations and KV; logits are
 float32 sums whatever the dtype), alone or joined to a quantized mode (`bf16+int8`, `bf16+gguf`:
 their weights quantized, everything else bfloat16). `--hf-peers bf16` measures Hugging Face
@@ -67,9 +70,10 @@ MODULES = ("json", "argparse", "csv", "unittest", "itertools", "heapq", "subproc
 WEIGHTS = ("none", "int8", "int4", "gguf")
 KV = ("kv-int8", "kv-fp8")
 DTYPES = {"bf16": "bfloat16"}
+INVARIANCE = {"bi-off": "off", "bi-on": "on"}  # --batch-invariant; unnamed: the engine's default (auto)
 HF_PEERS = {"bf16": torch.bfloat16, "f32": torch.float32}
-MODE_HELP = ("weights none|int8|int4|gguf, KV kv-int8|kv-fp8 and/or dtype bf16, joined by '+' "
-             "(e.g. gguf+kv-int8, bf16+int8)")  # fmt: skip
+MODE_HELP = ("weights none|int8|int4|gguf, KV kv-int8|kv-fp8, dtype bf16 and/or batch-invariant mode "
+             "bi-off|bi-on, joined by '+' (e.g. gguf+kv-int8, bf16+int8, int8+bi-off)")  # fmt: skip
 
 
 def mode_options(mode: str) -> dict:
@@ -83,6 +87,8 @@ def mode_options(mode: str) -> dict:
             options["kv_cache_dtype"] = part.removeprefix("kv-")
         elif part in DTYPES and "dtype" not in options:
             options["dtype"] = DTYPES[part]
+        elif part in INVARIANCE and "batch_invariant" not in options:
+            options["batch_invariant"] = INVARIANCE[part]
         else:
             raise ValueError(f"unknown mode {mode!r}: {MODE_HELP}")
     return options

@@ -320,9 +320,15 @@ class EngineCore:
 
     def _batch_invariant(self, threads: int) -> bool:
         """Whether this engine runs batch-invariant (--batch-invariant): `on` where it cannot
-        raises ValueError saying why; `auto` is on wherever it can run."""
+        raises ValueError saying why; `auto` is on wherever it can run, but for quantized weights."""
         mode = self.config.runtime.batch_invariant
         if mode == "off":
+            return False
+        if mode == "auto" and self.config.model.quantization != "none":
+            # NOTE: invariant quantized linears keep every row on the int8-activation path, prefill
+            # too: measured on the AMD EPYC Zen 4 (benchmarks/README.md), int8's top-1 fell from
+            # 97.4% to 96.4% and gguf's mean KL rose 12x. `on` still runs it.
+            log.info("batch-invariant mode off: quantized weights (--batch-invariant on forces it)")
             return False
         blocker = self._invariance_blocker(threads)
         if blocker is not None and mode == "on":

@@ -157,3 +157,6 @@ def test_auto_stands_down_where_it_cannot_run(tiny_llama, make_llm):
     assert make_llm(tiny_llama.loaded).engine.batch_invariant
     assert not make_llm(tiny_llama.loaded, kv_cache_dtype="fp8").engine.batch_invariant
     assert not make_llm(tiny_llama.loaded, batch_invariant="off").engine.batch_invariant
+    # Quantized weights: it would round every prefill row's activations to int8 (a quality cost).
+    assert not make_llm(tiny_llama.loaded, quantization="int8").engine.batch_invariant
+    assert make_llm(tiny_llama.loaded, quantization="int8", batch_invariant="on").engine.batch_invariant

@@ -274,7 +274,8 @@ def test_prefill_engine_sigstop_under_pd(platform, pd_gateway):
     # to prefilling on the decode engine at its deadline instead of waiting out the request timeout.
     gateway, prefill = pd_gateway["gateway"], pd_gateway["prefill"]
     system = "You are a careful assistant for a shipping company. " * 24  # ~300 tokens: worth a hand-off
-    load = [{**b, "messages": [{"role": "system", "content": system}, *b["messages"]]} for b in bodies("pd", 4)]
+    chats = bodies("pd", 4, max_tokens=48)
+    load = [{**b, "messages": [{"role": "system", "content": system}, *b["messages"]]} for b in chats]
     prefill.signal(signal.SIGSTOP)
     stopped = time.monotonic()
     try:
