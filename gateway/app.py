@@ -108,6 +108,17 @@ ADMIN_PATHS = ("/metrics",)  # on the admin listener only (common/admin_listener
 # A P/D prefill's deadline, in predicted TTFTs (at least --pd-prefill-deadline-s): past it the
 # prefill engine counts as stalled. Predictions from EWMAs of a busy engine can be off by 2x.
 PREFILL_DEADLINE_X_TTFT = 4.0
+# With no measured prefill rate (a fresh or restarted engine predicts a TTFT of 0), the deadline
+# allows the prompt at this many tokens a second: a slow CPU engine, so that a long first prompt is
+# not taken for a stall.
+UNMEASURED_PREFILL_TOKENS_PER_S = 100.0
+
+
+def prefill_deadline(floor_s: float, predicted_ttft_s: float, prompt_tokens: int) -> float:
+    """Seconds a P/D prefill engine gets before it counts as stalled."""
+    if predicted_ttft_s > 0:
+        return max(floor_s, PREFILL_DEADLINE_X_TTFT * predicted_ttft_s)
+    return max(floor_s, prompt_tokens / UNMEASURED_PREFILL_TOKENS_PER_S)
 
 
 class PrefillStalled(Exception):
@@ -624,7 +635,8 @@ class _Handler:
         decision, held = await self._pd_decision(call, route)
         tried = decision.prefill
         if decision.disaggregated:
-            deadline = max(state.router.config.pd_prefill_deadline_s, PREFILL_DEADLINE_X_TTFT * decision.ttft_s)
+            floor = state.router.config.pd_prefill_deadline_s
+            deadline = prefill_deadline(floor, decision.ttft_s, len(call.prompts[0]))
             failure = "prefill_failed"
             try:
                 call.transfer = await self._prefill(call, route, decision.prefill, headers, deadline)
@@ -672,9 +684,10 @@ class _Handler:
         self, call: _Call, route: Route, engine: Engine, headers: dict[str, str], deadline: float
     ) -> dict | None:
         """The prompt's prefill on `engine`, kept there for the decode engine: its hand-off, or None
-        when the engine fails it. Raises PrefillStalled, and ejects the engine, when it has not
-        answered within `deadline` seconds (a stopped or wedged process accepts the connection and
-        never answers: the request waited for the whole request timeout)."""
+        when the engine fails it. Raises PrefillStalled, counting a failure against the engine (as
+        a stream that never starts does; enough of them, or failed /load polls, eject it), when it
+        has not answered within `deadline` seconds: a stopped or wedged process accepts the
+        connection and never answers, and the request waited for the whole request timeout."""
         state = self.state
         payload = {**self._payload(call, route, engine), "stream": False,
                    "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
@@ -682,6 +695,7 @@ class _Handler:
         payload.pop("kv_prefix_source", None)
         prompt = len(call.prompts[0])
         sent = engine.send(uncached_tokens(prompt, 0, call.block_size), call.adapter, prompt)
+        stalled = False
         with state.tracer.start_as_current_span("gateway prefill") as span:
             span.set_attribute("kvharbor.engine", engine.url)
             try:
@@ -690,11 +704,11 @@ class _Handler:
                 )
                 transfer = json.loads(content)["kv_transfer_params"]
             except TimeoutError:
-                state.pool.failed(engine, "prefill deadline", hard=True)
+                state.pool.failed(engine, "prefill deadline")
                 log.warning("prefill engine stalled past its deadline; prefilling on the decode engine", extra={
                     "engine": engine.url, "deadline_s": round(deadline, 3)})  # fmt: skip
                 span.set_status(trace.StatusCode.ERROR, "prefill deadline")
-                raise PrefillStalled(engine.url) from None
+                stalled = True
             except (APIError, EngineFailed, ValueError, KeyError, TypeError) as exc:
                 if isinstance(exc, EngineFailed) and exc.blame is not None:
                     exc.blame()  # the request goes on colocated: a prefill engine that fails it is at fault
@@ -704,6 +718,8 @@ class _Handler:
                 return None
             finally:
                 sent.done()
+        if stalled:  # raised outside the span, which keeps the status set above
+            raise PrefillStalled(engine.url)
         # The engine names itself as it was asked; the gateway knows the address it reached.
         transfer["remote_host"] = urlsplit(engine.url).hostname or transfer.get("remote_host")
         return transfer

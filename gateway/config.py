@@ -78,8 +78,8 @@ class RoutingConfig:
     pd_prefill_deadline_s: float = opt(
         10.0,
         "P/D: the least time a prefill engine gets for a prompt before the gateway prefills it on the decode "
-        "engine instead and ejects the prefill engine as stalled; the deadline is the larger of this and 4x the "
-        "predicted TTFT",
+        "engine instead, counting a failure against the prefill engine; the deadline is the larger of this and 4x "
+        "the predicted TTFT",
     )
 
     def __post_init__(self) -> None:

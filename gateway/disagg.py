@@ -48,7 +48,8 @@ DEFAULT_TRANSFER_BPS = 500e6
 @dataclass(frozen=True)
 class Decision:
     prefill: Engine | None  # None: prefill on the decode engine (colocated)
-    # disaggregated | off | no_prefill_engine | prefill_down | unsupported | short_prompt | ttft | short_output
+    # disaggregated | off | no_prefill_engine | prefill_down | unsupported | short_prompt | ttft | short_output;
+    # after the prefill call (gateway/app.py): prefill_failed | prefill_timeout
     reason: str
     gain_s: float = 0.0
     ttft_s: float = 0.0  # predicted TTFT of the chosen way

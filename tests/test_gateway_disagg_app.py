@@ -173,7 +173,8 @@ def test_a_stalled_prefill_engine_is_ejected_and_the_prompt_prefilled_on_the_dec
     """A prefill engine that accepts the call and never answers (SIGSTOPped, wedged) held the
     request for the whole request timeout. Past its deadline (the larger of
     --pd-prefill-deadline-s and 4x the predicted TTFT: here 4 x ~0.17 s) the gateway stops waiting,
-    ejects that engine, and serves the request colocated, counted as prefill_timeout."""
+    counts a failure against that engine (as for a stream that never starts: enough of them eject
+    it), and serves the request colocated, counted as prefill_timeout."""
     caplog.set_level(logging.INFO, logger="kvharbor.gateway.api")
     fast_prefill = {**MEASURED, "prefill_tokens_per_s": 10_000.0}  # 900 tokens in 0.09 s there
 
@@ -196,6 +197,15 @@ def test_a_stalled_prefill_engine_is_ejected_and_the_prompt_prefilled_on_the_dec
     assert [host for host, _ in calls] == ["d"]  # the stalled call never answered; d prefilled the prompt
     assert "kv_transfer_params" not in calls[0][1]
     assert decided(metrics, "prefill_timeout") == 1 and decided(metrics, "disaggregated") == 0
-    assert prefill_engine.ejected
+    assert prefill_engine.failures == 1 and not prefill_engine.sent  # its call was given up, not left counted
     (stalled_log,) = [r for r in caplog.records if "stalled past its deadline" in r.getMessage()]
     assert 0.1 < stalled_log.deadline_s < 2.0  # 4x the predicted TTFT, above the configured floor
+
+
+def test_a_prefill_deadline_follows_the_predicted_ttft_and_the_prompt_when_unmeasured():
+    from kvharbor.gateway.app import prefill_deadline
+
+    assert prefill_deadline(10.0, 0.5, 900) == 10.0  # the floor
+    assert prefill_deadline(10.0, 5.0, 900) == 20.0  # 4x the predicted TTFT
+    # No measured rate (TTFT 0): the prompt at 100 tokens/s, so a long first prompt is no stall.
+    assert prefill_deadline(10.0, 0.0, 4096) == 40.96 and prefill_deadline(10.0, 0.0, 300) == 10.0
