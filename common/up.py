@@ -10,7 +10,6 @@ a child that dies is reported and restarted with backoff. Ctrl-C or SIGTERM stop
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import secrets
@@ -30,6 +29,7 @@ import yaml
 from kvharbor.common.api_keys import hash_key
 from kvharbor.common.config import config_from_argv, opt
 from kvharbor.common.loadtest_tenants import loadtest_tenant_rows
+from kvharbor.common.process_stop import die_with_parent
 from kvharbor.common.server_config import TracedListenConfig
 
 PREFIX = "[kvharbor up]"
@@ -108,12 +108,6 @@ def say(message: str) -> None:
     print(f"{PREFIX} {message}", file=sys.stderr, flush=True)
 
 
-def _die_with_parent() -> None:
-    # Children get SIGTERM if `up` itself is killed without a chance to clean up (Linux only).
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Child:
     """One supervised process: how to start it, and how to tell that it is ready."""
@@ -145,8 +139,9 @@ class Child:
 
     def start(self) -> None:
         self._log = open(self.log_path, "a")  # noqa: SIM115 - closed in stop()
+        # Children get SIGTERM if `up` is killed without a chance to clean up (die_with_parent).
         self.proc = subprocess.Popen(
-            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent,
+            self.cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
             env={**os.environ, **self.env},
         )  # fmt: skip
         self.ready = False

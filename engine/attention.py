@@ -223,9 +223,9 @@ def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Atten
         if writer is not None and kv_cache.dtype == torch.float32:
             writer.kv_write(k, slots, kv_cache[0], meta.slot_bounds)
             writer.kv_write(v, slots, kv_cache[1], meta.slot_bounds)
-        else:
-            kv_cache[0].index_copy_(1, slots, k.transpose(0, 1))
-            kv_cache[1].index_copy_(1, slots, v.transpose(0, 1))
+        else:  # (float32 activations into a bfloat16 cache: batch-invariant bfloat16)
+            kv_cache[0].index_copy_(1, slots, k.transpose(0, 1).to(kv_cache.dtype))
+            kv_cache[1].index_copy_(1, slots, v.transpose(0, 1).to(kv_cache.dtype))
         return k, v
     if writer is not None:  # the AVX2 kernel: the same bytes
         writer.kv_write_int8(k, slots, kv_cache[0], meta.slot_bounds)

@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from kvharbor.common.logs import setup_logging
+from kvharbor.common.process_stop import die_with_parent
 from kvharbor.engine.core_io import EngineDead, HandoffFailed, NewRequest, error_kind
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
 from kvharbor.engine.engine_loop import EngineLoop
@@ -268,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     # request, and `kvharbor serve` exited 1.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Ignoring SIGTERM, a core whose API server died during start-up (before it reads the link)
+    # would go on loading the model alone: it dies with its parent instead.
+    die_with_parent(signal.SIGKILL)
     sock = socket.socket(fileno=args.link_fd)
     started = time.monotonic()
     code = asyncio.run(serve_link(sock))

@@ -217,6 +217,8 @@ class CpuKernels:
             x = x.contiguous()
         if x.dtype != torch.float32 or x.shape[1] != w.k:
             raise ValueError(f"linear_quant takes float32 x [m, {w.k}], got {x.dtype} {tuple(x.shape)}")
+        if bias is not None and bias.dtype != torch.float32:  # a bfloat16 model's (Qwen2's qkv bias)
+            bias = bias.float()
         m = x.shape[0]
         y = torch.empty(m, w.n, dtype=torch.float32)
         if m == 0:

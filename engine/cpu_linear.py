@@ -107,7 +107,7 @@ def _invariant_linears(dtype: torch.dtype, device: torch.device, threads: int) -
     what = f"batch-invariant: every row count through kvharbor's kernel ({gemm.threads} threads)"
     if dtype == torch.float32:
         return what, lambda w: SkinnyLinear(gemm, w, None, max_rows=None)
-    return what, lambda w: Bf16Linear(gemm, w, torch.bfloat16)
+    return what + ", float32 activations", lambda w: Bf16Linear(gemm, w, torch.float32)
 
 
 class Bf16Linear:
@@ -145,17 +145,36 @@ class WidenedLinear:
         return y
 
 
+@functools.cache
+def mm_float32_out(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch.mm takes `dtype` inputs and writes float32 here (out_dtype: CUDA; not CPU)."""
+    try:
+        a = torch.ones(2, 8, dtype=dtype, device=device)
+        return torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
 def float32_head(weight: torch.Tensor, fast: FastLinear | None, gemm) -> FastLinear:
     """The LM head as float32 logits from float32 rows: a quantized head's own kernel (`fast`,
     already float32), a float32 weight's fast path or F.linear, a bfloat16 weight through the
-    kernel (`gemm`, None where it does not run), else widened slices."""
+    kernel (`gemm`, None where it does not run), a low-precision GEMM with float32 output where
+    torch has one (CUDA: the rows rounded to the weight's dtype, the sums float32), else widened
+    slices (re-widening the head every step: CPUs without the kernels)."""
     if fast is not None:
         return fast
     if weight.dtype == torch.float32:
         return lambda x, bias: F.linear(x, weight, bias)
     if gemm is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
         return Bf16Linear(gemm, weight, torch.float32)
+    if weight.device.type != "cpu" and mm_float32_out(weight.device, weight.dtype):
+        return lambda x, bias: _mm_float32(x, weight, bias)
     return WidenedLinear(weight)
+
+
+def _mm_float32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = torch.mm(x.to(weight.dtype), weight.t(), out_dtype=torch.float32)
+    return y if bias is None else y + bias.float()
 
 
 def _onednn(packed: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """A decoder layer's pointwise ops (residual add + RMS norm, RoPE, SiLU-and-multiply), chosen once
 at load: torch's (any dtype, any device), or the AVX2 kernels' (engine/cpu_kernels.py) for the few
-rows of a decode step in float32.
+rows of a decode step in float32 (every row in batch-invariant mode, whose activations are float32
+in a bfloat16 model too).
 
 Why the kernels: at batch 1 these ops are a few thousand floats each, and torch's dispatch is what
 they cost. Measured on the AMD EPYC (float32, SmolLM2, one token of a decode step): F.rms_norm ran
@@ -49,16 +50,26 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class CpuOps(TorchOps):
-    """float32 on CPU: decode-sized inputs through the AVX2 kernels (cpu_kernels.CpuKernels), in
-    place where the reference makes a new tensor (the residual, the fused q/k); larger ones through
-    torch's ops."""
+    """float32 activations on CPU: decode-sized inputs through the AVX2 kernels
+    (cpu_kernels.CpuKernels), in place where the reference makes a new tensor (the residual, the
+    fused q/k); larger ones through torch's ops. Norm weights of another dtype (a bfloat16 model
+    run batch-invariant, on float32 activations) are widened once and kept."""
 
     def __init__(self, kernels, max_rows: int | None = CPU_MAX_ROWS) -> None:
         """`max_rows`: the most rows that go through the kernels; None: every row count (batch-
-        invariant mode: torch's ops and the kernels round differently, so a token's norm would
-        depend on the size of the batch it runs in)."""
+        invariant mode: torch's ops and the kernels round differently, and torch's vectorized
+        loops take scalar tails at places that move with the tensor's size, so a token's norm
+        would depend on the size of the batch it runs in)."""
         self.kernels = kernels
         self.max_rows = max_rows
+        self._widened: dict[int, torch.Tensor] = {}
+
+    def _float32(self, weight: torch.Tensor) -> torch.Tensor:
+        if weight.dtype == torch.float32:
+            return weight
+        if (kept := self._widened.get(weight.data_ptr())) is None:
+            kept = self._widened[weight.data_ptr()] = weight.float()
+        return kept
 
     def _torch(self, rows: int) -> bool:
         return self.max_rows is not None and rows > self.max_rows
@@ -68,7 +79,7 @@ class CpuOps(TorchOps):
             return super().add_rms_norm(x, residual, weight, eps)
         if residual is None:  # the first layer: x (the embedding's output, ours) becomes the residual
             residual, x = x.contiguous(), None
-        return self.kernels.add_rms_norm(x, residual, weight, eps), residual
+        return self.kernels.add_rms_norm(x, residual, self._float32(weight), eps), residual
 
     def rope(self, qkv, heads, kv_heads, dim, cos, sin):
         if self._torch(qkv.shape[0]):

@@ -135,6 +135,9 @@ class LlamaModel(nn.Module):
         self.embed_blocks: QuantWeight | None = None
         self.head_blocks: QuantWeight | None = None
         self.ops = TorchOps()  # the layers' pointwise ops (engine/layer_ops.py)
+        # The residual stream's and the projections' dtype: the model's, or float32 in
+        # batch-invariant mode (prepare_cpu_linears), where the kernels take float32 rows.
+        self.activation_dtype = dtype
         self.head: cpu_linear.FastLinear | None = None  # float32 logits (cpu_linear.float32_head), set on first use
 
     def prepare_cpu_linears(self, threads: int, invariant: bool = False) -> str | None:
@@ -149,8 +152,12 @@ class LlamaModel(nn.Module):
             from kvharbor.engine import cpu_kernels
 
             kernels = cpu_kernels.load(threads)
-        if kernels is not None and dtype == torch.float32:
+        if kernels is not None and (dtype == torch.float32 or invariant):
             self.ops = CpuOps(kernels, None if invariant else CPU_MAX_ROWS)
+            # NOTE: batch-invariant bfloat16 keeps bfloat16 weights and KV but float32 activations:
+            # the kernels widen every row to float32 anyway, and torch's bfloat16 pointwise ops
+            # are not batch-invariant (their vectorized loops' scalar tails move with the size).
+            self.activation_dtype = torch.float32
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         chosen = cpu_linear.prepare_linears(dtype, device, threads, weight_bytes, invariant)
         if chosen is not None:
@@ -222,8 +229,11 @@ class LlamaModel(nn.Module):
         return self.embed_blocks.dequantize(input_ids).to(self.embed.dtype)  # only the rows asked for
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for `positions`, [T, 1, head_dim/2], computed in float32 like the reference."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        """cos/sin for `positions`, [T, 1, head_dim/2]: the angles in float32 like the reference,
+        their cos/sin in float64 rounded to float32. NOTE: torch's float32 cos/sin take a vector
+        path and a scalar tail that can differ by an ulp, and which positions fall in the tail
+        depends on T: float64 rounded to float32 gives a position the same value in any batch."""
+        freqs = (positions.float()[:, None] * self.inv_freq[None, :]).double()
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
     def forward(
@@ -236,7 +246,7 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm; K/V written into `kv_caches`. `lora`:
         the step's adapter rows (engine/lora_slots.py), None when every row is the base model's."""
-        x = self._embed(input_ids)
+        x = self._embed(input_ids).to(self.activation_dtype)
         cos, sin = self.rope(positions, x.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):

@@ -160,3 +160,14 @@ def test_auto_stands_down_where_it_cannot_run(tiny_llama, make_llm):
     # Quantized weights: it would round every prefill row's activations to int8 (a quality cost).
     assert not make_llm(tiny_llama.loaded, quantization="int8").engine.batch_invariant
     assert make_llm(tiny_llama.loaded, quantization="int8", batch_invariant="on").engine.batch_invariant
+
+
+def test_the_control_without_the_mode_chunking_changes_the_bits(tiny_llama, make_llm):
+    """The equality tests above can fail: with the mode off, a prompt prefilled 7 rows at a time
+    (the kernels' decode-sized path) and in one chunk (oneDNN or MKL, torch's pointwise ops) sums
+    in different orders, and some logprob differs."""
+    prompts = tiny_llama.prompts[-3:]  # 64-100 tokens: one chunk is well past the kernels' 16 rows
+    whole = make_llm(tiny_llama.loaded, batch_invariant="off")
+    chunked = make_llm(tiny_llama.loaded, batch_invariant="off", max_num_batched_tokens=7)
+    want = [results(whole.generate([p], GREEDY))[0] for p in prompts]
+    assert [results(chunked.generate([p], GREEDY))[0] for p in prompts] != want

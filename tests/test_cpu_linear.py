@@ -71,3 +71,13 @@ def test_bfloat16_logits_are_float32_sums(tiny_llama, make_llm, options):
     h = F.rms_norm(hidden.double(), (hidden.shape[-1],), model.norm.double(), model.arch.rms_norm_eps)
     want = F.linear(h, model.lm_head.double())
     assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()
+
+
+def test_cpu_has_no_float32_output_gemm_so_the_head_widens_without_the_kernels():
+    # torch.mm(out_dtype=float32) runs on CUDA only; on CPU the head takes the kernel or widens.
+    assert not cpu_linear.mm_float32_out(torch.device("cpu"), torch.bfloat16)
+    w = torch.randn(40, 16).bfloat16()
+    head = cpu_linear.float32_head(w, None, None)
+    assert isinstance(head, cpu_linear.WidenedLinear)
+    x = torch.randn(3, 16)
+    assert torch.allclose(head(x, None).double(), x.double() @ w.double().t(), atol=1e-5)

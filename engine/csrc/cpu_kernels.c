@@ -966,7 +966,9 @@ int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache
 // Why: a decode step's norms, RoPE, SiLU and K/V writes are a few thousand floats each, where torch
 // pays microseconds of dispatch per op: F.rms_norm alone ran 9 ops and 72 us a call here (AMD EPYC,
 // float32), 4.3 ms of a 31 ms SmolLM2 token at batch 1. Each of these is one call, single-threaded
-// (too little work to share), for the few rows of a decode step; larger batches stay with torch.
+// (too little work to share), for the few rows of a decode step; larger batches stay with torch,
+// except in batch-invariant mode, where every row comes here (one thread: a prefill chunk's
+// pointwise ops do not scale with cores then).
 
 // residual [rows, hidden] (contiguous) += x (row stride ldx; NULL: no add), then
 // out [rows, hidden] = w * (residual * rsqrt(mean(residual^2) + eps)), the order of the reference.
