@@ -77,15 +77,6 @@ class FreeBlockQueue:
         self._tail.prev_free = block
         self.num_free += 1
 
-    def peek(self, n: int) -> list[Block]:
-        """The first `n` blocks `popleft` would hand out, without taking them."""
-        out = []
-        block = self._head.next_free
-        while block is not self._tail and len(out) < n:
-            out.append(block)
-            block = block.next_free
-        return out
-
     def __iter__(self):
         block = self._head.next_free
         while block is not self._tail and block is not None:

@@ -128,9 +128,6 @@ class CpuKernels:
         self.threads = lib.kvharbor_set_threads(threads)
         self._scratch = torch.empty(0, dtype=torch.float32)
 
-    def set_threads(self, threads: int) -> None:
-        self.threads = self._lib.kvharbor_set_threads(threads)
-
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [m, k] @ weight [n, k]^T (+ bias), float32, CPU; x rows may be strided, weight contiguous."""
         if x.stride(-1) != 1:

@@ -232,10 +232,6 @@ class KVCacheManager:
         return True
 
     @property
-    def num_pinned_blocks(self) -> int:
-        return sum(len(blocks) for blocks in self._pins.values())
-
-    @property
     def has_loads(self) -> bool:
         """Imported blocks wait for their write (a step must run, even with no request)."""
         return bool(self._loads)

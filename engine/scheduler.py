@@ -4,7 +4,7 @@ Each request's `num_computed_tokens` chases its `num_tokens`. A step gives every
 what it still needs (1 token when decoding, a chunk when prefilling), then admits waiting requests,
 longest cached prefix first skipped, while the budget, the sequence limit and the pool allow.
 
-Control flow, driven by LLMEngine:
+Control flow, driven by EngineCore.step (engine/core.py):
     plan = scheduler.schedule();  output = runner.execute(plan);  scheduler.update(plan, output)
 """
 

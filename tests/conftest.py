@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from process_guard import pytest_configure, pytest_unconfigure  # noqa: F401 - the tiers' guard, as hooks
+from tiny_models import TINY, hf_model
 
 from kvharbor.engine import LLM
 from kvharbor.engine.hf_reference import hf_reference_model
@@ -124,28 +125,10 @@ def smollm_case(smollm) -> ModelCase:
 
 
 def _tiny_case(tmp_path_factory, kind: str) -> ModelCase:
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(1234 if kind == "llama" else 4321)
-    common = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        # Wide weights make logits peaked, so greedy argmax is not decided by float noise.
-        initializer_range=0.25,
-    )
     if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False))
+        model = hf_model("llama", 1234, **TINY, rope_theta=10000.0, tie_word_embeddings=False)
     else:
-        model = Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True))
-    model = model.float().eval()
+        model = hf_model("qwen2", 4321, **TINY, rope_theta=1e6, tie_word_embeddings=True)
     path = tmp_path_factory.mktemp(f"tiny-{kind}")
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(7)

@@ -144,11 +144,11 @@ def make_tiny_chat_model(path: Path, tokenizer) -> Path:
     for server tests that need many requests but no particular answer."""
     import json
 
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import hf_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
+    model = hf_model(
+        "llama",
+        0,
         vocab_size=tokenizer.vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -160,7 +160,7 @@ def make_tiny_chat_model(path: Path, tokenizer) -> Path:
         bos_token_id=1,
         eos_token_id=2,
     )
-    LlamaForCausalLM(config).float().save_pretrained(path)
+    model.save_pretrained(path)
     tokenizer.backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(
         json.dumps({"chat_template": tokenizer.chat_template, "add_bos_token": False})

@@ -24,10 +24,12 @@ SCALINGS = {
 
 @pytest.mark.parametrize("kind", sorted(SCALINGS))
 def test_scaled_rope_matches_transformers(kind, tmp_path, make_llm):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import hf_model
 
     torch.manual_seed(11)
-    config = LlamaConfig(
+    hf = hf_model(
+        "llama",
+        None,
         vocab_size=256,
         hidden_size=64,
         intermediate_size=128,
@@ -41,7 +43,6 @@ def test_scaled_rope_matches_transformers(kind, tmp_path, make_llm):
         bos_token_id=1,
         eos_token_id=2,
     )
-    hf = LlamaForCausalLM(config).float().eval()
     hf.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path))
     assert dict(loaded.arch.rope_scaling_dict)["rope_type"] == kind

@@ -347,12 +347,12 @@ def test_a_draft_model_keeps_the_sampled_distribution(make_llm, tiny_llama, tiny
 
 
 def test_a_draft_model_must_share_the_vocabulary(tmp_path, tiny_llama):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from tiny_models import hf_model
 
     from kvharbor.engine import LLM
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)  # fmt: skip
+    hf_model(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+             num_key_value_heads=1).save_pretrained(tmp_path)  # fmt: skip
     with pytest.raises(ValueError, match="must share the target's tokenizer"):
         LLM(loaded_model=tiny_llama.loaded, dtype="float32", kv_cache_memory="64MiB", max_model_len=512,
             speculative_method="draft", draft_model=str(tmp_path))  # fmt: skip

@@ -1,0 +1,34 @@
+"""Random-weight Hugging Face models for tests (no hub: built from transformers configs), written
+once: the tiny Llama and Qwen2 references (conftest.py), the tiny chat model behind test servers
+(servers.py), and the one-off shapes single tests need."""
+
+from __future__ import annotations
+
+import torch
+
+# The tiny references' shape. Wide weights (initializer_range 0.25) make logits peaked, so greedy
+# argmax is not decided by float noise.
+TINY = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.25,
+)
+
+
+def hf_model(kind: str = "llama", seed: int | None = None, **config) -> torch.nn.Module:
+    """A float32 transformers Llama (`kind` llama) or Qwen2 (qwen2, qkv bias) in eval mode, with
+    random weights from `seed` (None: torch's current generator) and exactly `config`."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    return model_cls(config_cls(**config)).float().eval()
