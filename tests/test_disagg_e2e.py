@@ -12,7 +12,16 @@ import threading
 import httpx
 import openai
 import pytest
-from servers import EngineServerProcess, GatewayProcess, OTLPCollector, RedisProcess, metric, wait_for, write_tenants
+from servers import (
+    EngineServerProcess,
+    GatewayProcess,
+    OTLPCollector,
+    RedisProcess,
+    metric,
+    start_together,
+    wait_for,
+    write_tenants,
+)
 
 pytestmark = pytest.mark.slow  # real engines, redis-server and a gateway
 
@@ -38,10 +47,7 @@ def pd(tmp_path_factory):
                                      env=FAST_SPANS)  # fmt: skip
         procs = [prefill, decode]
         try:
-            for p in procs:
-                p.launch()
-            for p in procs:
-                p.wait_ready()
+            start_together(procs)
             gateway = GatewayProcess(
                 logs, "--engines", f"{prefill.url},{decode.url}", "--tenants-file", str(logs / "tenants.yaml"),
                 "--redis-url", rds.url, "--pd-min-gain-ms", "0", *traced, env=FAST_SPANS,

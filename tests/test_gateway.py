@@ -22,6 +22,7 @@ from servers import (
     OTLPCollector,
     RedisProcess,
     metric,
+    start_together,
     wait_for,
     write_tenants,
 )
@@ -69,10 +70,7 @@ def cluster(tmp_path_factory, smollm):
         svc = KVCacheServiceProcess(logs, rds.url, "--lease-sweep-interval", "0.5", admin=True)
         procs = [a, b, svc]
         try:
-            for p in procs:
-                p.launch()
-            for p in procs:
-                p.wait_ready()
+            start_together(procs)
             gw_args = ("--tenants-file", str(tenants_file), "--redis-url", rds.url, "--max-body-bytes", "200000",
                        "--max-prompt-tokens", "20000")  # fmt: skip
             engines = f"{a.url},{b.url}"

@@ -19,7 +19,15 @@ import httpx
 import pytest
 import redis
 from fault_load import row, run_load, stream_chat, wait_until
-from servers import EngineServerProcess, GatewayProcess, KVCacheServiceProcess, RedisProcess, metric, write_tenants
+from servers import (
+    EngineServerProcess,
+    GatewayProcess,
+    KVCacheServiceProcess,
+    RedisProcess,
+    metric,
+    start_together,
+    write_tenants,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -63,10 +71,7 @@ class Platform:
                               "--redis-url", self.redis.url, *GATEWAY_ARGS, port=port)  # fmt: skip
 
     def start(self) -> Platform:
-        for p in (self.svc, *self.engines):
-            p.launch()
-        for p in (self.svc, *self.engines):
-            p.wait_ready()
+        start_together([self.svc, *self.engines])
         self.gateways = [self._gateway(), self._gateway()]
         for g in self.gateways:
             g.start()
@@ -252,10 +257,7 @@ def pd_gateway(platform, tmp_path_factory):
     decode = EngineServerProcess(logs, "--role", "decode", "--instance-id", "D", *ENGINE_ARGS)
     procs = [prefill, decode]
     try:
-        for p in procs:
-            p.launch()
-        for p in procs:
-            p.wait_ready()
+        start_together(procs)
         gateway = GatewayProcess(
             logs, "--engines", f"{prefill.url},{decode.url}", "--tenants-file", str(platform.logs / "tenants.yaml"),
             "--redis-url", platform.redis.url, *GATEWAY_ARGS, "--pd-min-gain-ms", "0", "--pd-prefill-deadline-s", "3",
