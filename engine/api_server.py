@@ -35,7 +35,7 @@ from kvharbor.common.openai_api import (
 )
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_client import CoreClient, RequestStream
-from kvharbor.engine.core_io import AdapterInUse, EngineDead, HandoffFailed, NewRequest, UnknownModel
+from kvharbor.engine.core_io import AdapterInUse, EngineDead, EngineRequest, HandoffFailed, KVTransfer, UnknownModel
 from kvharbor.engine.handoff_handles import new_lease_key, sign_handle
 from kvharbor.engine.metrics import ServerMetrics
 from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
@@ -187,13 +187,13 @@ class _Routes:
         self, rid: str, ids: list[int], params: SamplingParams, body: Any, lora: str | None, lease: str | None
     ) -> RequestStream:
         """`lease`: a hand-off prefill's lease key (the handle the answer carries signs it)."""
-        request = NewRequest(rid, ids, params, priority=body.priority, tenant=body.user, cache_salt=body.cache_salt,
-                             lora=lora)  # fmt: skip
-        transfer = body.kv_transfer_params.wire() if body.kv_transfer_params else None
-        if lease is not None:
-            transfer = {**(transfer or {}), "lease": lease}
+        transfer = None
+        if body.kv_transfer_params is not None:
+            transfer = KVTransfer(**body.kv_transfer_params.wire(), lease=lease)
+        request = EngineRequest(rid, ids, params, priority=body.priority, tenant=body.user, cache_salt=body.cache_salt,
+                                lora=lora, kv_prefix_source=body.kv_prefix_source, transfer=transfer)  # fmt: skip
         try:
-            return await self.loop.add(request, kv_prefix_source=body.kv_prefix_source, kv_transfer=transfer)
+            return await self.loop.add(request)
         except EngineDead as exc:
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
         except HandoffFailed as exc:

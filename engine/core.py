@@ -29,7 +29,7 @@ from kvharbor.engine.attention_triton import resolve_backend
 from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.capacity import KVCapacity, check_max_model_len, plan_capacity
 from kvharbor.engine.config import EngineConfig, LoRAConfig
-from kvharbor.engine.core_io import CoreOutput, SampleDelta
+from kvharbor.engine.core_io import CoreOutput, EngineRequest, SampleDelta
 from kvharbor.engine.decode_fit import DecodeFit
 from kvharbor.engine.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
 from kvharbor.engine.draft import draft_kv_bytes_per_token
@@ -404,7 +404,7 @@ class EngineCore:
         # initialization (oneDNN kernels, allocator). Its blocks are dropped from the cache.
         warm = "warmup-" + os.urandom(4).hex()
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        EngineCore.add_request(self, warm, [0] * min(8, self.max_model_len - 2), params)
+        EngineCore.add_request(self, EngineRequest(warm, [0] * min(8, self.max_model_len - 2), params))
         while self.has_unfinished():
             EngineCore.step(self)
         self.pool.reset_prefix_cache()
@@ -413,34 +413,21 @@ class EngineCore:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int] | None,
-        params: SamplingParams | None = None,
-        *,
-        priority: int = 0,
-        tenant: str | None = None,
-        cache_salt: str | None = None,
-        arrival_time: float | None = None,
-        hand_off: str | None = None,
-        first_token: int | None = None,
-        lora: str | None = None,
-    ) -> None:
+    def add_request(self, req: EngineRequest) -> None:
         """Queue a request. Raises ValueError (and queues nothing) for bad input; UnknownAdapter
-        (a ValueError) when `lora` names no adapter this engine serves.
+        (a ValueError) when `req.lora` names no adapter this engine serves.
 
-        P/D (DESIGN §9): `hand_off` makes it a prefill for a decode engine (n=1): when it ends,
-        its prompt's full KV blocks stay pinned under a lease of that key (self.handoffs; the API
-        server draws one per prefill: engine/handoff_handles.py).
-        `first_token` continues a prefill done elsewhere: that token is the first output, and
-        only what the prefix cache lacks (the prompt's tail, once its blocks were imported) runs."""
-        params = params or SamplingParams()
+        P/D (engine/README.md): `req.hand_off` makes it a prefill for a decode engine (n=1): when
+        it ends, its prompt's full KV blocks stay pinned under a lease of that key (self.handoffs;
+        the API server draws one per prefill: engine/handoff_handles.py). `req.first_token`
+        continues a prefill done elsewhere: that token is the first output, and only what the
+        prefix cache lacks (the prompt's tail, once its blocks were imported) runs."""
+        params, request_id, hand_off, first_token = req.params, req.request_id, req.hand_off, req.first_token
         params.validate()
         check_request_id(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
-        ids = self._check_prompt(prompt_token_ids)
+        ids = self._check_prompt(req.prompt_token_ids)
         if params.n > self.config.scheduler.max_n:
             raise ValueError(f"n={params.n} exceeds the engine's limit of {self.config.scheduler.max_n} (--max-n)")
         params.check_vocab(self.arch.vocab_size)
@@ -461,11 +448,11 @@ class EngineCore:
             ids,
             params,
             params.max_tokens or room,
-            namespace_hash(self.model_name, cache_salt, self.adapter_identity(lora)),
-            priority=priority,
-            tenant=tenant,
-            arrival_time=arrival_time,
-            lora=lora,
+            namespace_hash(self.model_name, req.cache_salt, self.adapter_identity(req.lora)),
+            priority=req.priority,
+            tenant=req.tenant,
+            arrival_time=req.arrival_time,
+            lora=req.lora,
         )
         self.scheduler.add(request)
         group = _Group(request_id, params, hand_off=hand_off)

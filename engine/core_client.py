@@ -29,7 +29,7 @@ from typing import Any
 from kvharbor.common.load_report import LoadReport
 from kvharbor.common.model_files import load_tokenizer
 from kvharbor.common.process_stop import stop_process
-from kvharbor.engine.core_io import ERROR_KINDS, CoreOutput, EngineDead, NewRequest
+from kvharbor.engine.core_io import ERROR_KINDS, CoreOutput, EngineDead, EngineRequest
 from kvharbor.engine.core_link import LinkClosed, encode, read_message, read_message_sync
 from kvharbor.engine.metrics import CounterBoard
 from kvharbor.engine.output_processor import OutputProcessor
@@ -170,9 +170,7 @@ class CoreClient:
 
     # -- requests ------------------------------------------------------------------------------------
 
-    async def add(
-        self, request: NewRequest, kv_prefix_source: str | None = None, kv_transfer: dict | None = None
-    ) -> RequestStream:
+    async def add(self, request: EngineRequest) -> RequestStream:
         """Queue a request in the core; raises its ValueError for bad input, EngineDead if it is gone."""
         self._check_alive()
         rid = request.request_id
@@ -183,12 +181,9 @@ class CoreClient:
         # NOTE: tracked before the core hears of it: its first outputs may overtake the reply.
         stream = self._streams[rid] = RequestStream()
         self.processor.add(rid, None, request.prompt_token_ids, request.params)
-        params = dataclasses.asdict(request.params)
         try:
             try:
-                self._send(["add", rid, request.prompt_token_ids, params, request.priority, request.tenant,
-                            request.cache_salt, request.arrival_time, kv_prefix_source, kv_transfer,
-                            request.lora])  # fmt: skip
+                self._send(["add", request.to_wire()])
             except OverflowError:  # the link packs 64-bit integers (a fuzzed seed of 2**64 reached here)
                 raise ValueError("an integer in the request is out of range (64 bits)") from None
             stream.imported_blocks = await done

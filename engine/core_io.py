@@ -1,14 +1,16 @@
 """What goes into the engine core and what comes out: token ids, never text (and no torch, so
 the API server, which only speaks to the core, does not load it).
 
-The core (engine/core.py) takes NewRequests and reports CoreOutputs; the output processor
+The core (engine/core.py) takes EngineRequests and reports CoreOutputs; the output processor
 (engine/output_processor.py) turns those into RequestOutputs with text, in the same process
-(offline LLM) or in the API server's (`kvharbor serve`, over the link as plain lists:
-`to_wire`/`from_wire`).
+(offline LLM) or in the API server's (`kvharbor serve`). An EngineRequest is built once, at the
+API edge (the API server, or LLMEngine's offline add_request), and crosses the core link as its
+wire form (`to_wire`/`from_wire`, plain lists), as a CoreOutput comes back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +19,35 @@ from kvharbor.engine.request import Logprob
 from kvharbor.engine.sampling_params import SamplingParams
 
 
+@dataclass(frozen=True)
+class KVTransfer:
+    """A request's P/D part (the API's kv_transfer_params, common/openai_api.py, plus the lease
+    the API server draws): a prefill for a decode engine (`do_remote_decode`, its KV pinned under
+    `lease`), or that prefill's continuation (`remote_*` and `first_token_id`: pull, then decode)."""
+
+    do_remote_decode: bool = False
+    lease: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_handle: str | None = None
+    first_token_id: int | None = None
+
+    @property
+    def hand_off(self) -> str | None:
+        """The lease key a prefill's KV is pinned under (None: not a hand-off prefill)."""
+        return self.lease if self.do_remote_decode else None
+
+    def to_wire(self) -> list:
+        return [self.do_remote_decode, self.lease, self.remote_host, self.remote_port, self.remote_handle,
+                self.first_token_id]  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, data: list) -> KVTransfer:
+        return cls(*data)
+
+
 @dataclass
-class NewRequest:
+class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -26,10 +55,32 @@ class NewRequest:
     tenant: str | None = None
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    external_prefix: Any = None  # kv_offload.ExternalPrefix: blocks to load into the cache first
-    hand_off: str | None = None  # P/D: a prefill's lease key; its KV is pinned for a decode engine (EngineCore)
-    first_token: int | None = None  # P/D: the first token, sampled by the prefill engine
     lora: str | None = None  # the LoRA adapter to run it on (by name); None: the base model
+    kv_prefix_source: str | None = None  # "shared": pull its prefix from the shared block store first
+    transfer: KVTransfer | None = None  # P/D
+    # Set in the core process, never on the wire: kv_offload.ExternalPrefix, blocks to load first.
+    external_prefix: Any = None
+
+    @property
+    def hand_off(self) -> str | None:
+        return self.transfer.hand_off if self.transfer else None
+
+    @property
+    def first_token(self) -> int | None:
+        """P/D: the first token, sampled by the prefill engine (a continuation's)."""
+        return self.transfer.first_token_id if self.transfer else None
+
+    def to_wire(self) -> list:
+        return [self.request_id, self.prompt_token_ids, dataclasses.asdict(self.params), self.priority, self.tenant,
+                self.cache_salt, self.arrival_time, self.lora, self.kv_prefix_source,
+                self.transfer.to_wire() if self.transfer else None]  # fmt: skip
+
+    @classmethod
+    def from_wire(cls, data: list) -> EngineRequest:
+        """The request again; TypeError or ValueError for sampling parameters SamplingParams refuses."""
+        rid, ids, params, priority, tenant, salt, arrival, lora, source, transfer = data
+        kv = KVTransfer.from_wire(transfer) if transfer is not None else None
+        return cls(rid, list(ids), SamplingParams(**params), priority, tenant, salt, arrival, lora, source, kv)
 
 
 class EngineDead(RuntimeError):

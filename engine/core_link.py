@@ -8,9 +8,8 @@ core process. A closed socket is the other side's death: each side treats EOF as
 
     API server -> core                        core -> API server
     ["config", pickled ServeConfig] (first)   ["ready", info] (or ["failed", reason])
-    ["add", id, ids, params, prio, tenant,    ["added", id, imported | None, error | None,
-     salt, arrival, kv_prefix_source,           core_io.error_kind | None]
-     kv_transfer_params | None, lora | None]
+    ["add", EngineRequest wire]               ["added", id, imported | None, error | None,
+                                                core_io.error_kind | None]
     ["lora", op, "load"|"unload", name,       ["lora_done", op, error | None, error kind | None,
      path | None]                               LoadReport json | None]
     ["abort", id] / ["abort_all"]             ["out", now, [CoreOutput wire, ...], load, counters]

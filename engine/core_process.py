@@ -25,11 +25,10 @@ from typing import Any
 
 from kvharbor.common.logs import setup_logging
 from kvharbor.common.process_stop import die_with_parent
-from kvharbor.engine.core_io import EngineDead, HandoffFailed, NewRequest, error_kind
+from kvharbor.engine.core_io import EngineDead, EngineRequest, HandoffFailed, KVTransfer, error_kind
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
 from kvharbor.engine.engine_loop import EngineLoop
 from kvharbor.engine.metrics import CounterBoard
-from kvharbor.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvharbor.engine.core")
 LOAD_INTERVAL_S = 0.05  # how often the API server's /load and /metrics snapshot is refreshed
@@ -155,8 +154,8 @@ class CoreProcess:
     def _handle(self, message: list) -> None:
         kind = message[0]
         if kind == "add":
-            self._pending[message[1]] = False
-            self._spawn(self._add(*message[1:]))
+            self._pending[message[1][0]] = False  # the wire form's first field is the request id
+            self._spawn(self._add(message[1]))
         elif kind == "abort":
             if message[1] in self._pending:
                 self._pending[message[1]] = True  # aborted while its prefix was being pulled
@@ -173,28 +172,24 @@ class CoreProcess:
         else:
             log.warning("unknown message on the engine link; ignored", extra={"kind": str(kind)[:40]})
 
-    async def _add(self, rid: str, ids: list[int], params: dict, priority: int, tenant: str | None,
-                   salt: str | None, arrival: float, source: str | None, transfer: dict | None,
-                   lora: str | None = None) -> None:  # fmt: skip
+    async def _add(self, wire: list) -> None:
+        rid = wire[0]
         try:
-            sampling = SamplingParams(**params)
-            adapter = self.core.adapter_identity(lora)  # read-only here; unknown: 404 before any pull
-            ext, transfer = None, transfer or {}
-            if transfer.get("do_remote_decode") and not transfer.get("lease"):
+            request = EngineRequest.from_wire(wire)
+            ids, salt, transfer = request.prompt_token_ids, request.cache_salt, request.transfer or KVTransfer()
+            adapter = self.core.adapter_identity(request.lora)  # read-only here; unknown: 404 before any pull
+            if transfer.do_remote_decode and not transfer.lease:
                 raise ValueError("a hand-off prefill needs the lease key its API server draws")
-            if transfer.get("remote_handle"):
-                ext = await self.handoff_puller.pull(ids, salt, transfer, adapter)
-            elif source == "shared" and self.kv_store is not None:
-                ext = await self.kv_store.pull(ids, salt, adapter)
-            request = NewRequest(rid, ids, sampling, priority, tenant, salt, arrival, ext,
-                                 hand_off=transfer.get("lease") if transfer.get("do_remote_decode") else None,
-                                 first_token=transfer.get("first_token_id"), lora=lora)  # fmt: skip
+            if transfer.remote_handle:
+                request.external_prefix = await self.handoff_puller.pull(ids, salt, transfer, adapter)
+            elif request.kv_prefix_source == "shared" and self.kv_store is not None:
+                request.external_prefix = await self.kv_store.pull(ids, salt, adapter)
             imported = await asyncio.wrap_future(self.loop.add(request))
         except (ValueError, TypeError, EngineDead, HandoffFailed) as exc:
             self._pending.pop(rid, None)
             self._send(["added", rid, None, str(exc), error_kind(exc)])
             return
-        if transfer.get("remote_handle"):
+        if transfer.remote_handle:
             self.board.inc("kv_handoff_pulled_blocks", imported)
         elif self.kv_store is not None and imported:
             self.kv_store.pulled(imported)

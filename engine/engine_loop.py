@@ -22,7 +22,7 @@ from typing import Any
 
 from kvharbor.common.load_report import LoadReport
 from kvharbor.engine.core import EngineCore
-from kvharbor.engine.core_io import CoreOutput, EngineDead, NewRequest
+from kvharbor.engine.core_io import CoreOutput, EngineDead, EngineRequest
 
 log = logging.getLogger("kvharbor.engine.loop")
 
@@ -70,7 +70,7 @@ class EngineLoop:
     def num_in_flight(self) -> int:
         return len(self._in_flight)
 
-    def add(self, request: NewRequest) -> concurrent.futures.Future[int]:
+    def add(self, request: EngineRequest) -> concurrent.futures.Future[int]:
         """Queue a request. The future gives the prefix blocks imported for it, or the engine's
         ValueError for bad input; EngineDead is raised at once if the loop stopped."""
         self._check_alive()
@@ -153,7 +153,7 @@ class EngineLoop:
                 except Exception as exc:
                     done.set_exception(exc)
 
-    def _add(self, request: NewRequest, done: concurrent.futures.Future) -> None:
+    def _add(self, request: EngineRequest, done: concurrent.futures.Future) -> None:
         ext = request.external_prefix
         imported = 0
         if ext is not None:
@@ -162,19 +162,7 @@ class EngineLoop:
             except Exception:
                 log.exception("could not load pulled KV blocks; computing the prefill instead")
         try:
-            EngineCore.add_request(
-                self.engine,
-                request.request_id,
-                request.prompt_token_ids,
-                request.params,
-                priority=request.priority,
-                tenant=request.tenant,
-                cache_salt=request.cache_salt,
-                arrival_time=request.arrival_time,
-                hand_off=request.hand_off,
-                first_token=request.first_token,
-                lora=request.lora,
-            )
+            EngineCore.add_request(self.engine, request)
         except Exception as exc:
             done.set_exception(exc)
             return

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvharbor.common.block_hash import BlockHash
-from kvharbor.engine.core_io import HandoffFailed
+from kvharbor.engine.core_io import HandoffFailed, KVTransfer
 from kvharbor.engine.core_link import LinkClosed, encode, read_message
 from kvharbor.engine.handoff_handles import handle_lease, unverified_request_id
 from kvharbor.kvcache_service.block_store import BlockFormat, BlockRefused, decode_block, encode_block
@@ -196,9 +196,10 @@ class HandoffPuller:
         self.timeout = timeout
 
     async def pull(
-        self, prompt_ids: list[int], cache_salt: str | None, params: dict, adapter: str | None = None
+        self, prompt_ids: list[int], cache_salt: str | None, params: KVTransfer, adapter: str | None = None
     ) -> Any:
-        """The prompt's blocks that are not cached here, from the prefill engine named in `params`.
+        """The prompt's blocks that are not cached here, from the prefill engine named in `params`
+        (a continuation's core_io.KVTransfer).
         None when nothing is needed or nothing could be had (then the prefill is recomputed here);
         raises HandoffFailed instead when the policy is `fail`."""
         from kvharbor.common.block_hash import block_hashes
@@ -207,7 +208,7 @@ class HandoffPuller:
         core = self.core
         hashes = block_hashes(prompt_ids, core.capacity.block_size, core.model_name, cache_salt, adapter)
         k = await self._ask(lambda c: c.kv.cached_run(hashes))
-        host, port, handle = params["remote_host"], int(params["remote_port"]), str(params["remote_handle"])
+        host, port, handle = params.remote_host, int(params.remote_port), str(params.remote_handle)
         rid = unverified_request_id(handle)  # what logs and errors name: the handle is a capability
         try:
             got = await pull_handoff(host, port, handle, core.kv_io.format, hashes, k, self.timeout)

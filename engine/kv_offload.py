@@ -2,7 +2,7 @@
 
 Pull: for a request with `kv_prefix_source=shared`, the core process asks `pull()` for the longest
 run of the prompt's blocks that this engine lacks and the store holds; the engine thread imports
-them into the prefix cache just before it admits the request (core_io.NewRequest.external_prefix,
+them into the prefix cache just before it admits the request (core_io.EngineRequest.external_prefix,
 KVCacheManager.import_blocks; the next plan's runner writes their KV), so their prefill is
 skipped. A refused or missing block ends the run; the rest is computed as usual.
 

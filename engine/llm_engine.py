@@ -10,7 +10,10 @@ core in a process of its own and the processor in the API server.
 
 from __future__ import annotations
 
+import time
+
 from kvharbor.engine.core import EngineCore, EngineStats, Progress
+from kvharbor.engine.core_io import EngineRequest, KVTransfer
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.sampling_params import SamplingParams
@@ -46,10 +49,13 @@ class LLMEngine(EngineCore):
             if self.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer.json: send prompt_token_ids instead of text")
             prompt_token_ids = self.tokenizer.encode(prompt)
-        super().add_request(
-            request_id, prompt_token_ids, params, priority=priority, tenant=tenant, cache_salt=cache_salt,
-            arrival_time=arrival_time, hand_off=hand_off, first_token=first_token, lora=lora,
-        )  # fmt: skip
+        transfer = None
+        if hand_off is not None or first_token is not None:
+            transfer = KVTransfer(do_remote_decode=hand_off is not None, lease=hand_off, first_token_id=first_token)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        request = EngineRequest(request_id, prompt_token_ids, params, priority, tenant, cache_salt, arrival, lora,
+                                transfer=transfer)  # fmt: skip
+        super().add_request(request)
         self.processor.add(request_id, prompt, list(prompt_token_ids), params)
 
     def step(self) -> list[RequestOutput]:

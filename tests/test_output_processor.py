@@ -95,3 +95,26 @@ def test_core_outputs_survive_the_wire():
     out = CoreOutput("r", [SampleDelta(1, [5, 6], [Logprob(5, -0.25, [(5, -0.25), (9, -2.0)])], "stop", 7)],
                      True, 32, None)  # fmt: skip
     assert CoreOutput.from_wire(out.to_wire()) == out
+
+
+def test_engine_requests_cross_the_link_whole_and_through_msgpack():
+    """The one typed request from the API server to EngineCore.add_request: its wire form carries
+    every field (the P/D part typed too) through the link's msgpack framing, and nothing else."""
+    import msgpack
+
+    from kvharbor.engine.core_io import EngineRequest, KVTransfer
+
+    params = SamplingParams(max_tokens=7, temperature=0.5, seed=3, stop=["x"], logprobs=2)
+    transfer = KVTransfer(remote_host="10.0.0.1", remote_port=8200, remote_handle="h", first_token_id=42)
+    request = EngineRequest("r1", [1, 2, 3], params, priority=2, tenant="acme", cache_salt="s", arrival_time=5.0,
+                            lora="sql", kv_prefix_source="shared", transfer=transfer,
+                            external_prefix=object())  # fmt: skip
+    wire = msgpack.unpackb(msgpack.packb(request.to_wire(), use_bin_type=True), raw=False)
+    back = EngineRequest.from_wire(wire)
+    assert back.external_prefix is None  # set in the core process, never sent
+    assert back == EngineRequest(**{**request.__dict__, "external_prefix": None})
+    assert (back.first_token, back.hand_off) == (42, None)
+    prefill = EngineRequest.from_wire(EngineRequest("r2", [1], params, transfer=KVTransfer(True, "lease-1")).to_wire())
+    assert (prefill.hand_off, prefill.first_token) == ("lease-1", None)
+    with pytest.raises(TypeError):
+        EngineRequest.from_wire(["r3", [1], {"no_such_field": 1}, 0, None, None, 0.0, None, None, None])
