@@ -8,7 +8,7 @@ CoreOutputs                        # new token ids per sample (text is the outpu
 
 It knows no text: detokenizing, stop strings and RequestOutputs belong to the output processor,
 which tells the core where a stop string ended a sample (`stop_sample`). The offline LLMEngine
-runs both in one process; `kvharbor serve` runs the core in a process of its own.
+holds a core and runs both in one process; `kvharbor serve` runs the core in a process of its own.
 """
 
 from __future__ import annotations
@@ -404,9 +404,9 @@ class EngineCore:
         # initialization (oneDNN kernels, allocator). Its blocks are dropped from the cache.
         warm = "warmup-" + os.urandom(4).hex()
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        EngineCore.add_request(self, EngineRequest(warm, [0] * min(8, self.max_model_len - 2), params))
+        self.add_request(EngineRequest(warm, [0] * min(8, self.max_model_len - 2), params))
         while self.has_unfinished():
-            EngineCore.step(self)
+            self.step()
         self.pool.reset_prefix_cache()
         self.pool.take_events()
         self.stats = EngineStats()

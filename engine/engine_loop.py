@@ -162,7 +162,7 @@ class EngineLoop:
             except Exception:
                 log.exception("could not load pulled KV blocks; computing the prefill instead")
         try:
-            EngineCore.add_request(self.engine, request)
+            self.engine.add_request(request)
         except Exception as exc:
             done.set_exception(exc)
             return
@@ -170,7 +170,7 @@ class EngineLoop:
         done.set_result(imported)
 
     def _step(self) -> None:
-        outputs = EngineCore.step(self.engine)
+        outputs = self.engine.step()
         now = time.monotonic()
         for out in outputs:
             if out.finished:

@@ -1,16 +1,18 @@
 """LLMEngine: the engine core and its output processor in one process, for offline use and tests.
 
-    add_request(id, prompt text or token ids)  ->  core.add_request(id, token ids)
+    add_request(id, prompt text or token ids)  ->  core.add_request(EngineRequest of token ids)
     step()  ->  core outputs (token ids)  ->  OutputProcessor  ->  RequestOutputs with text
                                           <-  stops at stop strings, told to the core at once
 
-It is the core class itself (EngineCore), with text at its edges: `kvharbor serve` runs the same
-core in a process of its own and the processor in the API server.
+It holds an EngineCore (`core`) and puts text at its edges: `kvharbor serve` runs the same core
+in a process of its own and the processor in the API server. Everything else is the core's:
+`engine.kv`, `engine.scheduler`, `engine.abort(...)` read (and set) the core's own.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from kvharbor.engine.core import EngineCore, EngineStats, Progress
 from kvharbor.engine.core_io import EngineRequest, KVTransfer
@@ -20,11 +22,25 @@ from kvharbor.engine.sampling_params import SamplingParams
 
 __all__ = ["EngineStats", "LLMEngine", "Progress"]
 
+_OWN = frozenset({"core", "processor"})  # the attributes an LLMEngine holds itself
 
-class LLMEngine(EngineCore):
+
+class LLMEngine:
     def __init__(self, config, progress: Progress | None = None, loaded_model=None) -> None:
-        super().__init__(config, progress, loaded_model)
-        self.processor = OutputProcessor(self.tokenizer)
+        object.__setattr__(self, "core", EngineCore(config, progress, loaded_model))
+        object.__setattr__(self, "processor", OutputProcessor(self.core.tokenizer))
+
+    def __getattr__(self, name: str) -> Any:  # only for names the engine itself lacks
+        if name in _OWN:  # not set yet (the core's construction failed): no recursion
+            raise AttributeError(name)
+        return getattr(self.core, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # NOTE: a test or tool that swaps the core's proposer, say, must reach the core.
+        if name in _OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.core, name, value)
 
     def add_request(
         self,
@@ -43,24 +59,24 @@ class LLMEngine(EngineCore):
     ) -> None:
         """Queue a request given as text (tokenized here) or token ids. Raises ValueError (and
         queues nothing) for bad input. `hand_off` and `first_token`: P/D, and `lora` (an adapter's
-        name), as EngineCore's."""
+        name), as in EngineCore.add_request."""
         params = params or SamplingParams()
         if prompt_token_ids is None and prompt is not None:
-            if self.tokenizer is None:
+            if self.core.tokenizer is None:
                 raise ValueError("this model folder has no tokenizer.json: send prompt_token_ids instead of text")
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            prompt_token_ids = self.core.tokenizer.encode(prompt)
         transfer = None
         if hand_off is not None or first_token is not None:
             transfer = KVTransfer(do_remote_decode=hand_off is not None, lease=hand_off, first_token_id=first_token)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         request = EngineRequest(request_id, prompt_token_ids, params, priority, tenant, cache_salt, arrival, lora,
                                 transfer=transfer)  # fmt: skip
-        super().add_request(request)
+        self.core.add_request(request)
         self.processor.add(request_id, prompt, list(prompt_token_ids), params)
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns an output for every request that progressed or finished."""
-        outputs, stops = self.processor.process(super().step())
+        outputs, stops = self.processor.process(self.core.step())
         for stop in stops:
-            self.stop_sample(stop.request_id, stop.index, stop.num_output_tokens, stop.stop_string)
+            self.core.stop_sample(stop.request_id, stop.index, stop.num_output_tokens, stop.stop_string)
         return outputs

@@ -355,3 +355,20 @@ def test_a_decoding_engine_reports_the_context_its_steps_read(tiny_llama, make_l
         assert engine.load().context_tokens == want
     measured = engine.load().decode_context_tokens
     assert sum(len(p) for p in prompts) < measured <= sum(len(p) for p in prompts) + 4 * 24
+
+
+def test_the_offline_engine_holds_a_core_whose_attributes_it_reads_and_sets(tiny_llama, make_llm):
+    """LLMEngine puts text at the core's edges; it is not an EngineCore, and what it does not hold
+    itself (the pool, the proposer a test swaps in) is the core's own."""
+    from kvharbor.engine.core import EngineCore
+    from kvharbor.engine.llm_engine import LLMEngine
+
+    engine = make_llm(tiny_llama.loaded).engine
+    assert isinstance(engine, LLMEngine) and not isinstance(engine, EngineCore)
+    assert isinstance(engine.core, EngineCore) and engine.kv is engine.core.kv
+    marker = object()
+    engine.adaptive_k = marker
+    assert engine.core.adaptive_k is marker and "adaptive_k" not in vars(engine)
+    engine.adaptive_k = None
+    with pytest.raises(AttributeError):
+        _ = engine.no_such_attribute
