@@ -262,6 +262,16 @@ class _Handler:
         engines = adapter_engines(self.state.pool.routable(call.model.name), call.adapter)
         return [e for e in decode_candidates(engines) if e.url not in exclude]
 
+    async def _choose(self, call: _Call, engines: list[Engine]):
+        """The router's route for `call` among `engines` (its candidates), or None when there is
+        none (no engine, or the router declines)."""
+        if not engines:
+            return None
+        model = call.model
+        return await self.state.router.choose(
+            model.name, engines, call.hashes, len(call.prompts[0]), call.block_size, model.slo_itl_s, call.adapter
+        )
+
     def _tokenize(self, kind: str, body: Any, model: ModelEntry) -> list[list[int]]:
         tok = model.tokenizer
         if body.prompt_token_ids is not None:
@@ -416,19 +426,15 @@ class _Handler:
     async def _admit(self, call: _Call) -> Route:
         state = self.state
         call.block_size = self._block_size(call.model)
-        hashes = call.hashes = self._hashes(call)  # once: retries and the P/D decision reuse them
+        call.hashes = self._hashes(call)  # once: retries and the P/D decision reuse them
         model = call.model
 
         async def try_now() -> Route | None:
             engines = self._candidates(call)
-            if not engines:
-                return None
-            prompt = len(call.prompts[0])
-            route = await state.router.choose(
-                model.name, engines, hashes, prompt, call.block_size, model.slo_itl_s, call.adapter
-            )
+            route = await self._choose(call, engines)
             if route is None:
                 return None
+            prompt = len(call.prompts[0])
             return fit_route(
                 route, engines, prompt, call.block_size, model.slo_ttft_s, call.adapter, slo_itl_s=model.slo_itl_s
             )
@@ -500,13 +506,7 @@ class _Handler:
 
         async def pick_next(tried: set[str]) -> Engine | None:
             state.metrics.retries.labels(call.model.name).inc()
-            others = self._candidates(call, exclude=tried)
-            if not others:
-                return None
-            nxt = await state.router.choose(
-                call.model.name, others, call.hashes, len(call.prompts[0]), call.block_size,
-                call.model.slo_itl_s, call.adapter,
-            )  # fmt: skip
+            nxt = await self._choose(call, self._candidates(call, exclude=tried))
             return nxt.engine if nxt else None
 
         try:
@@ -605,13 +605,7 @@ class _Handler:
             failed = on.engine
             on.sent.done()
             state.pool.failed(failed, f"failed mid-stream ({failure})", hard=failure == "hard")
-            others = self._candidates(call, exclude={failed.url})
-            if not others:
-                raise EngineFailed("no other engine to continue the stream on")
-            chosen = await state.router.choose(
-                call.model.name, others, call.hashes, len(call.prompts[0]), call.block_size,
-                call.model.slo_itl_s, call.adapter,
-            )  # fmt: skip
+            chosen = await self._choose(call, self._candidates(call, exclude={failed.url}))
             if chosen is None:
                 raise EngineFailed("no other engine to continue the stream on")
             payload = self._payload(call, route, chosen.engine)
