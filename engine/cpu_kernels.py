@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvharbor.common.machine import cpu_info
-from kvharbor.engine.quantize import FORMATS, INT_ROWS, QuantWeight  # noqa: F401 (INT_ROWS: re-exported)
+from kvharbor.engine.quantize import FORMATS, QuantWeight
 
 log = logging.getLogger("kvharbor.engine.cpu_kernels")
 

@@ -28,7 +28,7 @@ mins are float32 arrays beside them (6% of a q4 weight) so the kernel reads them
 conversions.
 
 Which kernel runs: decode-sized inputs (up to `max_rows`) go through the AVX2 kernel straight
-from the quantized bytes, with x made int8 per group of 32 (cpu_kernels.INT_ROWS, up to 32 rows)
+from the quantized bytes, with x made int8 per group of 32 (INT_ROWS below, up to 32 rows)
 so each group is an integer dot product (maddubs, as llama.cpp's Q8 activations): the float path
 was bound by widening 4-bit codes to floats, and this made SmolLM2's batch-1 linears 1.4x faster
 (12.5-14.6 -> 9.0-9.8 ms a step, gguf) and 4-32-row ones 1.1-1.5x (cpu_kernels.c has the
