@@ -49,7 +49,7 @@ DEFAULT_TRANSFER_BPS = 500e6
 class Decision:
     prefill: Engine | None  # None: prefill on the decode engine (colocated)
     # disaggregated | off | no_prefill_engine | prefill_down | unsupported | short_prompt | ttft | short_output;
-    # after the prefill call (gateway/app.py): prefill_failed | prefill_timeout
+    # after the prefill call (gateway/pd_flow.py): prefill_failed | prefill_timeout
     reason: str
     gain_s: float = 0.0
     ttft_s: float = 0.0  # predicted TTFT of the chosen way

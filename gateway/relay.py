@@ -86,7 +86,7 @@ class EngineLost(Exception):
 
 @dataclass
 class Continuation:
-    """How a stream goes on when its engine fails (gateway/app.py makes one per streamed call).
+    """How a stream goes on when its engine fails (gateway/flow.py makes one per streamed call).
 
     `open(ids, failure, delivered)` opens the stream again on another engine, from the prompt plus
     `ids` (the tokens already streamed; `delivered`: the text the client has of them, so the text

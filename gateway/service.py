@@ -81,7 +81,8 @@ def build_state(config: Any, tracer: Any = None):
     from kvharbor.common.model_files import load_tokenizer
     from kvharbor.common.tracing import setup_tracing
     from kvharbor.gateway.admission import AdmissionQueue
-    from kvharbor.gateway.app import GatewayState, ModelEntry
+    from kvharbor.gateway.app import GatewayState
+    from kvharbor.gateway.call import ModelEntry
     from kvharbor.gateway.engines import EnginePool
     from kvharbor.gateway.limits import RateLimiter
     from kvharbor.gateway.metrics import GatewayMetrics

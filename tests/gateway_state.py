@@ -12,7 +12,8 @@ from opentelemetry import trace
 
 from kvharbor.common.load_report import LoadReport
 from kvharbor.gateway.admission import AdmissionQueue
-from kvharbor.gateway.app import GatewayState, ModelEntry
+from kvharbor.gateway.app import GatewayState
+from kvharbor.gateway.call import ModelEntry
 from kvharbor.gateway.config import RoutingConfig
 from kvharbor.gateway.engines import EnginePool
 from kvharbor.gateway.limits import RateLimiter

@@ -203,7 +203,7 @@ def test_a_stalled_prefill_engine_is_ejected_and_the_prompt_prefilled_on_the_dec
 
 
 def test_a_prefill_deadline_follows_the_predicted_ttft_and_the_prompt_when_unmeasured():
-    from kvharbor.gateway.app import prefill_deadline
+    from kvharbor.gateway.pd_flow import prefill_deadline
 
     assert prefill_deadline(10.0, 0.5, 900) == 10.0  # the floor
     assert prefill_deadline(10.0, 5.0, 900) == 20.0  # 4x the predicted TTFT

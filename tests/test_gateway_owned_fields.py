@@ -1,4 +1,4 @@
-"""Fields only the gateway may set on what an engine receives (gateway/app.py GATEWAY_FIELDS):
+"""Fields only the gateway may set on what an engine receives (gateway/engine_body.py GATEWAY_FIELDS):
 for each, a tenant's own value never reaches the engine. In-process gateway, fake engines (the
 harness of tests/test_gateway_lora.py)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_gateway_lora import BASE, complete, run_app
 
-from kvharbor.gateway.app import GATEWAY_FIELDS
+from kvharbor.gateway.engine_body import GATEWAY_FIELDS
 
 TENANT_TRIES = {
     "cache_salt": "tenant:someone-else",  # would read another tenant's cached blocks

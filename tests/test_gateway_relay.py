@@ -347,7 +347,7 @@ def test_an_engine_that_died_after_its_last_token_just_ends_the_answer():
 def test_the_continuation_request_carries_the_prompt_and_streamed_tokens_with_what_is_left():
     from types import SimpleNamespace
 
-    from kvharbor.gateway.app import continued_payload
+    from kvharbor.gateway.engine_body import continued_payload
 
     call = SimpleNamespace(prompts=[[1, 2, 3]], kind="completion", engine_rid="rid.abcd")
     sent = {"model": "m", "prompt": "x", "prompt_token_ids": [1, 2, 3], "max_tokens": 10, "min_tokens": 4,
@@ -379,7 +379,7 @@ def _call_with_stop(stop):
 
 
 def test_a_continuation_opens_with_the_text_the_failed_engine_held_back():
-    from kvharbor.gateway.app import continued_payload
+    from kvharbor.gateway.engine_body import continued_payload
 
     out = continued_payload({}, _call_with_stop(["END"]), [1, 2, 3], None, 1, "The ")
     assert out["continued_text"] == "EN" and out["prompt_token_ids"] == [7, 1, 2, 3]
@@ -389,7 +389,7 @@ def test_a_continuation_opens_with_the_text_the_failed_engine_held_back():
 def test_a_completions_continuation_places_its_logprob_offsets_after_the_text_the_client_has():
     from types import SimpleNamespace
 
-    from kvharbor.gateway.app import continued_payload
+    from kvharbor.gateway.engine_body import continued_payload
 
     call = SimpleNamespace(prompts=[[7]], kind="completion", engine_rid="r", body=SimpleNamespace(stop=None),
                            model=SimpleNamespace(tokenizer=None))  # fmt: skip
@@ -399,10 +399,10 @@ def test_a_completions_continuation_places_its_logprob_offsets_after_the_text_th
 
 
 def test_the_text_a_failed_engine_held_back_is_what_the_continuation_opens_with():
-    """gateway/app.py's held_text: the streamed tokens' text beyond what the client has (the engine
+    """gateway/engine_body.py's held_text: the streamed tokens' text beyond what the client has (the engine
     held it back: it could start a stop string); nothing without stop strings or when the decoded
     text does not extend the delivered one."""
-    from kvharbor.gateway.app import held_text
+    from kvharbor.gateway.engine_body import held_text
 
     assert held_text(_call_with_stop(["END"]), [1, 2, 3], "The ") == "EN"
     assert held_text(_call_with_stop(["END"]), [1, 2, 3, 4], "The ") == "EN"  # special tokens skipped, as engines do

@@ -1,0 +1,108 @@
+"""What the gateway sends an engine: the tenant's OpenAI body with the gateway's own fields.
+
+Every body an engine receives is shaped here: the routed request (`engine_body`), a P/D prefill
+(`prefill_body`) and the continuation of a broken stream (`continued_payload`). The client's fields
+pass through as they came (the engine validates them against the same schema); the fields in
+GATEWAY_FIELDS are the gateway's alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvharbor.common.sampling_limits import MAX_CONTINUED_TEXT
+
+if TYPE_CHECKING:
+    from kvharbor.gateway.call import Call
+    from kvharbor.gateway.engines import Engine
+    from kvharbor.gateway.router import Route
+
+# What only the gateway puts on a request to an engine; a tenant's own value never reaches one.
+# cache_salt and priority come from the tenant's record (a salt of the tenant's choosing would read
+# other tenants' cache); request_id is made unique per attempt (the client's stays in the logs
+# and x-request-id); kv_prefix_source and kv_transfer_params make an engine pull KV from elsewhere
+# or connect out, so only the router may set them.
+# continued_text opens an engine's output with text of the gateway's choosing (a migrated stream's),
+# and text_offset places it in the client's text.
+GATEWAY_FIELDS = (
+    "cache_salt", "priority", "request_id", "kv_prefix_source", "kv_transfer_params", "continued_text", "text_offset",
+)  # fmt: skip
+
+
+def engine_body(call: Call, route: Route, engine: Engine, migratable: bool) -> dict:
+    """The body for `engine` on `route`: one prompt goes as token ids (tokenized once, here), a
+    P/D hand-off or the router's shared-prefix hint rides along, and a stream that may migrate
+    asks for its token ids (what a migration continues from)."""
+    body = {
+        **{k: v for k, v in call.raw.items() if k not in GATEWAY_FIELDS},
+        "cache_salt": call.tenant.cache_salt,
+        "priority": call.tenant.priority,
+        "request_id": call.engine_rid,
+        "user": call.tenant.name,
+    }
+    if len(call.prompts) == 1:
+        body["prompt_token_ids"] = call.prompts[0]
+        body.pop("prompt", None)
+    else:
+        body["prompt"] = call.prompts
+    if call.transfer is not None:
+        body["kv_transfer_params"] = call.transfer
+    elif source := route.kv_prefix_source(engine):
+        body["kv_prefix_source"] = source
+    if call.body.stream:
+        body["stream_options"] = {"include_usage": True}  # the gateway counts tokens
+        if migratable:
+            body["return_token_ids"] = True
+    return body
+
+
+def prefill_body(body: dict) -> dict:
+    """A P/D prefill of `body`: whole (not streamed), kept at the engine for a decode engine to pull,
+    and computed there (no shared-prefix pull on top of a hand-off)."""
+    out = {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    out.pop("stream_options", None)
+    out.pop("kv_prefix_source", None)
+    return out
+
+
+def continued_payload(
+    payload: dict, call: Call, streamed: list[int], limit: int | None, moves: int, delivered: str | None = None
+) -> dict:
+    """The request that continues a broken stream: its prompt plus the tokens already streamed,
+    as one already-tokenized prompt (no chat template again), with what is left to generate.
+    Sampling settings stay the same, the seed included: a seeded stream stays a valid sample of
+    the model given what was streamed, not the tokens an unbroken run would have drawn. With
+    `delivered` (the text the client has), the text the failed engine held back opens the new
+    output (`continued_text`), so a stop string that straddles the break is still found."""
+    payload = {**payload, "prompt_token_ids": [*call.prompts[0], *streamed], "return_token_ids": True}
+    payload.pop("prompt", None)
+    payload.pop("kv_transfer_params", None)  # a P/D hand-off is used once; this prefill is new
+    if call.kind == "completion":
+        payload["echo"] = False  # the client has the prompt's echo already
+        if delivered is not None:  # logprobs' text_offset goes on from the text the client has
+            payload["text_offset"] = len(delivered)
+    if limit is not None:
+        payload.pop("max_completion_tokens", None)
+        payload["max_tokens"] = limit - len(streamed)
+    if payload.get("min_tokens"):
+        payload["min_tokens"] = max(0, int(payload["min_tokens"]) - len(streamed))
+    payload["request_id"] = f"{call.engine_rid}.m{moves}"
+    held = held_text(call, streamed, delivered) if delivered is not None else ""
+    if held:
+        payload["continued_text"] = held
+    return payload
+
+
+def held_text(call: Call, streamed: list[int], delivered: str) -> str:
+    """The text of `streamed` the client has not had: what the failed engine held back because
+    it could start a stop string. "" without stop strings, without a tokenizer, or when the
+    decoded tokens do not extend what was delivered (then the break is as before)."""
+    body, tokenizer = call.body, call.model.tokenizer
+    if not body.stop or tokenizer is None or not streamed:
+        return ""
+    # A last token that ends mid-character decodes to U+FFFD here; its bytes are completed by the
+    # next engine's tokens, so the replacement character is not text to hand out.
+    full = tokenizer.decode(streamed, skip_special_tokens=body.skip_special_tokens).rstrip("\ufffd")
+    if not full.startswith(delivered) or len(full) - len(delivered) > MAX_CONTINUED_TEXT:
+        return ""
+    return full[len(delivered) :]
