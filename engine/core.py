@@ -16,49 +16,24 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-
-import torch
 
 from kvharbor.common.block_hash import BlockHash, namespace_hash
 from kvharbor.common.load_report import LoadReport
-from kvharbor.common.machine import pin_to_cpus
-from kvharbor.common.tokenizer import Tokenizer
-from kvharbor.engine.attention_triton import resolve_backend
-from kvharbor.engine.block_pool import BlockPool
-from kvharbor.engine.capacity import KVCapacity, check_max_model_len, plan_capacity
-from kvharbor.engine.config import EngineConfig, LoRAConfig
+from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.core_io import CoreOutput, EngineRequest, SampleDelta
-from kvharbor.engine.decode_fit import DecodeFit
-from kvharbor.engine.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
-from kvharbor.engine.draft import draft_kv_bytes_per_token
-from kvharbor.engine.kv_cache_manager import KVCacheManager
-from kvharbor.engine.kv_handoff import HandoffLeases
-from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
-from kvharbor.engine.loader import LoadedModel, load_model
-from kvharbor.engine.lora import AdapterError, LoRAAdapter, load_adapter
-from kvharbor.engine.lora_manager import AdapterBusy, LoRAManager, UnknownAdapter, reserved_bytes
-from kvharbor.engine.model import LlamaModel
-from kvharbor.engine.proposers import AdaptiveK, NgramProposer, Proposal, Proposer
-from kvharbor.engine.quantize import QuantWeight
+from kvharbor.engine.core_parts import CoreParts, Progress
+from kvharbor.engine.engine_stats import EngineStats
+from kvharbor.engine.loader import LoadedModel
+from kvharbor.engine.lora import AdapterError, LoRAAdapter
+from kvharbor.engine.lora_manager import AdapterBusy, UnknownAdapter
+from kvharbor.engine.proposers import Proposal
 from kvharbor.engine.request import FinishReason, Request, check_request_id
-from kvharbor.engine.runner import ModelRunner
-from kvharbor.engine.sampler import Sampler
 from kvharbor.engine.sampling_params import SamplingParams
-from kvharbor.engine.scheduler import Scheduler, SchedulerPlan, StepOutput
+from kvharbor.engine.scheduler import SchedulerPlan, StepOutput
 
 log = logging.getLogger("kvharbor.engine")
-Progress = Callable[[str], None]
-
-
-# What each --quantization mode keeps, for the start-up line.
-QUANT_NOTES = {
-    "int8": "linears, one scale per output channel; the LM head in int8 groups of 32 when its rows allow",
-    "int4": "linears, 4 bits in groups of 32 with a scale and min each; the LM head in int8 groups of 32 when its "
-    "rows allow",
-    "gguf": "the file's own Q4_0/Q4_1/Q8_0 blocks, repacked",
-}
 
 
 @dataclass
@@ -80,313 +55,25 @@ class _Group:
         return all_there and all(r.is_finished for r in self.samples.values())
 
 
-@dataclass
-class EngineStats:
-    """Measured speed, as EWMAs (alpha 0.2): the load report's 'prefill tok/s' and 'decode step',
-    the decode batch and context tokens those steps ran, and how a decode step grows per sequence
-    and per context token (engine/decode_fit.py; 0 until each has varied), which the gateway
-    extrapolates to predict inter-token latency. The decode figures are reported
-    from MIN_DECODE_STEPS steps on: a first few steps (cold caches, a neighbour's burst) once made
-    an idle engine look twice as slow as a busy one, and the gateway kept a burst off it."""
-
-    prefill_tokens_per_s: float = 0.0
-    decode_step_s: float = 0.0
-    decode_batch: float = 0.0
-    decode_context: float = 0.0  # context tokens of a decode step's sequences (EWMA)
-    decode_steps: int = 0
-    steps: int = 0
-    spec_verifications: int = 0  # speculative chunks verified
-    spec_proposed: int = 0  # draft tokens scored
-    spec_accepted: int = 0  # of those, accepted
-    kv_transfer_bytes_per_s: float = 0.0  # P/D pulls into this engine (EWMA)
-    kv_transfer_at: float = 0.0  # time.monotonic() of the last pull measured (0: none yet)
-    fit: DecodeFit = field(default_factory=DecodeFit)
-
-    def record(self, plan: SchedulerPlan, seconds: float) -> None:
-        prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1 and not c.draft)
-        self.steps += 1
-        if prefill:
-            rate = prefill / max(seconds, 1e-9)
-            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, rate)
-            return
-        batch, context = len(plan.chunks), sum(c.end for c in plan.chunks)
-        self.decode_steps += 1
-        self.decode_step_s = _ewma(self.decode_step_s, seconds)
-        self.decode_batch = _ewma(self.decode_batch, float(batch))
-        self.decode_context = _ewma(self.decode_context, float(context))
-        self.fit.add(batch, context, seconds)
-
-    def record_transfer(self, nbytes: int, seconds: float) -> None:
-        if nbytes and seconds > 0:
-            self.kv_transfer_bytes_per_s = _ewma(self.kv_transfer_bytes_per_s, nbytes / seconds)
-            self.kv_transfer_at = time.monotonic()
-
-    def kv_transfer_age_s(self) -> float:
-        """Seconds since a pull last measured the rate: the gateway trusts an old measure less
-        (gateway/disagg.py pull_rate), or a pessimistic one would keep hand-offs, and so any new
-        measure, away for good."""
-        return round(time.monotonic() - self.kv_transfer_at, 1) if self.kv_transfer_at else 0.0
-
-    def decode_report(self) -> dict[str, float]:
-        """The load report's decode fields, once there are enough steps to tell (else none)."""
-        if self.decode_steps < MIN_DECODE_STEPS:
-            return {}
-        per_seq, per_token = self.fit.slopes()
-        return {
-            "decode_step_ms": round(self.decode_step_s * 1000, 2),
-            "decode_batch": round(self.decode_batch, 2),
-            "decode_ms_per_seq": round(per_seq * 1000, 3),
-            "decode_context_tokens": round(self.decode_context, 1),
-            "decode_us_per_context_token": round(per_token * 1e6, 4),
-        }
-
-
-MIN_DECODE_STEPS = 8
-
-
-def _ewma(old: float, new: float) -> float:
-    return new if not old else 0.8 * old + 0.2 * new
-
-
 class EngineCore:
     def __init__(
         self, config: EngineConfig, progress: Progress | None = None, loaded_model: LoadedModel | None = None
     ) -> None:
-        """Load (or adopt `loaded_model`, whose tensors are copied, not changed), size the KV
-        pool, warm up. `progress` receives one line per start-up phase."""
+        """Build the parts (engine/core_parts.py: load or adopt `loaded_model`, whose tensors are
+        copied, not changed; size the KV pool), then warm up. `progress` receives one line per
+        start-up phase."""
         say = progress or (lambda msg: log.info(msg))
-        self.config = config
-        self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
-        pin_to_cpus(config.runtime.cpu_affinity)  # first: the thread count follows the CPUs left
-        set_cpu_threads(self.device, config.runtime.threads)
         t0 = time.monotonic()
-        if loaded_model is None:
-            say(f"loading model {config.model.model or '(bundled SmolLM2-135M-Instruct)'} ...")
-        blocks = config.model.quantization == "gguf"
-        loaded = loaded_model or load_model(config.model.model, config.model.served_model_name, keep_blocks=blocks)
-        kept = any(isinstance(v, QuantWeight) for v in loaded.state_dict.values())
-        if blocks and not kept:
-            raise ValueError(
-                "--quantization gguf needs the model's GGUF blocks, and these weights are float "
-                "(a Hugging Face folder, or a model loaded without keep_blocks): use int8 or int4"
-            )
-        if kept and not blocks:
-            raise ValueError(
-                f"these weights were loaded with their GGUF blocks kept, which only --quantization gguf runs "
-                f"(asked: {config.model.quantization}): load them without keep_blocks"
-            )
-        self.model_name = loaded.name
-        self.arch = loaded.arch
-        self.tokenizer: Tokenizer | None = loaded.tokenizer
-        check_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings, self.model_name)
-        say(
-            f"building {self.arch.architecture} ({self.arch.num_parameters / 1e6:.1f}M parameters) "
-            f"in {str(self.dtype).removeprefix('torch.')} on {self.device} ..."
-        )
-        self.model = LlamaModel(self.arch, self.dtype, self.device)
-        self.model.load_hf_state_dict(
-            {k: v if isinstance(v, QuantWeight) else v.to(self.dtype) for k, v in loaded.state_dict.items()}
-        )
-        fingerprint = weights_fingerprint(loaded.state_dict)
-        del loaded
-        threads = cpu_threads(self.device, config.runtime.threads)
-        self.attention_backend = resolve_backend(
-            config.runtime.attention_backend, self.device, config.cache.block_size, config.cache.kv_cache_dtype
-        )
-        self.batch_invariant = self._batch_invariant(threads)
-        if config.model.quantization != "none":
-            self._quantize(threads, say)
-            fingerprint += "+" + config.model.quantization  # other weights: other KV, never imported
-        if config.runtime.cpu_kernels and (fast := self.model.prepare_cpu_linears(threads, self.batch_invariant)):
-            say(f"CPU linears: {fast}")
-        self.weight_bytes = self.model.weight_bytes()
-        self.draft_model = self._load_draft(config, say)
-        self.loras, reserved = self._load_loras(config.lora, say, threads)
-        shadow = draft_kv_bytes_per_token(self.draft_model, self.dtype) if self.draft_model is not None else 0
-        self.capacity: KVCapacity = plan_capacity(
-            self.arch, config.cache, self.dtype, self.device, config.model.max_model_len, shadow_bytes_per_token=shadow,
-            reserved_bytes=reserved,
-        )  # fmt: skip
-        self.max_model_len = self.capacity.max_model_len
-        say(
-            f"KV pool: {self.capacity.num_blocks} blocks x {self.capacity.block_size} tokens = "
-            f"{self.capacity.capacity_tokens} tokens ({self.capacity.total_bytes / 2**20:.0f} MiB, "
-            f"{self.capacity.bytes_per_token} bytes/token)"
-        )
-        if self.capacity.capped:
-            log.warning(self.capacity.cap_note())
-        self.pool = BlockPool(
-            self.capacity.num_blocks,
-            self.capacity.block_size,
-            enable_caching=config.cache.enable_prefix_caching,
-            enable_events=config.cache.kv_events,
-        )
-        self.kv = KVCacheManager(self.pool)
-        self.eos_token_ids = frozenset(self.arch.eos_token_ids) | frozenset(
-            self.tokenizer.eos_token_ids if self.tokenizer else ()
-        )
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.eos_token_ids, self.loras)
-        self.sampler = Sampler(self.arch.vocab_size, self.eos_token_ids, config.model.engine_seed)
-        say(f"attention backend: {self.attention_backend}")
-        self.cpu_kernels = self._cpu_attention(threads)
-        if self.batch_invariant:
-            say("batch-invariant: every row's attention and linears through kvharbor's CPU kernels")
-        elif self.cpu_kernels is not None:
-            say("decode attention: AVX2 kernel over the paged cache")
-        kv_dtype = config.cache.kv_cache_dtype
-        self.runner = ModelRunner(
-            self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend, self.cpu_kernels,
-            kv_dtype, self.batch_invariant,
-        )  # fmt: skip
-        self.kv_io = KVBlockIO(
-            self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint, kv_dtype, self.arch.head_dim
-        )
-        self.runner.kv_io = self.kv_io
-        self.runner.lora = self.loras
-        self.handoffs = HandoffLeases(self.kv, self.kv_io, config.disagg.kv_handoff_lease)
+        # The parts become the core's own attributes (core.scheduler, core.pool, core.runner, ...):
+        # what the core process, the KV publisher, the metrics and the tests read.
+        vars(self).update(vars(CoreParts(config, say, loaded_model)))
         self.kv_transfer_port = 0  # set by the core process once its hand-off server listens
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._touched: set[str] = set()
-        self.proposer, self.adaptive_k = self._speculation(config, say)
         say("warming up ...")
         self._warm_up()
         say(f"ready in {time.monotonic() - t0:.1f}s")
-
-    # -- set-up -------------------------------------------------------------------------------
-
-    def _quantize(self, threads: int, say: Progress) -> None:
-        """Quantize (or adopt GGUF blocks), through the AVX2 kernels where they run (CPU, float32 or
-        bfloat16 rows widened for them), else through torch's dequantize-and-matmul, which saves
-        the memory but not the time."""
-        mode = self.config.model.quantization
-        gemm = self._cpu_gemm(threads, (torch.float32, torch.bfloat16))
-        if gemm is None:
-            here = f"{str(self.dtype).removeprefix('torch.')} on {self.device}"
-            log.warning(
-                "--quantization %s on %s runs through torch's dequantize-and-matmul: the memory of %s weights, "
-                "but slower than unquantized (the fast kernels need a CPU with AVX2, float32 or bfloat16, and "
-                "--cpu-kernels)",
-                mode, here, mode,
-            )  # fmt: skip
-        say("repacking the GGUF blocks ..." if mode == "gguf" else f"quantizing the linear layers to {mode} ...")
-        nbytes = self.model.quantize(gemm, mode, self.batch_invariant)
-        path = "AVX2 kernels" if gemm is not None else "torch dequantize + matmul"
-        say(f"{mode} weights: {nbytes / 2**20:.0f} MiB ({QUANT_NOTES[mode]}; {path})")
-
-    def _load_loras(self, lora: LoRAConfig, say: Progress, threads: int) -> tuple[LoRAManager | None, int]:
-        """The adapter slots and the --lora adapters, and the bytes LoRA reserves of the KV budget."""
-        if not lora.enabled:
-            return None, 0
-        manager = LoRAManager(
-            self.arch, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, self.dtype, self.device,
-            self._cpu_gemm(threads, (torch.float32, torch.bfloat16)),  # lora_decode takes both
-        )  # fmt: skip
-        for name, path in lora.adapters:
-            say(f"loading LoRA adapter {name} from {path} ...")
-            manager.add(load_adapter(name, path, self.arch, lora.max_lora_rank))
-        element = torch.empty((), dtype=self.dtype).element_size()
-        reserved = reserved_bytes(self.arch, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, element)
-        say(
-            f"LoRA: {lora.max_loras} slots of rank {lora.max_lora_rank}, up to {lora.max_cpu_loras} adapters "
-            f"loaded ({len(manager.adapters)} now); {reserved / 2**20:.0f} MiB reserved of the KV budget"
-        )
-        return manager, reserved
-
-    def _cpu_gemm(self, threads: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)):
-        """The AVX2 kernels (cpu_kernels.CpuKernels) where they run: a model dtype in `dtypes` on
-        the CPU, with --cpu-kernels, on a CPU they were built for. None elsewhere."""
-        if not (self.config.runtime.cpu_kernels and self.device.type == "cpu" and self.dtype in dtypes):
-            return None
-        from kvharbor.engine import cpu_kernels
-
-        return cpu_kernels.load(threads)
-
-    def _cpu_attention(self, threads: int):
-        """The CPU kernels for decode attention, where they run (_cpu_gemm) with the torch backend,
-        this model's head shape and a float32 or int8 cache (bfloat16 too in batch-invariant
-        mode). None elsewhere."""
-        a = self.arch
-        if self.config.cache.kv_cache_dtype == "fp8":
-            return None  # the kernel reads float32, bfloat16 and int8 rows; fp8 rows go through torch
-        from kvharbor.engine import cpu_kernels
-
-        if self.attention_backend != "torch" or not cpu_kernels.CpuKernels.takes_attention(
-            a.num_heads, a.num_kv_heads, a.head_dim
-        ):
-            return None
-        return self._cpu_gemm(threads, (torch.float32, torch.bfloat16) if self.batch_invariant else (torch.float32,))
-
-    def _batch_invariant(self, threads: int) -> bool:
-        """Whether this engine runs batch-invariant (--batch-invariant): `on` where it cannot
-        raises ValueError saying why; `auto` is on wherever it can run, but for quantized weights."""
-        mode = self.config.runtime.batch_invariant
-        if mode == "off":
-            return False
-        if mode == "auto" and self.config.model.quantization != "none":
-            # NOTE: invariant quantized linears keep every row on the int8-activation path, prefill
-            # too: measured on the AMD EPYC Zen 4 (benchmarks/README.md), int8's top-1 fell from
-            # 97.4% to 96.4% and gguf's mean KL rose 12x. `on` still runs it.
-            log.info("batch-invariant mode off: quantized weights (--batch-invariant on forces it)")
-            return False
-        blocker = self._invariance_blocker(threads)
-        if blocker is not None and mode == "on":
-            raise ValueError(f"--batch-invariant on cannot run here: {blocker}; use --batch-invariant auto or off")
-        if blocker is not None:
-            log.info("batch-invariant mode off: %s", blocker)
-        return blocker is None
-
-    def _invariance_blocker(self, threads: int) -> str | None:
-        """Why batch-invariant mode cannot run with this configuration, or None."""
-        config, a = self.config, self.arch
-        from kvharbor.engine import cpu_kernels
-
-        if self.device.type != "cpu":
-            return f"it runs on CPU only (kvharbor's kernels), not {self.device.type}"
-        if not config.runtime.cpu_kernels:
-            return "it needs --cpu-kernels"
-        if self.dtype not in (torch.float32, torch.bfloat16):
-            return f"it runs float32 and bfloat16, not {str(self.dtype).removeprefix('torch.')}"
-        if config.cache.kv_cache_dtype == "fp8":
-            return "the kernels read no fp8 KV cache (use --kv-cache-dtype int8 or auto)"
-        if config.lora.enabled:
-            return "LoRA adapters' prefill deltas run through torch's products"
-        if self.attention_backend != "torch":
-            return f"it runs on the torch attention backend, not {self.attention_backend}"
-        if not cpu_kernels.CpuKernels.takes_attention(a.num_heads, a.num_kv_heads, a.head_dim):
-            heads = f"{a.num_heads} heads / {a.num_kv_heads} KV heads / dim {a.head_dim}"
-            return f"the attention kernel does not take {heads}"
-        if cpu_kernels.load(threads) is None:
-            return "kvharbor's CPU kernels do not run on this machine (x86-64 with AVX2 + FMA and a C compiler)"
-        return None
-
-    def _load_draft(self, config: EngineConfig, say: Progress) -> LlamaModel | None:
-        spec = config.speculative
-        if spec.speculative_method != "draft":
-            return None
-        from kvharbor.engine.draft import load_draft_model
-
-        say(f"loading draft model {spec.draft_model} ...")
-        threads = cpu_threads(self.device, config.runtime.threads) if config.runtime.cpu_kernels else None
-        return load_draft_model(spec.draft_model, self.arch, self.dtype, self.device, threads)
-
-    def _speculation(self, config: EngineConfig, say: Progress) -> tuple[Proposer | None, AdaptiveK | None]:
-        spec = config.speculative
-        if spec.speculative_method == "off":
-            return None, None
-        if spec.speculative_method == "ngram":
-            proposer: Proposer = NgramProposer(spec.ngram_n)
-        else:
-            from kvharbor.engine.draft import DraftModelProposer, DraftSetup
-
-            setup = DraftSetup(
-                self.device, self.dtype, self.capacity.block_size, self.capacity.num_blocks,
-                self.attention_backend, self.cpu_kernels, self.sampler.adjust,
-            )  # fmt: skip
-            proposer = DraftModelProposer(self.draft_model, setup)
-        say(f"speculative decoding: {spec.speculative_method}, k={spec.speculative_k}")
-        return proposer, AdaptiveK(spec.speculative_k)
 
     def _propose(self) -> dict[str, Proposal]:
         """Guesses for the running requests that decode this step and have not opted out."""

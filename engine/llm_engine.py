@@ -14,8 +14,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvharbor.engine.core import EngineCore, EngineStats, Progress
+from kvharbor.engine.core import EngineCore, Progress
 from kvharbor.engine.core_io import EngineRequest, KVTransfer
+from kvharbor.engine.engine_stats import EngineStats
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.sampling_params import SamplingParams

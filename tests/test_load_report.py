@@ -55,7 +55,7 @@ COUNTERS = ("prefix_queries", "prefix_hits", "aborted", "spec_verifications", "s
 
 
 def test_the_engine_fits_how_a_decode_step_grows_and_reports_it_once_measured():
-    from kvharbor.engine.core import MIN_DECODE_STEPS, EngineStats
+    from kvharbor.engine.engine_stats import MIN_DECODE_STEPS, EngineStats
 
     class Chunk:
         num_tokens, draft, end = 1, False, 100  # every sequence 100 tokens long
@@ -82,7 +82,7 @@ def test_the_engine_fits_how_a_decode_step_grows_and_reports_it_once_measured():
 
 
 def test_the_engine_reports_the_growth_per_context_token_of_its_real_steps():
-    from kvharbor.engine.core import EngineStats
+    from kvharbor.engine.engine_stats import EngineStats
 
     class Chunk:
         num_tokens, draft = 1, False
@@ -120,7 +120,7 @@ def test_the_engine_reports_how_old_its_measured_pull_rate_is():
     how long ago a pull last measured it; 0 before any pull, and each pull starts it again."""
     import time
 
-    from kvharbor.engine.core import EngineStats
+    from kvharbor.engine.engine_stats import EngineStats
 
     stats = EngineStats()
     assert stats.kv_transfer_age_s() == 0.0 and stats.kv_transfer_bytes_per_s == 0.0
