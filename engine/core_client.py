@@ -29,9 +29,8 @@ from typing import Any
 from kvharbor.common.load_report import LoadReport
 from kvharbor.common.model_files import load_tokenizer
 from kvharbor.common.process_stop import stop_process
-from kvharbor.engine.core_io import ERROR_KINDS, CoreOutput, EngineDead, EngineRequest
+from kvharbor.engine.core_io import ERROR_KINDS, CoreOutput, CoreStats, EngineDead, EngineRequest
 from kvharbor.engine.core_link import LinkClosed, encode, read_message, read_message_sync
-from kvharbor.engine.metrics import CounterBoard
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput
 
@@ -81,10 +80,7 @@ class CoreClient:
         self.info: CoreInfo | None = None
         self.error: BaseException | None = None
         self.load = LoadReport(model=self.model_name)
-        self.counters: dict[str, int] = dict.fromkeys(
-            ("prefix_queries", "prefix_hits", "aborted", "spec_verifications", "spec_proposed", "spec_accepted"), 0
-        )
-        self.board = CounterBoard().snapshot()
+        self.stats = CoreStats()
         self.proc: subprocess.Popen | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._streams: dict[str, RequestStream] = {}
@@ -238,10 +234,10 @@ class CoreClient:
                 message = await read_message(reader)
                 kind = message[0]
                 if kind == "out":
-                    self.load, self.counters = LoadReport.from_json(message[3]), message[4]
+                    self.load, self.stats = LoadReport.from_json(message[3]), CoreStats.from_wire(message[4])
                     self._deliver(message[1], [CoreOutput.from_wire(o) for o in message[2]])
                 elif kind == "load":
-                    self.load, self.counters, self.board = LoadReport.from_json(message[1]), message[2], message[3]
+                    self.load, self.stats = LoadReport.from_json(message[1]), CoreStats.from_wire(message[2])
                 elif kind == "added":
                     self._answer(*message[1:])
                 elif kind == "lora_done":

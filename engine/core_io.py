@@ -155,3 +155,28 @@ def _logprob_wire(lp: Logprob) -> list:
 def _logprob_from_wire(data: list) -> Logprob:
     token, value, top = data
     return Logprob(token, value, [(t, v) for t, v in top])
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    """The core's counters, as the API server's metrics read them (engine/metrics.py): what the
+    engine loop counts (prefix-cache lookups, aborts, speculation, LoRA swaps) and the core
+    process's CounterBoard snapshot (`board`: KV events, the shared store, P/D hand-offs). Crosses
+    the core link whole, beside each load report; replaced, never changed."""
+
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, found
+    aborted: int = 0  # requests cancelled in flight
+    spec_verifications: int = 0
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    lora_swaps: int = 0
+    lora_swap_seconds: float = 0.0
+    board: dict[str, dict[str, float]] = field(default_factory=dict)  # metrics.CounterBoard.snapshot()
+
+    def to_wire(self) -> list:
+        return [getattr(self, f.name) for f in dataclasses.fields(self)]
+
+    @classmethod
+    def from_wire(cls, data: list) -> CoreStats:
+        return cls(*data)

@@ -12,8 +12,9 @@ core process. A closed socket is the other side's death: each side treats EOF as
                                                 core_io.error_kind | None]
     ["lora", op, "load"|"unload", name,       ["lora_done", op, error | None, error kind | None,
      path | None]                               LoadReport json | None]
-    ["abort", id] / ["abort_all"]             ["out", now, [CoreOutput wire, ...], load, counters]
-    ["stop", id, index, n_tokens, string]     ["load", LoadReport json, counters, board]
+    ["abort", id] / ["abort_all"]             ["out", now, [CoreOutput wire, ...], LoadReport json,
+                                                CoreStats wire]
+    ["stop", id, index, n_tokens, string]     ["load", LoadReport json, CoreStats wire]
     ["reuse", prompt, cached, pulled]         ["dead", error]
     ["shutdown"]
 """

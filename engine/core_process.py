@@ -106,13 +106,17 @@ class CoreProcess:
     def _deliver(self, outputs: list, now: float) -> None:
         if outputs:
             wire = [o.to_wire() for o in outputs]
-            message = ["out", now, wire, self.loop.load.to_json(), self.loop.counters]
+            message = ["out", now, wire, self.loop.load.to_json(), self._stats()]
             self.aio.call_soon_threadsafe(self._send, message)
 
     def _died(self, exc: BaseException) -> None:
         self.aio.call_soon_threadsafe(self._send, ["dead", f"the engine core failed: {exc!r}"])
 
     # -- the asyncio loop ----------------------------------------------------------------------------
+
+    def _stats(self) -> list:
+        """The loop's counters with this process's board: one CoreStats, as it crosses the link."""
+        return dataclasses.replace(self.loop.stats, board=self.board.snapshot()).to_wire()
 
     def _send(self, message: list) -> None:
         if not self.writer.is_closing():
@@ -221,7 +225,7 @@ class CoreProcess:
 
     async def _report_load(self) -> None:
         while True:
-            self._send(["load", self.loop.load.to_json(), self.loop.counters, self.board.snapshot()])
+            self._send(["load", self.loop.load.to_json(), self._stats()])
             await asyncio.sleep(LOAD_INTERVAL_S)
 
     async def _stop(self) -> None:

@@ -18,11 +18,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from kvharbor.common.load_report import LoadReport
 from kvharbor.engine.core import EngineCore
-from kvharbor.engine.core_io import CoreOutput, EngineDead, EngineRequest
+from kvharbor.engine.core_io import CoreOutput, CoreStats, EngineDead, EngineRequest
 
 log = logging.getLogger("kvharbor.engine.loop")
 
@@ -46,10 +47,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="kvharbor-engine", daemon=True)
         self.error: BaseException | None = None
         self.load: LoadReport = engine.load()  # replaced (atomically) after every step
-        self.counters: dict[str, int] = {
-            "prefix_queries": 0, "prefix_hits": 0, "aborted": 0, "spec_verifications": 0, "spec_proposed": 0,
-            "spec_accepted": 0,
-        }  # fmt: skip
+        self.stats = CoreStats()  # replaced (atomically) with the load report
 
     # -- control (any thread) ---------------------------------------------------------------------
 
@@ -138,13 +136,13 @@ class EngineLoop:
                 self._add(*command[1:])
             elif kind == "abort":
                 if command[1] in self._in_flight:
-                    self.counters = {**self.counters, "aborted": self.counters["aborted"] + 1}
+                    self.stats = replace(self.stats, aborted=self.stats.aborted + 1)
                 self.engine.abort(command[1])
             elif kind == "stop":
                 self.engine.stop_sample(*command[1:])
             elif kind == "abort_all":
                 for request_id in list(self._in_flight):
-                    self.counters = {**self.counters, "aborted": self.counters["aborted"] + 1}
+                    self.stats = replace(self.stats, aborted=self.stats.aborted + 1)
                     self.engine.abort(request_id)
             elif kind == "call":
                 _, fn, done = command
@@ -183,18 +181,14 @@ class EngineLoop:
                 self._event_sink(events)
 
     def _refresh(self) -> None:
-        # Readers on other threads see whole dicts: each is replaced, never mutated.
-        kv, stats = self.engine.kv, self.engine.stats
-        self.counters = {
-            **self.counters,
-            "prefix_queries": kv.prefix_queries,
-            "prefix_hits": kv.prefix_hits,
-            "spec_verifications": stats.spec_verifications,
-            "spec_proposed": stats.spec_proposed,
-            "spec_accepted": stats.spec_accepted,
-            "lora_swaps": loras.swaps if (loras := self.engine.loras) is not None else 0,
-            "lora_swap_seconds": loras.swap_seconds if loras is not None else 0.0,
-        }
+        # Readers on other threads see whole objects: each is replaced, never mutated.
+        kv, stats, loras = self.engine.kv, self.engine.stats, self.engine.loras
+        self.stats = replace(
+            self.stats, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            spec_verifications=stats.spec_verifications, spec_proposed=stats.spec_proposed,
+            spec_accepted=stats.spec_accepted, lora_swaps=loras.swaps if loras is not None else 0,
+            lora_swap_seconds=loras.swap_seconds if loras is not None else 0.0,
+        )  # fmt: skip
         self.load = self.engine.load()
 
     def _fail_inbox(self, exc: BaseException) -> None:

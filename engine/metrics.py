@@ -2,8 +2,8 @@
 
 Request counters and latency histograms are fed by the API server as requests finish; the load
 gauges (running, waiting, KV blocks, prefix-cache hit rate, measured speed) and the engine core's
-counters (a CounterBoard: KV events, the shared block store) are read from the latest snapshot
-the core sent, at scrape time.
+counters (one core_io.CoreStats, with its CounterBoard: KV events, the shared block store) are read
+from the latest snapshot the core sent, at scrape time.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvharbor.common.load_report import LoadReport
+from kvharbor.engine.core_io import CoreStats
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -55,7 +56,7 @@ class CounterBoard:
         return {name: dict(series) for name, series in self.values.items()}
 
 
-Snapshot = Callable[[], tuple[LoadReport, dict[str, int], dict[str, dict[str, float]]]]
+Snapshot = Callable[[], tuple[LoadReport, CoreStats]]
 
 
 class _LoadCollector:
@@ -64,7 +65,8 @@ class _LoadCollector:
         self._labels = labels
 
     def collect(self):
-        load, counters, board = self._snapshot()
+        load, stats = self._snapshot()
+        board = stats.board
         names, values = list(self._labels), list(self._labels.values())
         for name, (doc, label) in BOARD.items():
             c = CounterMetricFamily(f"kvharbor_{name}", doc, labels=names + ([label] if label else []))
@@ -114,18 +116,15 @@ class _LoadCollector:
                     load.kv_pinned_blocks)  # fmt: skip
         yield gauge("kv_transfer_bytes_per_second", "P/D: measured pull rate from prefill engines (EWMA)",
                     load.kv_transfer_bytes_per_s)  # fmt: skip
-        yield from self._lora(load, counters, names, values, gauge, counter)
-        queries, hits = counters["prefix_queries"], counters["prefix_hits"]
+        yield from self._lora(load, stats, names, values, gauge, counter)
+        queries, hits = stats.prefix_queries, stats.prefix_hits
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", hits)
         yield gauge(
             "prefix_cache_hit_rate", "Share of looked-up prompt tokens found cached", hits / queries if queries else 0.0
         )
-        yield counter(
-            "requests_aborted", "Requests cancelled in flight (client gone, drain timeout)", counters["aborted"]
-        )
-        checks, proposed = counters["spec_verifications"], counters["spec_proposed"]
-        accepted = counters["spec_accepted"]
+        yield counter("requests_aborted", "Requests cancelled in flight (client gone, drain timeout)", stats.aborted)
+        checks, proposed, accepted = stats.spec_verifications, stats.spec_proposed, stats.spec_accepted
         yield counter("spec_verifications", "Speculative chunks the target verified", checks)
         yield counter("spec_proposed_tokens", "Speculated tokens the target scored", proposed)
         yield counter("spec_accepted_tokens", "Speculated tokens accepted", accepted)
@@ -137,9 +136,8 @@ class _LoadCollector:
             accepted / checks if checks else 0.0,
         )
 
-
     @staticmethod
-    def _lora(load, counters, names, values, gauge, counter):
+    def _lora(load, stats, names, values, gauge, counter):
         if not load.lora_slots:
             return
         yield gauge("lora_slots", "LoRA adapters one step can run (--max-loras)", load.lora_slots)
@@ -149,9 +147,8 @@ class _LoadCollector:
         for name in sorted(load.lora_adapters):
             loaded.add_metric([*values, name, str(name in load.lora_active).lower()], 1)
         yield loaded
-        yield counter("lora_swaps", "Adapters copied into a slot", counters.get("lora_swaps", 0))
-        swap_s = counters.get("lora_swap_seconds", 0)
-        yield counter("lora_swap_seconds", "Time spent copying adapters into slots", swap_s)
+        yield counter("lora_swaps", "Adapters copied into a slot", stats.lora_swaps)
+        yield counter("lora_swap_seconds", "Time spent copying adapters into slots", stats.lora_swap_seconds)
 
 
 class ServerMetrics:

@@ -69,9 +69,7 @@ class EngineServer:
             config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, lora=lora))
         self.core = CoreClient(config)
         self.core.start_sync()
-        self.metrics = ServerMetrics(
-            lambda: (self.core.load, self.core.counters, self.core.board), self.core.model_name, self.instance_id
-        )
+        self.metrics = ServerMetrics(lambda: (self.core.load, self.core.stats), self.core.model_name, self.instance_id)
         self.state = ServerState(
             self.core,
             self.metrics,

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgpack
 import pytest
 
 from kvharbor.common.load_report import LoadReport, LoadReportError
+from kvharbor.engine.core_io import CoreStats
 from kvharbor.engine.metrics import ServerMetrics
 
 FULL = LoadReport(
@@ -45,13 +47,24 @@ def test_a_malformed_report_is_refused_naming_the_field(bad):
 
 
 def test_metrics_render_the_same_report():
-    text = ServerMetrics(lambda: (FULL, dict.fromkeys(COUNTERS, 0), {}), "m", "a").render().decode()
+    text = ServerMetrics(lambda: (FULL, CoreStats()), "m", "a").render().decode()
     assert 'kvharbor_requests_running{instance="a",model="m"} 3.0' in text
     assert 'kvharbor_kv_blocks_free{instance="a",model="m"} 40.0' in text
     assert 'kvharbor_decode_step_seconds{instance="a",model="m"} 0.04525' in text
 
 
-COUNTERS = ("prefix_queries", "prefix_hits", "aborted", "spec_verifications", "spec_proposed", "spec_accepted")
+def test_core_stats_cross_the_link_whole_and_the_metrics_read_them():
+    board = {"kv_events_published": {"": 7.0}, "kv_store_errors": {"push": 2.0}}
+    stats = CoreStats(prefix_queries=40, prefix_hits=30, aborted=2, spec_verifications=4, spec_proposed=12,
+                      spec_accepted=9, lora_swaps=1, lora_swap_seconds=0.5, board=board)  # fmt: skip
+    wire = msgpack.unpackb(msgpack.packb(stats.to_wire()))  # as the core link carries it
+    assert CoreStats.from_wire(wire) == stats
+    text = ServerMetrics(lambda: (FULL, stats), "m", "a").render().decode()
+    assert 'kvharbor_prefix_cache_hit_rate{instance="a",model="m"} 0.75' in text
+    assert 'kvharbor_requests_aborted_total{instance="a",model="m"} 2.0' in text
+    assert 'kvharbor_spec_acceptance_rate{instance="a",model="m"} 0.75' in text
+    assert 'kvharbor_kv_events_published_total{instance="a",model="m"} 7.0' in text
+    assert 'kvharbor_kv_store_errors_total{instance="a",model="m",op="push"} 2.0' in text
 
 
 def test_the_engine_fits_how_a_decode_step_grows_and_reports_it_once_measured():

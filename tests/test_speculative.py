@@ -239,6 +239,7 @@ def test_sampled_tokens_keep_their_distribution(make_llm, tiny_llama):
     shows first (the naive "resample from p" rule fails it)."""
     prompt = repetitive_prompts(512, 1, seed=11)[0]
     prompts = [prompt] * 5000
+
     def params(first_seed: int) -> list[SamplingParams]:
         # Independent samples: the same seeds on both sides would pair the draws.
         seeds = range(first_seed, first_seed + 5000)
@@ -289,6 +290,7 @@ def test_a_request_can_opt_out(make_llm, tiny_llama):
 
 
 def test_acceptance_rate_and_mean_accepted_length_are_reported(make_llm, tiny_llama):
+    from kvharbor.engine.core_io import CoreStats
     from kvharbor.engine.engine_loop import EngineLoop
     from kvharbor.engine.metrics import ServerMetrics
 
@@ -298,9 +300,9 @@ def test_acceptance_rate_and_mean_accepted_length_are_reported(make_llm, tiny_ll
     assert stats.spec_proposed > 0
     assert llm.engine.load().spec_acceptance_rate == round(stats.spec_accepted / stats.spec_proposed, 4)
     loop = EngineLoop.__new__(EngineLoop)  # only its snapshot of the engine's counters, no thread
-    loop.engine, loop.counters = llm.engine, {"aborted": 0}
+    loop.engine, loop.stats = llm.engine, CoreStats()
     loop._refresh()
-    text = ServerMetrics(lambda: (loop.load, loop.counters, {}), "m", "i").render().decode()
+    text = ServerMetrics(lambda: (loop.load, loop.stats), "m", "i").render().decode()
     rate = stats.spec_accepted / stats.spec_proposed
     assert f'kvharbor_spec_acceptance_rate{{instance="i",model="m"}} {rate}' in text
     mean = stats.spec_accepted / stats.spec_verifications
