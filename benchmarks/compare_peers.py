@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve as serve_bench
 
 from kvharbor.common import __version__
-from kvharbor.common.embedded_redis import free_port
 from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
 from kvharbor.common.process_stop import stop_process
+from kvharbor.launch.embedded_redis import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"
@@ -167,7 +167,7 @@ def main() -> int:
     cmd = [
         sys.executable,
         "-m",
-        "kvharbor.common.cli",
+        "kvharbor.launch.cli",
         "serve",
         "--port",
         str(port),

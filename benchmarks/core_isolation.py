@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_peers as peers
 import serve as serve_bench
 
-from kvharbor.common.embedded_redis import free_port
 from kvharbor.common.machine import machine_record, machine_title
+from kvharbor.launch.embedded_redis import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvharbor.common.cli", "serve", "--port", str(port), "--dtype", args.dtype,
+    cmd = [sys.executable, "-m", "kvharbor.launch.cli", "serve", "--port", str(port), "--dtype", args.dtype,
            "--num-kv-blocks", "512", "--log-level", "warning", "--api-server-nice", str(args.nice)]  # fmt: skip
     cmd += ["--model", args.model] if args.model else []
     log = args.out.parent / "logs" / "core_isolation-serve.log"

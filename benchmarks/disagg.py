@@ -37,12 +37,12 @@ from compare_peers import MODEL, free_port, server
 from serve import RequestResult, one_request, pct
 
 from gateway import metric_sum  # benchmarks/gateway.py (this folder is first on sys.path)
-from kvharbor.common.embedded_redis import EmbeddedRedis
 from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.gateway.tenants import hash_key
+from kvharbor.launch.embedded_redis import EmbeddedRedis
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CLI = [sys.executable, "-m", "kvharbor.common.cli"]
+CLI = [sys.executable, "-m", "kvharbor.launch.cli"]
 SLOS = yaml.safe_load((Path(__file__).resolve().parents[1] / "loadtest" / "slos.yaml").read_text())["tenants"]
 SETUPS = {"pd": ("prefill", "decode"), "colocated": ("both", "both")}
 

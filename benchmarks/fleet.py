@@ -70,7 +70,7 @@ class Fleet:
 
 
 def start_backend(kind: str):
-    from kvharbor.common.embedded_redis import EmbeddedRedis, EmbeddedRedisCluster
+    from kvharbor.launch.embedded_redis import EmbeddedRedis, EmbeddedRedisCluster
 
     return (EmbeddedRedis() if kind == "single" else EmbeddedRedisCluster(3)).start()
 
@@ -234,7 +234,7 @@ def publish_streams(url: str, fleet: Fleet, events: int, seed: int = 2) -> tuple
 
 
 def _next_event(rng: random.Random, held: list[bytes]):
-    """What a serving engine's pool emits (engine/block_pool.py): a decode step completes one
+    """What a serving engine's pool emits (engine/kv/block_pool.py): a decode step completes one
     block of a sequence (most events), a prefill commits a chunk of new blocks, the LRU evicts one
     block to make room (as many blocks leave as come, once the pool is full), and now and then a
     restart clears everything."""

@@ -28,13 +28,13 @@ import serve as serve_bench
 from compare_peers import MODEL, free_port, server
 from serve import pct
 
-from kvharbor.common.embedded_redis import EmbeddedRedis
 from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
 from kvharbor.gateway.tenants import hash_key
+from kvharbor.launch.embedded_redis import EmbeddedRedis
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STRATEGIES = ("prefix", "round_robin", "least_loaded")
-CLI = [sys.executable, "-m", "kvharbor.common.cli"]
+CLI = [sys.executable, "-m", "kvharbor.launch.cli"]
 
 
 def metric_sum(urls: list[str], name: str) -> float:

@@ -1,7 +1,7 @@
 """The quantized decode products with and without this CPU's VNNI instruction, in the same run.
 
-engine/csrc/cpu_kernels.c sums a group's 32 u8 x s8 products with one `vpdpbusd` where the build
-has VNNI (AVX-VNNI, or AVX512-VNNI's 256-bit form: engine/cpu_kernels.py vnni_flags), and with
+engine/cpu/csrc/cpu_kernels.c sums a group's 32 u8 x s8 products with one `vpdpbusd` where the build
+has VNNI (AVX-VNNI, or AVX512-VNNI's 256-bit form: engine/cpu/cpu_kernels.py vnni_flags), and with
 AVX2's maddubs + madd otherwise. Both builds are made here from the same source and timed on the
 same weights: every linear of SmolLM2's 30 layers (q, k, v, o, gate, up, down; random values, the
 shapes are what matter) in each weight format with integer dots (int8, int4 / GGUF Q4_x, GGUF Q8_0),
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kvharbor.common.machine import cpu_info, machine_record
-from kvharbor.engine import cpu_kernels
+from kvharbor.engine.cpu import cpu_kernels
 from kvharbor.engine.quantize import quantize, quantize_q8
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -26,13 +26,13 @@ import serve as serve_bench
 from compare_peers import MODEL, free_port, server
 
 from kvharbor.common.block_hash import block_hashes
-from kvharbor.common.embedded_redis import EmbeddedRedis
 from kvharbor.common.kv_events import BlockStored, EventEnvelope, to_fields
 from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
 from kvharbor.common.redis_keys import lease_key, registry_value, stream_key, stream_registry_key
 from kvharbor.kvcache_service.consumer import EventConsumer
 from kvharbor.kvcache_service.memory_index import MemoryIndex
 from kvharbor.kvcache_service.redis_index import RedisIndex
+from kvharbor.launch.embedded_redis import EmbeddedRedis
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BENCH_MODEL = "bench-model"
@@ -156,7 +156,7 @@ def pushed_blocks(url: str) -> float:
 def bench_ttft(redis_url: str, reps: int, prefix_len: int, logs: Path) -> dict:
     common = ["--redis-url", redis_url, "--kv-cache-memory", "256MiB", "--max-num-batched-tokens", "512"]
     a_url, b_url = f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "kvharbor.common.cli", "serve"]
+    cmd = [sys.executable, "-m", "kvharbor.launch.cli", "serve"]
     a_cmd = [*cmd, "--port", a_url.rsplit(":", 1)[1], "--instance-id", "A", "--kv-store-push", "all", *common]
     b_cmd = [*cmd, "--port", b_url.rsplit(":", 1)[1], "--instance-id", "B", *common]
     pulled, recomputed = [], []

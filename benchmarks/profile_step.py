@@ -4,7 +4,7 @@ sequences of PROMPT tokens decoding OUTPUT tokens each (the shape of compare_pee
 Two engines are measured in the same run, one after the other:
 - `baseline`: `--cpu-kernels off`, plain torch (F.linear through MKL, gather + SDPA attention),
   which is what the engine ran before issue 15;
-- `kvharbor`: the default, with the AVX2 decode kernels (engine/csrc/cpu_kernels.c) and the
+- `kvharbor`: the default, with the AVX2 decode kernels (engine/cpu/csrc/cpu_kernels.c) and the
   oneDNN-packed prefill linears.
 
 Each decode step is split by timers wrapped around the engine's own functions: the projections

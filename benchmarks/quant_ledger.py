@@ -42,9 +42,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import compare_peers
 import quality
 
-from kvharbor.common.embedded_redis import free_port
 from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.common.model_files import default_model_path
+from kvharbor.launch.embedded_redis import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 QUALITY_KEYS = ("mean_kl", "p99_kl", "top1_agreement", "ppl_ratio", "greedy_match_mean")
@@ -71,7 +71,7 @@ def serve_kvharbor(mode: str, args: argparse.Namespace, logs: Path) -> dict:
     options = quality.mode_options(mode)
     flags = ["--quantization", options.get("quantization", "none"),
              "--kv-cache-dtype", options.get("kv_cache_dtype", "auto")]  # fmt: skip
-    cmd = [sys.executable, "-m", "kvharbor.common.cli", "serve", "--port", str(port), "--log-level", "warning",
+    cmd = [sys.executable, "-m", "kvharbor.launch.cli", "serve", "--port", str(port), "--log-level", "warning",
            "--dtype", "float32", *flags, "--num-kv-blocks", str(args.kv_blocks), "--max-model-len", "2048"]  # fmt: skip
     print(f"kvharbor serve {' '.join(flags)} ...", file=sys.stderr)
     with compare_peers.server(cmd, url, "/ready", logs / f"quant-{mode}.log", {}, 600) as proc:

@@ -1,4 +1,4 @@
-"""Block hashing: the one function the engine, the KV index and the gateway all use (DESIGN §2).
+"""Block hashing: the one function the engine, the KV index and the gateway all use; a contract in common/.
 
 A prompt is cut into full blocks of `block_size` tokens; a partial last block is never hashed.
 

@@ -1,4 +1,4 @@
-"""KV events: what an engine tells the KV index about the blocks it holds (DESIGN §2).
+"""KV events: what an engine tells the KV index about the blocks it holds; a contract in common/.
 
 The engine's block pool queues `BlockStored`, `BlockRemoved` and `AllCleared`; a publisher wraps
 each in an `EventEnvelope` (instance id, lease, sequence number) and writes it to the Redis Stream

@@ -1,4 +1,4 @@
-"""The engine load report (DESIGN §2): what `GET /load` answers, typed, in one place.
+"""The engine load report, a contract in common/: what `GET /load` answers, typed, in one place.
 
 The engine builds it, `/metrics` renders it, the gateway routes and admits on it, the operator
 scales on it. Fields are added here and nowhere else; a reader gets defaults for fields an older
@@ -44,7 +44,7 @@ class LoadReport:
     # can use each other's blocks; "" from an engine that does not say
     kv_format: str = ""
     block_size: int = 0  # tokens per KV block: what prompts' block hashes are cut by (0: not reported)
-    role: str = "both"  # P/D: both | prefill | decode (DESIGN §9)
+    role: str = "both"  # P/D: both | prefill | decode (gateway/disagg.py)
     kv_transfer_port: int = 0  # where decode engines pull hand-offs from (0: none)
     kv_pinned_blocks: int = 0  # blocks held for hand-offs not yet confirmed
     kv_transfer_bytes_per_s: float = 0.0  # hand-off pulls into this engine, measured (EWMA); 0: none yet

@@ -1,4 +1,4 @@
-"""The wire API (DESIGN §2): OpenAI's chat and completions requests, kvharbor's extension fields,
+"""The wire API, a contract in common/: OpenAI's chat and completions requests, kvharbor's extension fields,
 and OpenAI's error shape. The engine server and the gateway both parse requests with these models.
 
 Extension fields, beyond OpenAI:
@@ -76,7 +76,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 
 
 class KVTransferParams(BaseModel):
-    """P/D (DESIGN §9). Sent by the gateway, never by tenants (it strips them). Either a prefill
+    """P/D (gateway/pd_flow.py). Sent by the gateway, never by tenants (it strips them). Either a prefill
     for a decode engine (`do_remote_decode`: the engine runs the prompt, samples the first token and
     keeps the KV under a lease; its response carries the lease), or that prefill's continuation on a
     decode engine (`remote_*` and `first_token_id`: it pulls the KV, then decodes from that token)."""

@@ -3,7 +3,7 @@
 Shared by the gateway and the engine, so both speak the same propagation (W3C traceparent).
 
 The gateway starts a span per request and sends its context in the `traceparent` header; the
-engine continues it (engine/api_server.py). Spans go to an OTLP/HTTP endpoint when one is
+engine continues it (engine/serve/api_server.py). Spans go to an OTLP/HTTP endpoint when one is
 configured, else nowhere (the API still works, so spans cost little).
 """
 

@@ -6,7 +6,7 @@ The flat batch is ordered decodes first, then prefill chunks:
              one query each     one chunk per prefilling sequence
 
 Each layer's KV lives in one tensor `[2 (K/V), kv_heads, num_blocks * block_size, head_dim]`
-(with `--kv-cache-dtype int8|fp8`, byte rows of head_dim + 2: engine/kv_quant.py):
+(with `--kv-cache-dtype int8|fp8`, byte rows of head_dim + 2: engine/kv/kv_quant.py):
 head-major, so gathering a sequence's blocks yields `[kv_heads, ctx, head_dim]` rows that SDPA
 reads without another copy; slot = block_id * block_size + offset. Every layer writes its new K/V
 first, then attends, so a sequence may read blocks that another sequence of the same step is
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvharbor.engine.kv_quant import dequantize_rows, quantize_rows
+from kvharbor.engine.kv.kv_quant import dequantize_rows, quantize_rows
 
 
 @dataclass
@@ -49,7 +49,7 @@ class DecodeGroup:
 
 @dataclass
 class CpuDecode:
-    """The first rows of the step in one call of the CPU kernel (engine/cpu_kernels.py), which
+    """The first rows of the step in one call of the CPU kernel (engine/cpu/cpu_kernels.py), which
     reads the paged cache in place through the block tables: every decode, or (batch-invariant
     mode) every row, a prefill chunk's rows each with the context up to its own position."""
 
@@ -69,7 +69,7 @@ class AttentionMetadata:
     prefills: list[PrefillChunk]
     triton: Any = None  # attention_triton.TritonMetadata when the triton backend runs this step
     cpu_decode: CpuDecode | None = None  # decodes through the CPU kernel instead of decode_groups
-    kv_dtype: str = "auto"  # int8 / fp8: the cache holds engine/kv_quant.py's byte rows
+    kv_dtype: str = "auto"  # int8 / fp8: the cache holds engine/kv/kv_quant.py's byte rows
     kv_writer: Any = None  # cpu_kernels.CpuKernels: writes float32 or int8 rows instead of torch ops
     slot_bounds: tuple[int, int] | None = None  # min and max of slot_mapping, for the writer's check
 

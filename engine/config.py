@@ -133,7 +133,7 @@ Role = Literal["both", "prefill", "decode"]
 
 @dataclass(frozen=True)
 class DisaggConfig:
-    """Prefill/decode disaggregation (engine/kv_handoff.py, engine/kv_handoff_link.py)."""
+    """Prefill/decode disaggregation (engine/kv/kv_handoff.py, engine/kv/kv_handoff_link.py)."""
 
     role: Role = opt(
         "both",
@@ -165,7 +165,7 @@ class DisaggConfig:
 
 @dataclass(frozen=True)
 class LoRAConfig:
-    """Multi-LoRA serving (engine/lora.py, engine/lora_slots.py)."""
+    """Multi-LoRA serving (engine/lora/adapter.py, engine/lora/lora_slots.py)."""
 
     lora: tuple[str, ...] = opt(
         (), "a LoRA adapter to serve, NAME=PATH (a PEFT folder: adapter_config.json + adapter_model.safetensors); "

@@ -26,12 +26,12 @@ from kvharbor.engine.core_io import CoreOutput, EngineRequest, SampleDelta
 from kvharbor.engine.core_parts import CoreParts, Progress
 from kvharbor.engine.engine_stats import EngineStats
 from kvharbor.engine.loader import LoadedModel
-from kvharbor.engine.lora import AdapterError, LoRAAdapter
-from kvharbor.engine.lora_manager import AdapterBusy, UnknownAdapter
-from kvharbor.engine.proposers import Proposal
+from kvharbor.engine.lora.adapter import AdapterError, LoRAAdapter
+from kvharbor.engine.lora.lora_manager import AdapterBusy, UnknownAdapter
 from kvharbor.engine.request import FinishReason, Request, check_request_id
 from kvharbor.engine.sampling_params import SamplingParams
 from kvharbor.engine.scheduler import SchedulerPlan, StepOutput
+from kvharbor.engine.spec.proposers import Proposal
 
 log = logging.getLogger("kvharbor.engine")
 
@@ -106,7 +106,7 @@ class EngineCore:
 
         P/D (engine/README.md): `req.hand_off` makes it a prefill for a decode engine (n=1): when
         it ends, its prompt's full KV blocks stay pinned under a lease of that key (self.handoffs;
-        the API server draws one per prefill: engine/handoff_handles.py). `req.first_token`
+        the API server draws one per prefill: engine/kv/handoff_handles.py). `req.first_token`
         continues a prefill done elsewhere: that token is the first output, and only what the
         prefix cache lacks (the prompt's tail, once its blocks were imported) runs."""
         params, request_id, hand_off, first_token = req.params, req.request_id, req.hand_off, req.first_token
@@ -343,7 +343,7 @@ class EngineCore:
     # -- introspection ------------------------------------------------------------------------
 
     def load(self) -> LoadReport:
-        """The engine's part of the load report (DESIGN §2); the server adds its own fields."""
+        """The engine's part of the load report (common/load_report.py); the server adds its own fields."""
         waiting, running = self.scheduler.waiting, self.scheduler.running
         # Prompt tokens not computed yet, queued or mid-prefill: what a new request waits behind.
         prefill = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*waiting, *running))

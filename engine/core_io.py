@@ -99,8 +99,8 @@ class HandoffFailed(RuntimeError):
     """P/D: a hand-off's KV could not be loaded and --kv-load-failure-policy is fail; says why."""
 
 
-# How the core process names an error to the API server (engine/core_process.py sends the kind,
-# engine/core_client.py raises the class again); anything else is a ValueError (a 400).
+# How the core process names an error to the API server (engine/serve/core_process.py sends the kind,
+# engine/serve/core_client.py raises the class again); anything else is a ValueError (a 400).
 ERROR_KINDS: dict[str, type[Exception]] = {
     "dead": EngineDead, "handoff": HandoffFailed, "unknown": UnknownModel, "conflict": AdapterInUse,
 }  # fmt: skip
@@ -159,7 +159,7 @@ def _logprob_from_wire(data: list) -> Logprob:
 
 @dataclass(frozen=True)
 class CoreStats:
-    """The core's counters, as the API server's metrics read them (engine/metrics.py): what the
+    """The core's counters, as the API server's metrics read them (engine/serve/metrics.py): what the
     engine loop counts (prefix-cache lookups, aborts, speculation, LoRA swaps) and the core
     process's CounterBoard snapshot (`board`: KV events, the shared store, P/D hand-offs). Crosses
     the core link whole, beside each load report; replaced, never changed."""

@@ -16,23 +16,23 @@ import torch
 from kvharbor.common.machine import pin_to_cpus
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.attention_triton import resolve_backend
-from kvharbor.engine.block_pool import BlockPool
-from kvharbor.engine.capacity import KVCapacity, check_max_model_len, plan_capacity
 from kvharbor.engine.config import EngineConfig, LoRAConfig
 from kvharbor.engine.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
-from kvharbor.engine.draft import draft_kv_bytes_per_token
-from kvharbor.engine.kv_cache_manager import KVCacheManager
-from kvharbor.engine.kv_handoff import HandoffLeases
-from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
+from kvharbor.engine.kv.block_pool import BlockPool
+from kvharbor.engine.kv.capacity import KVCapacity, check_max_model_len, plan_capacity
+from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv.kv_handoff import HandoffLeases
+from kvharbor.engine.kv.kv_transfer import KVBlockIO, weights_fingerprint
 from kvharbor.engine.loader import LoadedModel, load_model
-from kvharbor.engine.lora import load_adapter
-from kvharbor.engine.lora_manager import LoRAManager, reserved_bytes
+from kvharbor.engine.lora.adapter import load_adapter
+from kvharbor.engine.lora.lora_manager import LoRAManager, reserved_bytes
 from kvharbor.engine.model import LlamaModel
-from kvharbor.engine.proposers import AdaptiveK, NgramProposer, Proposer
 from kvharbor.engine.quantize import QuantWeight
 from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import Sampler
 from kvharbor.engine.scheduler import Scheduler
+from kvharbor.engine.spec.draft import draft_kv_bytes_per_token
+from kvharbor.engine.spec.proposers import AdaptiveK, NgramProposer, Proposer
 
 log = logging.getLogger("kvharbor.engine")
 Progress = Callable[[str], None]
@@ -202,7 +202,7 @@ class CoreParts:
         the CPU, with --cpu-kernels, on a CPU they were built for. None elsewhere."""
         if not (self.config.runtime.cpu_kernels and self.device.type == "cpu" and self.dtype in dtypes):
             return None
-        from kvharbor.engine import cpu_kernels
+        from kvharbor.engine.cpu import cpu_kernels
 
         return cpu_kernels.load(threads)
 
@@ -213,7 +213,7 @@ class CoreParts:
         a = self.arch
         if self.config.cache.kv_cache_dtype == "fp8":
             return None  # the kernel reads float32, bfloat16 and int8 rows; fp8 rows go through torch
-        from kvharbor.engine import cpu_kernels
+        from kvharbor.engine.cpu import cpu_kernels
 
         if self.attention_backend != "torch" or not cpu_kernels.CpuKernels.takes_attention(
             a.num_heads, a.num_kv_heads, a.head_dim
@@ -243,7 +243,7 @@ class CoreParts:
     def _invariance_blocker(self, threads: int) -> str | None:
         """Why batch-invariant mode cannot run with this configuration, or None."""
         config, a = self.config, self.arch
-        from kvharbor.engine import cpu_kernels
+        from kvharbor.engine.cpu import cpu_kernels
 
         if self.device.type != "cpu":
             return f"it runs on CPU only (kvharbor's kernels), not {self.device.type}"
@@ -268,7 +268,7 @@ class CoreParts:
         spec = config.speculative
         if spec.speculative_method != "draft":
             return None
-        from kvharbor.engine.draft import load_draft_model
+        from kvharbor.engine.spec.draft import load_draft_model
 
         say(f"loading draft model {spec.draft_model} ...")
         threads = cpu_threads(self.device, config.runtime.threads) if config.runtime.cpu_kernels else None
@@ -281,7 +281,7 @@ class CoreParts:
         if spec.speculative_method == "ngram":
             proposer: Proposer = NgramProposer(spec.ngram_n)
         else:
-            from kvharbor.engine.draft import DraftModelProposer, DraftSetup
+            from kvharbor.engine.spec.draft import DraftModelProposer, DraftSetup
 
             setup = DraftSetup(
                 self.device, self.dtype, self.capacity.block_size, self.capacity.num_blocks,

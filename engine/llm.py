@@ -105,7 +105,7 @@ class LLM:
     def load_lora(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at `path` as `name` (the engine must have LoRA on: enable_lora=True
         or lora=[...]). Raises lora.AdapterError (a ValueError) and loads nothing on bad input."""
-        from kvharbor.engine.lora import load_adapter
+        from kvharbor.engine.lora.adapter import load_adapter
 
         lora = self.engine.config.lora
         self.engine.load_lora(load_adapter(name, path, self.engine.arch, lora.max_lora_rank))

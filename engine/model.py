@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvharbor.engine import cpu_linear
 from kvharbor.engine.attention import AttentionMetadata, paged_attention
-from kvharbor.engine.layer_ops import CPU_MAX_ROWS, CpuOps, TorchOps
-from kvharbor.engine.lora_slots import LoRAStep
+from kvharbor.engine.cpu import cpu_linear
+from kvharbor.engine.cpu.layer_ops import CPU_MAX_ROWS, CpuOps, TorchOps
+from kvharbor.engine.lora.lora_slots import LoRAStep
 from kvharbor.engine.model_arch import ModelArch
 from kvharbor.engine.quantize import QuantWeight, concat
 
@@ -78,7 +78,7 @@ class DecoderLayer(nn.Module):
         self.blocks: dict[str, QuantWeight] = {}  # projections loaded as GGUF blocks, until quantize()
 
     def prepare(self, make) -> None:
-        """Give every projection its CPU fast path (see engine/cpu_linear.py); call after loading.
+        """Give every projection its CPU fast path (see engine/cpu/cpu_linear.py); call after loading.
         Projections that have one already (quantized) keep it."""
         self.fast = {name: fast or make(getattr(self, name).data) for name, fast in self.fast.items()}
 
@@ -134,7 +134,7 @@ class LlamaModel(nn.Module):
         # GGUF blocks kept as they are (--quantization gguf) for the embedding and the LM head.
         self.embed_blocks: QuantWeight | None = None
         self.head_blocks: QuantWeight | None = None
-        self.ops = TorchOps()  # the layers' pointwise ops (engine/layer_ops.py)
+        self.ops = TorchOps()  # the layers' pointwise ops (engine/cpu/layer_ops.py)
         # The residual stream's and the projections' dtype: the model's, or float32 in
         # batch-invariant mode (prepare_cpu_linears), where the kernels take float32 rows.
         self.activation_dtype = dtype
@@ -142,14 +142,14 @@ class LlamaModel(nn.Module):
 
     def prepare_cpu_linears(self, threads: int, invariant: bool = False) -> str | None:
         """Give the projections and the LM head the CPU fast path for this dtype, if there is one
-        (engine/cpu_linear.py), and the layers the AVX2 kernels' pointwise ops where those run
-        (float32 on CPU, engine/layer_ops.py). `invariant`: batch-invariant paths only (every row
+        (engine/cpu/cpu_linear.py), and the layers the AVX2 kernels' pointwise ops where those run
+        (float32 on CPU, engine/cpu/layer_ops.py). `invariant`: batch-invariant paths only (every row
         count through the same kernels; ValueError where they cannot run). Returns what it is, or
         None. The weights stay as they are."""
         dtype, device = self.embed.dtype, self.embed.device
         kernels = None
         if device.type == "cpu":
-            from kvharbor.engine import cpu_kernels
+            from kvharbor.engine.cpu import cpu_kernels
 
             kernels = cpu_kernels.load(threads)
         if kernels is not None and (dtype == torch.float32 or invariant):
@@ -245,7 +245,7 @@ class LlamaModel(nn.Module):
         lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm; K/V written into `kv_caches`. `lora`:
-        the step's adapter rows (engine/lora_slots.py), None when every row is the base model's."""
+        the step's adapter rows (engine/lora/lora_slots.py), None when every row is the base model's."""
         x = self._embed(input_ids).to(self.activation_dtype)
         cos, sin = self.rope(positions, x.dtype)
         residual = None

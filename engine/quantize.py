@@ -1,7 +1,7 @@
 """Weight-only quantization of the linear layers (`--quantization int8|int4|gguf`): the formats,
 how float weights become them, and the linear that runs them.
 
-Three formats, one kernel family (engine/csrc/cpu_kernels.c, AVX2; activations rounded to int8 per
+Three formats, one kernel family (engine/cpu/csrc/cpu_kernels.c, AVX2; activations rounded to int8 per
 group of 32 in decode-sized products, below):
 - `int8`: symmetric, one scale per output channel, round-to-nearest of w / (max|w_row| / 127),
   so every weight is off by at most half a step. No zero points: one multiply per output.

@@ -72,7 +72,7 @@ class Request:
         lora: str | None = None,
     ) -> None:
         self.request_id = request_id
-        self.lora = lora  # the LoRA adapter it runs on (engine/lora_manager.py); None: the base model
+        self.lora = lora  # the LoRA adapter it runs on (engine/lora/lora_manager.py); None: the base model
         self.group_id = group_id if group_id is not None else request_id
         self.index = index
         self.prompt_token_ids = prompt_token_ids

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from kvharbor.engine.attention import build_metadata
-from kvharbor.engine.block_pool import Save
-from kvharbor.engine.kv_cache_manager import KVCacheManager
-from kvharbor.engine.kv_quant import SCALE_BYTES
+from kvharbor.engine.kv.block_pool import Save
+from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv.kv_quant import SCALE_BYTES
 from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.sampler import Sampler, SampleRow
 from kvharbor.engine.scheduler import ScheduledChunk, SchedulerPlan, StepOutput
@@ -23,7 +23,7 @@ class ModelRunner:
     """Owns the model and its KV tensor `[layers, 2 (K/V), kv_heads, num_blocks * block_size, dim]`.
 
     KV moves of a plan run here, around the forward: `save` (set by the shared-store client,
-    engine/kv_offload.py) takes blocks to copy out, `kv_io` (engine/kv_transfer.py) writes loads.
+    engine/kv/kv_offload.py) takes blocks to copy out, `kv_io` (engine/kv/kv_transfer.py) writes loads.
     """
 
     def __init__(
@@ -35,7 +35,7 @@ class ModelRunner:
         device: torch.device,
         attention_backend: str = "torch",
         cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decode attention through its kernel
-        kv_dtype: str = "auto",  # int8 / fp8: the cache holds 8-bit rows (engine/kv_quant.py)
+        kv_dtype: str = "auto",  # int8 / fp8: the cache holds 8-bit rows (engine/kv/kv_quant.py)
         invariant: bool = False,  # batch-invariant attention: every row through cpu_kernels (engine/attention.py)
     ) -> None:
         arch = model.arch

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvharbor.engine.rejection import accept_greedy, accept_sampled
 from kvharbor.engine.request import Logprob, Request, sample_id
+from kvharbor.engine.spec.rejection import accept_greedy, accept_sampled
 
 
 @dataclass
@@ -86,7 +86,7 @@ class Sampler:
     def verify(
         self, logits: torch.Tensor, request: Request, draft: list[int], draft_probs: torch.Tensor | None
     ) -> tuple[list[int], list[Logprob] | None]:
-        """Accept or reject `draft` (engine/rejection.py). `logits` [k + 1, vocab] float32: row j
+        """Accept or reject `draft` (engine/spec/rejection.py). `logits` [k + 1, vocab] float32: row j
         is the target's prediction after draft[:j]. Every sampling option is applied to each row
         as if draft[:j] had already been generated, so speculation changes no distribution."""
         params = request.params
@@ -109,7 +109,7 @@ class Sampler:
     def adjust(self, row: torch.Tensor, request: Request, extra: list[int] | None = None) -> torch.Tensor | None:
         """Bias, min_tokens and penalties; None when none applies (the raw row is used). `extra`:
         tokens taken as already generated after the request's own (speculated, being verified).
-        A draft model's proposals get the same processing (engine/draft.py's DraftSetup)."""
+        A draft model's proposals get the same processing (engine/spec/draft.py's DraftSetup)."""
         p = request.params
         extra = extra or []
         mask_stop = len(request.output_token_ids) + len(extra) < p.min_tokens

@@ -15,9 +15,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvharbor.engine.block_pool import Save
 from kvharbor.engine.config import SchedulerConfig
-from kvharbor.engine.kv_cache_manager import KVCacheManager, Load
+from kvharbor.engine.kv.block_pool import Save
+from kvharbor.engine.kv.kv_cache_manager import KVCacheManager, Load
 from kvharbor.engine.request import FinishReason, Logprob, Request, RequestStatus, sample_id
 
 

@@ -1,4 +1,4 @@
-"""SLO-aware admission (DESIGN §5): admit a request now if some engine is predicted to give its
+"""SLO-aware admission: admit a request now if some engine is predicted to give its
 first token within the model's TTFT SLO; otherwise queue it (priority >= 0) or shed it (< 0).
 
 Prediction for one engine (gateway/predict.py): (prefill tokens queued there + the request's

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation, decided per request (DESIGN §9).
+"""Prefill/decode disaggregation, decided per request (gateway/README.md says how).
 
 The router first picks the decode engine, by prefix affinity and load, among engines whose role
 is `decode` or `both`. Then `decide` asks whether a `prefill` engine is worth it for this request:

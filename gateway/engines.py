@@ -1,6 +1,6 @@
 """The engine instances behind the gateway, their load, and their health.
 
-Active checks: every `interval` each engine's `/load` is polled; it tells the load (DESIGN §2)
+Active checks: every `interval` each engine's `/load` is polled; it tells the load (common/load_report.py)
 and, by answering, that the engine is alive. Passive checks: the proxy reports failed calls.
 `eject_after` consecutive failures (or one refused connection) eject an engine from routing; it
 keeps being polled and returns with its first good answer. A draining engine is not routed to.

@@ -18,7 +18,13 @@ def adapter_label(adapter: str | None) -> str:
 
 class GatewayMetrics:
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
+        self._requests(self.registry)
+        self._routing(self.registry)
+        self._adapters(self.registry)
+
+    def _requests(self, r: CollectorRegistry) -> None:
+        """Per tenant: requests, tokens, refusals, streams, latency, goodput."""
         self.requests = Counter(
             "kvharbor_gateway_requests",
             "Requests by tenant, model and status",
@@ -65,6 +71,15 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.goodput = Counter(
+            "kvharbor_gateway_goodput_requests",
+            "Requests that met their TTFT and ITL SLOs",
+            ["tenant", "model"],
+            registry=r,
+        )
+
+    def _routing(self, r: CollectorRegistry) -> None:
+        """Per model: routes, P/D decisions, prefix matches, retries, the engines and the queue."""
         self.routes = Counter(
             "kvharbor_gateway_routing_decisions", "Routing decisions by reason", ["model", "reason"], registry=r
         )
@@ -80,12 +95,6 @@ class GatewayMetrics:
         self.matched_blocks = Counter(
             "kvharbor_gateway_matched_blocks", "Of those, held by the chosen engine", ["model"], registry=r
         )
-        self.goodput = Counter(
-            "kvharbor_gateway_goodput_requests",
-            "Requests that met their TTFT and ITL SLOs",
-            ["tenant", "model"],
-            registry=r,
-        )
         self.retries = Counter(
             "kvharbor_gateway_retries",
             "Requests moved to another engine before their first token",
@@ -98,6 +107,17 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.engines_up = Gauge("kvharbor_gateway_engines_routable", "Engines in rotation", ["model"], registry=r)
+        self.queued = Gauge("kvharbor_gateway_queue_length", "Requests waiting for admission", registry=r)
+        self.prefix_hit_ratio = Gauge(
+            "kvharbor_gateway_prefix_hit_ratio",
+            "Matched / prompt blocks of routed requests, so far",
+            ["model"],
+            registry=r,
+        )
+
+    def _adapters(self, r: CollectorRegistry) -> None:
+        """Per base model and LoRA adapter ("": the base model)."""
         self.adapter_requests = Counter(
             "kvharbor_gateway_adapter_requests",
             'Requests by base model, LoRA adapter ("": the base model) and status',
@@ -128,14 +148,6 @@ class GatewayMetrics:
             "kvharbor_gateway_adapter_routes",
             "Adapter requests routed, by where the adapter stood on the chosen engine (active, free_slot, swap)",
             ["model", "adapter", "slot"],
-            registry=r,
-        )
-        self.engines_up = Gauge("kvharbor_gateway_engines_routable", "Engines in rotation", ["model"], registry=r)
-        self.queued = Gauge("kvharbor_gateway_queue_length", "Requests waiting for admission", registry=r)
-        self.prefix_hit_ratio = Gauge(
-            "kvharbor_gateway_prefix_hit_ratio",
-            "Matched / prompt blocks of routed requests, so far",
-            ["model"],
             registry=r,
         )
 

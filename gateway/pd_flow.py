@@ -1,4 +1,4 @@
-"""A call's P/D step (DESIGN §9): decide, and when a prefill engine is worth it, run the prefill
+"""A call's P/D step: decide, and when a prefill engine is worth it, run the prefill
 there and hand its KV to the decode engine.
 
 A prefill that fails leaves the request colocated, counted as prefill_failed (or prefill_timeout,

@@ -1,4 +1,4 @@
-"""One streamed answer on its way from an engine to the client (DESIGN §5), and everything it
+"""One streamed answer on its way from an engine to the client, and everything it
 settles when it ends, once, however it ends (done, engine broke, client left):
 
 - each SSE line is parsed once (gateway/sse.py) and forwarded unchanged, except the usage chunk

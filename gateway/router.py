@@ -1,4 +1,4 @@
-"""Which engine gets a request (DESIGN §5).
+"""Which engine gets a request.
 
 - `prefix` (default): for each routable engine, score = prefix_weight x matched/prompt blocks
   (from the KV index) + kv_weight x free KV share + queue_weight x (1 - queue / longest queue).
@@ -143,7 +143,7 @@ def faster_elsewhere(
     holder; predictions count what this gateway sent since the last poll, so the burst spreads as
     soon as the holder's queue costs more than the other's miss."""
     if route.reason not in ("prefix", "load"):
-        return route  # imbalance and a silent index route by load alone (DESIGN §5)
+        return route  # imbalance and a silent index route by load alone
     predicted = {e.url: predict(e, prompt_tokens, route.held.get(e.url, 0), block_size, adapter) for e in engines}
     mine = predicted[route.engine.url]
     better = [e for e in engines if predicted[e.url].better_than(mine, slo_itl_s)]

@@ -1,4 +1,4 @@
-"""Tenants: who an API key belongs to, what it may use, and its limits (DESIGN §5).
+"""Tenants: who an API key belongs to, what it may use, and its limits.
 
     tenants:
       - name: acme

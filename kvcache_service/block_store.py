@@ -1,5 +1,5 @@
 """The shared KV block store: tier 2, where one engine leaves KV blocks that another can pull
-instead of recomputing their prefill (DESIGN §4).
+instead of recomputing their prefill.
 
 A stored block is self-describing: a header says which model (by name and weights fingerprint),
 which layout, which dtype and which block hash it holds, with a checksum of its payload. A reader
@@ -87,7 +87,7 @@ class BlockFormat:
     """What a block's bytes mean: who may read them."""
 
     model: str
-    fingerprint: str  # identity of the weights (engine/kv_transfer.py computes it)
+    fingerprint: str  # identity of the weights (engine/kv/kv_transfer.py computes it)
     layout: str  # e.g. "hm1:L30:H3:D64:B16" - tensor order and shape of one block
     dtype: str  # e.g. "bfloat16"
     block_bytes: int  # payload size of one block

@@ -1,4 +1,4 @@
-"""The KV index contract: which engine instance holds which run of a prompt's blocks (DESIGN §4).
+"""The KV index contract: which engine instance holds which run of a prompt's blocks.
 
 Two backends implement `Index`: `MemoryIndex` (one process) and `RedisIndex` (shared by every
 gateway and KV cache service replica). tests/test_kvindex_conformance.py runs one suite on both.

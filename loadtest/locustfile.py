@@ -20,7 +20,7 @@ import time
 from locust import HttpUser, between, constant_pacing, task
 from personas import QUESTIONS, SYSTEM_PROMPTS, text
 
-from kvharbor.common.loadtest_tenants import LOADTEST_TENANTS as TENANTS
+from kvharbor.launch.loadtest_tenants import LOADTEST_TENANTS as TENANTS
 
 MODEL = os.environ.get("KVHARBOR_LOADTEST_MODEL", "SmolLM2-135M-Instruct")
 RECORDS = os.environ.get("KVHARBOR_LOADTEST_RECORDS")

@@ -1,7 +1,7 @@
 """The load test's tenants: who they are, their keys, and the prompts they send.
 
 Shared by the locustfile (which sends the traffic) and run.py (which judges the results). The
-tenants themselves live in kvharbor.common.loadtest_tenants, which `kvharbor up --loadtest-tenants`
+tenants themselves live in kvharbor.launch.loadtest_tenants, which `kvharbor up --loadtest-tenants`
 loads into the gateway.
 """
 

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from kvharbor.common.loadtest_tenants import LOADTEST_TENANTS as TENANTS
 from kvharbor.common.model_files import DEFAULT_MODEL_NAME, resolve_model
+from kvharbor.launch.loadtest_tenants import LOADTEST_TENANTS as TENANTS
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -48,7 +48,7 @@ class Platform:
     """`kvharbor up` in the background, for runs without --host."""
 
     def __init__(self, out: Path, engines: int, routing: str, model_path: str | None) -> None:
-        from kvharbor.common.embedded_redis import free_port
+        from kvharbor.launch.embedded_redis import free_port
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -56,7 +56,7 @@ class Platform:
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         # 384 blocks of 16 tokens per engine, in whatever dtype this CPU runs.
         # Its own admin port too: a `make up` already running holds the default 9090.
-        cmd = [sys.executable, "-m", "kvharbor.common.cli", "up", "--port", str(self.port), "--engines", str(engines),
+        cmd = [sys.executable, "-m", "kvharbor.launch.cli", "up", "--port", str(self.port), "--engines", str(engines),
                "--admin-port", str(free_port()), "--routing", routing, "--loadtest-tenants",
                "--num-kv-blocks", "384"]  # fmt: skip
         if model_path:
@@ -102,7 +102,7 @@ class KeysRefused(RuntimeError):
 
 HOW_TO_LOAD_KEYS = (
     "start the platform with `make up` (or `kvharbor up --loadtest-tenants`), which loads the load test's "
-    "tenants (kvharbor.common.loadtest_tenants); or add them to your gateway's tenants file; or run "
+    "tenants (kvharbor.launch.loadtest_tenants); or add them to your gateway's tenants file; or run "
     "`make loadtest` without HOST, and it starts a platform of its own"
 )
 

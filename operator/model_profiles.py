@@ -54,9 +54,9 @@ class ModelProfile:
         return int(self.linear_parameters * per) + rest
 
     def kv_bytes_per_token(self, dtype: str, kv_cache_dtype: str = "auto") -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes (DESIGN §3); an 8-bit cache
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes (engine/kv/capacity.py); an 8-bit cache
         (kvCacheDtype int8 / fp8) takes head_dim + 2 bytes a row: the codes and a bfloat16 scale
-        (engine/kv_quant.py)."""
+        (engine/kv/kv_quant.py)."""
         if kv_cache_dtype in KV_8BIT:
             return 2 * self.layers * self.kv_heads * (self.head_dim + 2)
         if kv_cache_dtype != "auto":
@@ -79,7 +79,7 @@ class ModelProfile:
         return per_layer * self.layers
 
     def lora_bytes(self, slots: int, rank: int, loaded: int, dtype: str) -> int:
-        """What an engine reserves for LoRA out of its memory (engine/lora_manager.py
+        """What an engine reserves for LoRA out of its memory (engine/lora/lora_manager.py
         `reserved_bytes`): `slots` (--max-loras) adapter slots of `rank` (--max-lora-rank) on
         every projection at the model's dtype, plus `loaded` (--max-cpu-loras) adapters counted
         at that rank in float32 (their loaded copies). Smaller adapters take less of it."""

@@ -1,4 +1,4 @@
-"""desired_objects: what an InferenceService becomes in the cluster (DESIGN §6), as plain dicts.
+"""desired_objects: what an InferenceService becomes in the cluster, as plain dicts.
 
 Per engine role (operator/roles.py: one colocated `both`, or `prefill` and `decode`) a ConfigMap
 with the engine config, an engine Deployment (GPU limits, node pool selector, tolerations,
@@ -269,7 +269,7 @@ def engine_container(
 
 def engine_service(name: str, namespace: str, owner: list[dict], spec: dict, roles: Sequence[str]) -> dict[str, Any]:
     """The one engine Service: it selects every role's engines, so the gateway's discovery finds
-    the prefill pool and the decode engines alike (DESIGN §5) and reads each one's role in /load."""
+    the prefill pool and the decode engines alike (gateway/discovery.py) and reads each one's role in /load."""
     labels = {**engine_labels(name, COLOCATED), DISCOVERY_LABEL: "engine",
               MODEL_LABEL: _label_value(spec["model"]["name"]), ROLES_LABEL: "-".join(roles)}  # fmt: skip
     return {

@@ -1,4 +1,4 @@
-"""Placement: which GPU node pool, and how many GPUs per replica, fit a model (DESIGN §6).
+"""Placement: which GPU node pool, and how many GPUs per replica, fit a model.
 
 Pools come from Nodes grouped by a label. Per pool the NVIDIA feature-discovery labels give the
 GPU product (`nvidia.com/gpu.product`) and memory per GPU (`nvidia.com/gpu.memory`, MiB), and

@@ -1,4 +1,4 @@
-"""The engine roles an InferenceService runs (DESIGN §9): `RoleSpec` and `role_specs(spec)`.
+"""The engine roles an InferenceService runs: `RoleSpec` and `role_specs(spec)`.
 
 Without `spec.disaggregation` a service runs one colocated role, `both`, shaped by the top-level
 `replicas`, `autoscaling`, `resources` and `placement`. With it, it runs a `prefill` and a

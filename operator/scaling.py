@@ -1,4 +1,4 @@
-"""Scaling decisions (DESIGN §6): how many engine replicas an InferenceService should run.
+"""Scaling decisions: how many engine replicas an InferenceService should run.
 
 Like the Horizontal Pod Autoscaler: desired = ceil(current x observed / target), clamped to
 [min, max], ignored within a 10% tolerance, and held by cool-downs (scale up no sooner than

@@ -1,4 +1,4 @@
-"""Status conditions, phase and events of an InferenceService (DESIGN §6), as pure functions.
+"""Status conditions, phase and events of an InferenceService, as pure functions.
 
 A condition's lastTransitionTime moves only when its status changes, so a reconcile that finds
 nothing new writes the same status again (and the API server skips the no-op write). Every

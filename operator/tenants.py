@@ -1,4 +1,4 @@
-"""Tenant resources -> the gateway's tenants file (DESIGN §5, §6).
+"""Tenant resources -> the gateway's tenants file (gateway/tenants.py reads it).
 
 The gateway reads tenants from a YAML file it re-reads on change; in Kubernetes that file is a
 key of a Secret the operator writes from every Tenant and the Secrets their `apiKeySecretRef`

@@ -32,7 +32,7 @@ def pytest_sessionstart(session):
     # The CPU kernels compile on first use; do it here, before any test, so that no fast-tier test
     # starts the C compiler (the process guard would fail it). A machine that cannot build them
     # simply runs without them, as users' machines do.
-    from kvharbor.engine import cpu_kernels
+    from kvharbor.engine.cpu import cpu_kernels
     from kvharbor.engine.device import physical_cores
 
     cpu_kernels.load(physical_cores())
@@ -243,8 +243,8 @@ def redis_server(tmp_path_factory):
 @pytest.fixture(scope="session")
 def redis_cluster(tmp_path_factory):
     """One real Redis Cluster for the session: 3 masters on loopback ports, from the same
-    redis-server binary as `redis_server` (common/embedded_redis.py). Tests flush it first."""
-    from kvharbor.common.embedded_redis import EmbeddedRedisCluster
+    redis-server binary as `redis_server` (launch/embedded_redis.py). Tests flush it first."""
+    from kvharbor.launch.embedded_redis import EmbeddedRedisCluster
 
     with EmbeddedRedisCluster(3, tmp_path_factory.mktemp("redis-cluster")) as cluster:
         yield cluster

@@ -1,6 +1,6 @@
 """A TEST DOUBLE of a Kubernetes API server, for tests only. It is not a Kubernetes implementation.
 
-No machine here has a real API server (DESIGN.md §8), so tests run the real kopf operator, the official
+No machine here has a real API server, so tests run the real kopf operator, the official
 `kubernetes` client and plain httpx against this small in-memory aiohttp server instead. It serves
 plain HTTP on 127.0.0.1 from a daemon thread with its own event loop.
 

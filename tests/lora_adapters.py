@@ -35,7 +35,7 @@ def write_random_adapter(folder, arch, rank: int, seed: int = 0) -> str:
 
     from safetensors.torch import save_file
 
-    from kvharbor.engine.lora import sub_shapes
+    from kvharbor.engine.lora.adapter import sub_shapes
 
     gen = torch.Generator().manual_seed(seed)
     shapes = sub_shapes(arch)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from kvharbor.common.embedded_redis import EmbeddedRedis, free_port
+from kvharbor.launch.embedded_redis import EmbeddedRedis, free_port
 
 
 def wait_for(predicate, timeout: float = 30.0, what: str = "condition"):
@@ -69,7 +69,7 @@ class EngineServerProcess:
             self.admin_url = f"http://127.0.0.1:{self.admin_port}"
             self.admin_args = ("--admin-port", str(self.admin_port))
         args = (*self.admin_args, *args)
-        self.args = [sys.executable, "-m", "kvharbor.common.cli", "serve", "--port", str(self.port), *args]
+        self.args = [sys.executable, "-m", "kvharbor.launch.cli", "serve", "--port", str(self.port), *args]
         self.log_path = log_dir / f"serve-{self.port}.log"
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen | None = None
@@ -185,7 +185,7 @@ class KVCacheServiceProcess(EngineServerProcess):
     def __init__(self, log_dir: Path, redis_url: str, *args: str, port: int | None = None, admin: bool = False) -> None:
         super().__init__(log_dir, port=port, admin=admin)
         self.args = [
-            sys.executable, "-m", "kvharbor.common.cli", "kvcache",
+            sys.executable, "-m", "kvharbor.launch.cli", "kvcache",
             "--redis-url", redis_url, "--port", str(self.port), *self.admin_args, *args,
         ]  # fmt: skip
         self.log_path = log_dir / f"kvcache-{self.port}.log"
@@ -202,7 +202,7 @@ class GatewayProcess(EngineServerProcess):
         self.admin_port = free_port()
         self.admin_url = f"http://127.0.0.1:{self.admin_port}"
         self.args = [
-            sys.executable, "-m", "kvharbor.common.cli", "gateway",
+            sys.executable, "-m", "kvharbor.launch.cli", "gateway",
             "--port", str(self.port), "--admin-port", str(self.admin_port), *args,
         ]  # fmt: skip
         self.log_path = log_dir / f"gateway-{self.port}.log"
@@ -217,7 +217,7 @@ class OperatorProcess(EngineServerProcess):
     def __init__(self, log_dir: Path, kubeconfig: Path, *args: str) -> None:
         super().__init__(log_dir, env={"KUBECONFIG": str(kubeconfig)})
         self.args = [
-            sys.executable, "-m", "kvharbor.common.cli", "operator",
+            sys.executable, "-m", "kvharbor.launch.cli", "operator",
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "debug", *args,
         ]  # fmt: skip
         self.log_path = log_dir / f"operator-{self.port}.log"

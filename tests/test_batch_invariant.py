@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.cpu_kernels import load
+from kvharbor.engine.cpu.cpu_kernels import load
 
 pytestmark = pytest.mark.skipif(load(2) is None, reason="batch-invariant mode needs kvharbor's CPU kernels")
 

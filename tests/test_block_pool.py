@@ -5,8 +5,8 @@ import pytest
 
 from kvharbor.common.block_hash import namespace_hash
 from kvharbor.common.kv_events import AllCleared, BlockRemoved, BlockStored
-from kvharbor.engine.block_pool import BlockPool
-from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv.block_pool import BlockPool
+from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
 from kvharbor.engine.request import Request
 from kvharbor.engine.sampling_params import SamplingParams
 

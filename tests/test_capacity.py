@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvharbor.engine.capacity import check_max_model_len, plan_capacity
 from kvharbor.engine.config import CacheConfig
+from kvharbor.engine.kv.capacity import check_max_model_len, plan_capacity
 from kvharbor.engine.model_arch import ModelArch
 
 

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from kvharbor.common import __version__
-from kvharbor.common.cli import main
+from kvharbor.launch.cli import main
 
-KVHARBOR = [sys.executable, "-m", "kvharbor.common.cli"]
+KVHARBOR = [sys.executable, "-m", "kvharbor.launch.cli"]
 COMMANDS = ("generate", "chat", "serve", "up", "gateway", "kvcache", "operator")
 
 

@@ -78,10 +78,10 @@ def test_parse_bytes(text, value):
 
 def test_every_command_shares_one_server_sub_config():
     from kvharbor.common.server_config import ListenConfig
-    from kvharbor.common.up import UpConfig
     from kvharbor.engine.config import ServeConfig
     from kvharbor.gateway.config import GatewayConfig
     from kvharbor.kvcache_service.config import KVCacheServiceConfig
+    from kvharbor.launch.up import UpConfig
     from kvharbor.operator.config import OperatorConfig
 
     shared = {"host", "port", "log_level", "log_json"}

@@ -1,4 +1,4 @@
-"""kvharbor's float32 CPU kernels (engine/csrc/cpu_kernels.c) against float64 references: the
+"""kvharbor's float32 CPU kernels (engine/cpu/csrc/cpu_kernels.c) against float64 references: the
 decode linears, paged decode attention and the layers' pointwise ops; the build cache, the fallback where nothing can be
 built, a forked child, and the engine's tokens with the kernels on and off."""
 
@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvharbor.engine import SamplingParams, cpu_kernels
+from kvharbor.engine import SamplingParams
+from kvharbor.engine.cpu import cpu_kernels
 
 THREADS = 2
 KERNELS = cpu_kernels.load(THREADS)
@@ -39,7 +40,7 @@ def test_linear_matches_float64(m, n, k):
 @pytest.mark.parametrize("rows", [1, 16, 17, 64, 65, 300])
 def test_a_skinny_linear_takes_every_row_count(rows):
     """Decode rows through the kernel, prefill rows through oneDNN's packed copy (or F.linear)."""
-    from kvharbor.engine import cpu_linear
+    from kvharbor.engine.cpu import cpu_linear
 
     gen = torch.Generator().manual_seed(rows)
     w, bias = torch.randn(200, 96, generator=gen), torch.randn(200, generator=gen)
@@ -170,7 +171,7 @@ def test_without_a_compiler_the_engine_keeps_torchs_matmul(monkeypatch, caplog, 
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
     cpu_kernels.load.cache_clear()
     try:
-        with caplog.at_level("INFO", logger="kvharbor.engine.cpu_kernels"):
+        with caplog.at_level("INFO", logger="kvharbor.engine.cpu.cpu_kernels"):
             llm = make_llm(tiny_llama.loaded)
         assert llm.engine.cpu_kernels is None and llm.engine.model.layers[0].fast["qkv"] is None
         if KERNELS is not None:  # this CPU could run them: the log says why they are not used
@@ -216,7 +217,7 @@ def test_add_rms_norm_matches_float64(rows, hidden, add):
 @needs_kernels
 @pytest.mark.parametrize(("heads", "dim"), [(1, 2), (3, 12), (12, 64)])
 def test_rope_matches_float64_rotate_half(heads, dim):
-    from kvharbor.engine.layer_ops import rotate
+    from kvharbor.engine.cpu.layer_ops import rotate
 
     gen = torch.Generator().manual_seed(heads * dim)
     rows, extra = 5, 7  # a v part (extra floats) that must stay untouched

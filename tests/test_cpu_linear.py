@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvharbor.engine import SamplingParams, cpu_linear
+from kvharbor.engine import SamplingParams
+from kvharbor.engine.cpu import cpu_linear
 
 pytestmark = pytest.mark.skipif(
     not cpu_linear.packing_available(torch.bfloat16, torch.device("cpu")), reason="no oneDNN prepacking here"

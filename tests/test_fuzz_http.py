@@ -459,7 +459,7 @@ class _Nothing:
 def _engine_app_without_core():
     """The engine's real app and middleware over a stub core: enough for requests whose bodies never
     arrive (no route runs before the body guard has the whole body)."""
-    from kvharbor.engine.api_server import ServerState, build_app
+    from kvharbor.engine.serve.api_server import ServerState, build_app
 
     core = SimpleNamespace(info=SimpleNamespace(max_model_len=128, vocab_size=100), tokenizer=None,
                            model_name=ENGINE_MODEL, load=SimpleNamespace(lora_adapters={}), alive=True)  # fmt: skip

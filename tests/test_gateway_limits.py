@@ -15,11 +15,11 @@ import pytest
 from redis.crc import key_slot
 from redis.exceptions import RedisClusterException
 
-from kvharbor.common.embedded_redis import free_port
 from kvharbor.common.redis_client import connect, connect_sync
 from kvharbor.common.redis_keys import rate_limit_key
 from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
 from kvharbor.gateway.tenants import Limits, Tenant
+from kvharbor.launch.embedded_redis import free_port
 
 MODEL = "SmolLM2-135M-Instruct"  # the bundled model's name: the gateway reads its tokenizer
 

@@ -12,7 +12,7 @@ from test_gguf import write_gguf
 from test_quantize import MAX_LOGIT_MOVE, kernel_bound
 
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.cpu_kernels import load
+from kvharbor.engine.cpu.cpu_kernels import load
 from kvharbor.engine.gguf_blocks import repack
 from kvharbor.engine.hf_reference import hf_reference_model
 from kvharbor.engine.loader import load_model

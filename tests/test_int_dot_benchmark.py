@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import int_dot
 
 from kvharbor.common.machine import cpu_info
-from kvharbor.engine import cpu_kernels
+from kvharbor.engine.cpu import cpu_kernels
 
 
 @pytest.mark.slow  # compiles the kernel twice, ~10 s each here

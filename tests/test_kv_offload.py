@@ -10,8 +10,8 @@ import redis
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.kv_offload import KVStoreClient
-from kvharbor.engine.metrics import CounterBoard
+from kvharbor.engine.kv.kv_offload import KVStoreClient
+from kvharbor.engine.serve.metrics import CounterBoard
 from kvharbor.kvcache_service.block_store import RedisBlockStore
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

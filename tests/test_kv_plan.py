@@ -8,7 +8,7 @@ import pytest
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.block_pool import BlockPool
+from kvharbor.engine.kv.block_pool import BlockPool
 from kvharbor.engine.request import FinishReason
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

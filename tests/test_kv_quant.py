@@ -14,10 +14,10 @@ from conftest import hf_greedy
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.common.config import ConfigError, load_config
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.capacity import plan_capacity
 from kvharbor.engine.config import CacheConfig, EngineConfig
-from kvharbor.engine.cpu_kernels import load
-from kvharbor.engine.kv_quant import dequantize_rows, quantize_rows
+from kvharbor.engine.cpu.cpu_kernels import load
+from kvharbor.engine.kv.capacity import plan_capacity
+from kvharbor.engine.kv.kv_quant import dequantize_rows, quantize_rows
 from kvharbor.kvcache_service.block_store import BlockRefused, decode_block, encode_block
 
 GEMM = load(2)
@@ -123,8 +123,8 @@ def test_blocks_of_another_kv_dtype_are_refused(tiny_llama, make_llm):
 def test_a_store_hands_int8_blocks_only_to_int8_engines(tiny_llama, make_llm, redis_server):
     import redis
 
-    from kvharbor.engine.kv_offload import KVStoreClient
-    from kvharbor.engine.metrics import CounterBoard
+    from kvharbor.engine.kv.kv_offload import KVStoreClient
+    from kvharbor.engine.serve.metrics import CounterBoard
     from kvharbor.kvcache_service.block_store import RedisBlockStore
 
     redis.Redis.from_url(redis_server.url).flushdb()

@@ -8,7 +8,7 @@ import torch
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.kv_transfer import KVBlockIO, weights_fingerprint
+from kvharbor.engine.kv.kv_transfer import KVBlockIO, weights_fingerprint
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 

@@ -1,4 +1,4 @@
-"""The layers' pointwise ops (engine/layer_ops.py): the AVX2 kernels' (CpuOps) give what torch's
+"""The layers' pointwise ops (engine/cpu/layer_ops.py): the AVX2 kernels' (CpuOps) give what torch's
 (TorchOps) give, for decode-sized batches (the kernels) and larger ones (torch again)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvharbor.engine import cpu_kernels
-from kvharbor.engine.layer_ops import CPU_MAX_ROWS, CpuOps, TorchOps
+from kvharbor.engine.cpu import cpu_kernels
+from kvharbor.engine.cpu.layer_ops import CPU_MAX_ROWS, CpuOps, TorchOps
 
 KERNELS = cpu_kernels.load(2)
 needs_kernels = pytest.mark.skipif(KERNELS is None, reason="the AVX2 kernels cannot run or build here")

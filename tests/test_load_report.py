@@ -10,7 +10,7 @@ import pytest
 
 from kvharbor.common.load_report import LoadReport, LoadReportError
 from kvharbor.engine.core_io import CoreStats
-from kvharbor.engine.metrics import ServerMetrics
+from kvharbor.engine.serve.metrics import ServerMetrics
 
 FULL = LoadReport(
     model="m", instance_id="a", running=3, waiting=2, waiting_prefill_tokens=900, kv_blocks_total=100,

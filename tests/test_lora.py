@@ -14,8 +14,8 @@ from conftest import hf_next_tokens
 from lora_adapters import make_adapter
 
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.lora import AdapterError, load_adapter
-from kvharbor.engine.lora_manager import UnknownAdapter
+from kvharbor.engine.lora.adapter import AdapterError, load_adapter
+from kvharbor.engine.lora.lora_manager import UnknownAdapter
 
 peft = pytest.importorskip("peft")
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvharbor.engine import cpu_kernels, lora_slots
-from kvharbor.engine.lora import LoRAAdapter, sub_shapes
-from kvharbor.engine.lora_slots import MODULES_OF, LoRASlots, LoRAStep
+from kvharbor.engine.cpu import cpu_kernels
+from kvharbor.engine.lora import lora_slots
+from kvharbor.engine.lora.adapter import LoRAAdapter, sub_shapes
+from kvharbor.engine.lora.lora_slots import MODULES_OF, LoRASlots, LoRAStep
 from kvharbor.engine.model_arch import ModelArch
 
 ARCH = ModelArch(

@@ -225,9 +225,9 @@ def test_lora_is_sized_as_the_engine_reserves_it():
 
 
 def test_the_operator_counts_what_the_engine_reserves():
-    """ModelProfile.lora_bytes is the engine's own reservation (engine/lora_manager.py), for a
+    """ModelProfile.lora_bytes is the engine's own reservation (engine/lora/lora_manager.py), for a
     model the engine builds from a config.json with the profile's dimensions."""
-    from kvharbor.engine.lora_manager import reserved_bytes
+    from kvharbor.engine.lora.lora_manager import reserved_bytes
     from kvharbor.engine.model_arch import ModelArch
 
     for profile, vocab in ((SMOL, 49152), (LLAMA, 128256)):

@@ -62,7 +62,7 @@ def test_operator_is_the_stdlib_module_from_a_wheel(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     assert not any(n.startswith("operator/") for n in names)
     assert "kvharbor/engine/llm.py" in names and "kvharbor/common/block_hash.py" in names
-    assert "kvharbor/engine/csrc/cpu_kernels.c" in names  # compiled where the engine runs
+    assert "kvharbor/engine/cpu/csrc/cpu_kernels.c" in names  # compiled where the engine runs
     assert "kvharbor/engine/kernels/decode.py" in names
     for module in (REPO / "operator").rglob("*.py"):  # operator code ships under kvharbor/operator/
         assert f"kvharbor/operator/{module.relative_to(REPO / 'operator').as_posix()}" in names
@@ -119,7 +119,7 @@ def test_dependency_rules():
 def test_shared_code_imports_without_torch():
     code = (
         "import sys, kvharbor.common.block_hash, kvharbor.common.kv_events, kvharbor.common.config, "
-        "kvharbor.common.cli, kvharbor.common.model_files, kvharbor.gateway.app, kvharbor.gateway.service, "
+        "kvharbor.launch.cli, kvharbor.common.model_files, kvharbor.gateway.app, kvharbor.gateway.service, "
         "kvharbor.kvcache_service.app, kvharbor.kvcache_service.service, kvharbor.operator.handlers, "
         "kvharbor.operator.service; assert 'torch' not in sys.modules, "
         "'a control-plane part loaded torch'"
@@ -127,8 +127,8 @@ def test_shared_code_imports_without_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
     # The API server of `kvharbor serve` only talks to its engine core process: it stays slim too.
     server = (
-        "import sys, kvharbor.engine, kvharbor.engine.serve, kvharbor.engine.api_server, "
-        "kvharbor.engine.core_client; assert 'torch' not in sys.modules, 'the engine API server loaded torch'"
+        "import sys, kvharbor.engine, kvharbor.engine.serve.server, kvharbor.engine.serve.api_server, "
+        "kvharbor.engine.serve.core_client; assert 'torch' not in sys.modules, 'the engine API server loaded torch'"
     )
     subprocess.run([sys.executable, "-c", server], check=True)
 

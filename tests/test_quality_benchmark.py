@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import quality
 
-from kvharbor.engine.cpu_kernels import load
+from kvharbor.engine.cpu.cpu_kernels import load
 
 
 @pytest.mark.slow  # five engines load and run, ~14 s here

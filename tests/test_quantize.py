@@ -14,7 +14,7 @@ from conftest import assert_near_reference
 from kvharbor.common.config import ConfigError, load_config
 from kvharbor.engine import SamplingParams
 from kvharbor.engine.config import EngineConfig
-from kvharbor.engine.cpu_kernels import load
+from kvharbor.engine.cpu.cpu_kernels import load
 from kvharbor.engine.hf_reference import hf_reference_model
 from kvharbor.engine.model import QUANT_MAX_ROWS
 from kvharbor.engine.quantize import (

@@ -11,8 +11,8 @@ import httpx
 import pytest
 from servers import KVCacheServiceProcess, free_port, write_tenants
 
-from kvharbor.common.embedded_redis import EmbeddedRedis
 from kvharbor.common.redis_client import RedisAuthError, check_credentials, credentials_refused, redact
+from kvharbor.launch.embedded_redis import EmbeddedRedis
 
 pytestmark = pytest.mark.slow  # a real redis-server and the real CLIs
 
@@ -27,7 +27,7 @@ def protected(tmp_path_factory):
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvharbor.common.cli", *args], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "kvharbor.launch.cli", *args], capture_output=True, text=True, timeout=120, env=env
     )
 
 

@@ -1,9 +1,9 @@
 """Scheduler, without a model: budgets, chunked prefill, priorities, fairness, preemption, abort."""
 
 from kvharbor.common.block_hash import namespace_hash
-from kvharbor.engine.block_pool import BlockPool
 from kvharbor.engine.config import SchedulerConfig
-from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv.block_pool import BlockPool
+from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
 from kvharbor.engine.request import FinishReason, Request, RequestStatus
 from kvharbor.engine.sampling_params import SamplingParams
 from kvharbor.engine.scheduler import Scheduler, SchedulerPlan, StepOutput
@@ -185,7 +185,7 @@ def test_prefix_hit_counters_count_each_admission_once():
 def test_speculation_uses_only_what_real_work_left():
     """Three decodes that exactly fill a 9-block pool: a guess for the first must not take the
     block another needs (which would preempt it); with budget and blocks to spare it runs."""
-    from kvharbor.engine.proposers import Proposal
+    from kvharbor.engine.spec.proposers import Proposal
 
     s, kv = make(num_blocks=9, budget=64, max_seqs=8)
     for i, rid in enumerate("abc"):

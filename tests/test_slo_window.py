@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvharbor.engine.slo_window import SLOWindow
+from kvharbor.engine.serve.slo_window import SLOWindow
 
 
 class Clock:

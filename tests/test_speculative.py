@@ -13,8 +13,8 @@ import torch
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.proposers import AdaptiveK, NgramProposer, Proposal, ngram_lookup
-from kvharbor.engine.rejection import accept_greedy, accept_sampled
+from kvharbor.engine.spec.proposers import AdaptiveK, NgramProposer, Proposal, ngram_lookup
+from kvharbor.engine.spec.rejection import accept_greedy, accept_sampled
 
 # Chi-square critical values at alpha = 0.001 by degrees of freedom (scipy.stats.chi2.ppf(0.999, df)).
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124, 9: 27.877,
@@ -291,8 +291,8 @@ def test_a_request_can_opt_out(make_llm, tiny_llama):
 
 def test_acceptance_rate_and_mean_accepted_length_are_reported(make_llm, tiny_llama):
     from kvharbor.engine.core_io import CoreStats
-    from kvharbor.engine.engine_loop import EngineLoop
-    from kvharbor.engine.metrics import ServerMetrics
+    from kvharbor.engine.serve.engine_loop import EngineLoop
+    from kvharbor.engine.serve.metrics import ServerMetrics
 
     llm = make_llm(tiny_llama.loaded, speculative_method="ngram", speculative_k=3, ngram_n=1)
     llm.generate(repetitive_prompts(512, 4, seed=2), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))

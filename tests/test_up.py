@@ -72,7 +72,7 @@ class Up:
         self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         env = {**os.environ, **(env or {}), "KVHARBOR_TEST_MARK": self.mark}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvharbor.common.cli", "up", "--port", str(self.port),
+            [sys.executable, "-m", "kvharbor.launch.cli", "up", "--port", str(self.port),
              "--admin-port", self.admin_url.rsplit(":", 1)[1], *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env,
         )  # fmt: skip

@@ -11,8 +11,8 @@ from servers import write_tenants
 
 from kvharbor.common.api_keys import hash_key
 from kvharbor.common.config import ConfigError, load_config
-from kvharbor.common.loadtest_tenants import LOADTEST_TENANTS
-from kvharbor.common.up import Platform, UpConfig
+from kvharbor.launch.loadtest_tenants import LOADTEST_TENANTS
+from kvharbor.launch.up import Platform, UpConfig
 
 
 @pytest.fixture
@@ -148,7 +148,7 @@ def test_a_crash_looping_part_is_marked_failed_and_the_rest_runs_on_unless_it_is
     import sys
     import time
 
-    from kvharbor.common.up import Child
+    from kvharbor.launch.up import Child
 
     platform = Platform(
         load_config(UpConfig, env={}, overrides={"crash_limit": 3, "crash_window": 60, "restart_backoff": 0.05})

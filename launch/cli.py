@@ -15,8 +15,8 @@ from kvharbor.common import __version__
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("kvharbor.engine.cli", "complete a prompt offline with the engine"),
     "chat": ("kvharbor.engine.cli", "answer one chat message offline with the engine"),
-    "serve": ("kvharbor.engine.serve", "serve the OpenAI API from one engine (FastAPI on uvicorn)"),
-    "up": ("kvharbor.common.up", "run the whole platform here: Redis, KV cache service, engines, gateway"),
+    "serve": ("kvharbor.engine.serve.server", "serve the OpenAI API from one engine (FastAPI on uvicorn)"),
+    "up": ("kvharbor.launch.up", "run the whole platform here: Redis, KV cache service, engines, gateway"),
     "gateway": ("kvharbor.gateway.service", "serve the tenants' OpenAI API: auth, limits, prefix routing, admission"),
     "kvcache": (
         "kvharbor.kvcache_service.service",

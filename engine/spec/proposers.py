@@ -1,14 +1,14 @@
 """Speculative decoding proposers, behind one interface, and the adaptive k.
 
 A proposer looks at decoding requests and proposes up to k tokens for each; the target model
-then scores them in the step's one forward pass (engine/runner.py) and engine/rejection.py keeps
+then scores them in the step's one forward pass (engine/runner.py) and engine/spec/rejection.py keeps
 what the target's own distribution would have produced. `Proposal.probs` is the draft
 distribution q per proposed token, or None for a deterministic proposer (q = delta).
 
 - `NgramProposer` (prompt lookup): find the latest earlier occurrence of the request's last n
   tokens (n = ngram_n down to 2) in its prompt and output, and propose what followed. No model:
   it costs microseconds and wins where text repeats (edits, code, summaries, quoting).
-- `DraftModelProposer` (engine/draft.py): a smaller model with the target's tokenizer and its
+- `DraftModelProposer` (engine/spec/draft.py): a smaller model with the target's tokenizer and its
   own paged KV.
 
 `AdaptiveK` gives each request its k: the full k while its recent acceptance is good, fewer as it

@@ -1,4 +1,4 @@
-"""The engine server: OpenAI's API over one engine core process (engine/core_client.py), plus
+"""The engine server: OpenAI's API over one engine core process (engine/serve/core_client.py), plus
 /health, /ready, /load and /metrics.
 
 Every error leaves as OpenAI's error JSON. Bodies over `max_body_bytes` get 413; while draining,
@@ -34,14 +34,14 @@ from kvharbor.common.openai_api import (
     message_dicts,
 )
 from kvharbor.common.tracing import extract, setup_tracing
-from kvharbor.engine.core_client import CoreClient, RequestStream
 from kvharbor.engine.core_io import AdapterInUse, EngineDead, EngineRequest, HandoffFailed, KVTransfer, UnknownModel
-from kvharbor.engine.handoff_handles import new_lease_key, sign_handle
-from kvharbor.engine.metrics import ServerMetrics
-from kvharbor.engine.openai_responses import SSE_DONE, ResponseBuilder, sse
+from kvharbor.engine.kv.handoff_handles import new_lease_key, sign_handle
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.sampling_params import SamplingParams
-from kvharbor.engine.slo_window import SLOWindow
+from kvharbor.engine.serve.core_client import CoreClient, RequestStream
+from kvharbor.engine.serve.metrics import ServerMetrics
+from kvharbor.engine.serve.openai_responses import SSE_DONE, ResponseBuilder, sse
+from kvharbor.engine.serve.slo_window import SLOWindow
 
 log = logging.getLogger("kvharbor.engine.server")
 RETRY_AFTER_S = "5"
@@ -163,7 +163,7 @@ class _Routes:
         return params
 
     def _check_transfer(self, body: Any, prompts: int) -> None:
-        """P/D requests (DESIGN §9) only where this engine's role takes them."""
+        """P/D requests (engine/kv/kv_handoff.py) only where this engine's role takes them."""
         transfer = body.kv_transfer_params
         if transfer is None:
             return

@@ -7,7 +7,7 @@ Lifecycle of a block:
 A free block keeps its hash, so a later request can revive it (`touch`) until the free list
 hands it out again; only then does it leave the hash map and a `BlockRemoved` event is queued.
 
-Copy-outs (for the shared block store, engine/kv_offload.py) are recorded, never carried out
+Copy-outs (for the shared block store, engine/kv/kv_offload.py) are recorded, never carried out
 here: which cached blocks are about to be overwritten (`evict`), reused (`reuse`) or were just
 filled (`fill`), as the scheduler's plan will need them. `take_saves` hands them over.
 """

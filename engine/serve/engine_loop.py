@@ -5,7 +5,7 @@ between steps. So the loop thread alternates
 
     drain the inbox (add, abort, stop, call)  ->  core.step()  ->  deliver(outputs, now)
 
-and sleeps on an event when idle. It runs in the engine core's process (engine/core_process.py),
+and sleeps on an event when idle. It runs in the engine core's process (engine/serve/core_process.py),
 beside an asyncio loop that talks to the API server and to Redis; torch and the CPU kernels
 release the GIL while they run, so that loop keeps up while a step runs.
 """

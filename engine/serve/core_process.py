@@ -2,9 +2,9 @@
 an asyncio loop for everything else the core owns: the link to the API server (core_link.py), the
 KV event publisher and the shared block store client (both talk to Redis).
 
-    python -m kvharbor.engine.core_process --link-fd N
+    python -m kvharbor.engine.serve.core_process --link-fd N
 
-The API server starts it (engine/core_client.py) and sends the ServeConfig as the first message.
+The API server starts it (engine/serve/core_client.py) and sends the ServeConfig as the first message.
 It exits when the link closes: the API server died or stopped it. Ctrl-C reaches the whole
 process group, so it ignores SIGINT and lets the API server drain and stop it.
 """
@@ -26,9 +26,9 @@ from typing import Any
 from kvharbor.common.logs import setup_logging
 from kvharbor.common.process_stop import die_with_parent
 from kvharbor.engine.core_io import EngineDead, EngineRequest, HandoffFailed, KVTransfer, error_kind
-from kvharbor.engine.core_link import LinkClosed, encode, read_message
-from kvharbor.engine.engine_loop import EngineLoop
-from kvharbor.engine.metrics import CounterBoard
+from kvharbor.engine.serve.core_link import LinkClosed, encode, read_message
+from kvharbor.engine.serve.engine_loop import EngineLoop
+from kvharbor.engine.serve.metrics import CounterBoard
 
 log = logging.getLogger("kvharbor.engine.core")
 LOAD_INTERVAL_S = 0.05  # how often the API server's /load and /metrics snapshot is refreshed
@@ -65,7 +65,7 @@ class CoreProcess:
     def _publisher(self, srv: Any) -> Any:
         if not srv.redis_url:
             return None
-        from kvharbor.engine.kv_publisher import KVEventPublisher
+        from kvharbor.engine.kv.kv_publisher import KVEventPublisher
 
         model = self.core.model_name
         return KVEventPublisher(
@@ -77,7 +77,7 @@ class CoreProcess:
     def _kv_store(self, srv: Any) -> Any:
         if not srv.redis_url:
             return None
-        from kvharbor.engine.kv_offload import KVStoreClient
+        from kvharbor.engine.kv.kv_offload import KVStoreClient
         from kvharbor.kvcache_service.block_store import RedisBlockStore
 
         client = KVStoreClient(
@@ -91,7 +91,7 @@ class CoreProcess:
         return asyncio.wrap_future(self.loop.call(fn))  # the pool is the engine thread's
 
     def _handoffs(self, host: str, disagg: Any) -> tuple[Any, Any]:
-        from kvharbor.engine.kv_handoff_link import HandoffPuller, HandoffServer
+        from kvharbor.engine.kv.kv_handoff_link import HandoffPuller, HandoffServer
 
         server = None
         if disagg.transfer_port is not None:
@@ -203,7 +203,7 @@ class CoreProcess:
 
     async def _lora(self, op: int, action: str, name: str, path: str | None) -> None:
         """Load (read off the engine thread, installed between steps) or unload an adapter."""
-        from kvharbor.engine.lora import load_adapter
+        from kvharbor.engine.lora.adapter import load_adapter
 
         core = self.core
         try:

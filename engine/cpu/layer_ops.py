@@ -1,5 +1,5 @@
 """A decoder layer's pointwise ops (residual add + RMS norm, RoPE, SiLU-and-multiply), chosen once
-at load: torch's (any dtype, any device), or the AVX2 kernels' (engine/cpu_kernels.py) for the few
+at load: torch's (any dtype, any device), or the AVX2 kernels' (engine/cpu/cpu_kernels.py) for the few
 rows of a decode step in float32 (every row in batch-invariant mode, whose activations are float32
 in a bfloat16 model too).
 

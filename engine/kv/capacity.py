@@ -9,7 +9,7 @@ import torch
 
 from kvharbor.common.config import parse_bytes
 from kvharbor.engine.config import CacheConfig
-from kvharbor.engine.kv_quant import row_bytes
+from kvharbor.engine.kv.kv_quant import row_bytes
 from kvharbor.engine.model_arch import ModelArch
 
 GiB = 1024**3

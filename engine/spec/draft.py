@@ -18,15 +18,15 @@ from typing import Any
 import torch
 
 from kvharbor.common.block_hash import namespace_hash
-from kvharbor.engine.block_pool import BlockPool
-from kvharbor.engine.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv.block_pool import BlockPool
+from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
 from kvharbor.engine.loader import load_model
 from kvharbor.engine.model import LlamaModel
-from kvharbor.engine.proposers import Proposal
 from kvharbor.engine.request import Request
 from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import filtered_probs
 from kvharbor.engine.scheduler import ScheduledChunk
+from kvharbor.engine.spec.proposers import Proposal
 
 
 def load_draft_model(

@@ -29,7 +29,7 @@ from kvharbor.common.kv_events import AllCleared, BlockStored, EventEnvelope, KV
 from kvharbor.common.redis_client import connect
 from kvharbor.common.redis_keys import lease_key, registry_value, resync_key, stream_key, stream_registry_key
 from kvharbor.engine.core import EngineCore
-from kvharbor.engine.engine_loop import EngineLoop
+from kvharbor.engine.serve.engine_loop import EngineLoop
 
 log = logging.getLogger("kvharbor.engine.kv_events")
 

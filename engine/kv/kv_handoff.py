@@ -3,11 +3,11 @@
 A request added with `hand_off=True` is a prefill for another engine: it runs its prompt and
 samples the first token like any request. When it finishes, the core pins the prompt's full
 blocks under a lease named by the request id (KVCacheManager.pin), so no eviction can reuse them
-while the decode engine pulls them (engine/kv_handoff_link.py). The lease ends when the decode
+while the decode engine pulls them (engine/kv/kv_handoff_link.py). The lease ends when the decode
 side confirms (`release`) or when it expires; either way the blocks go back to the pool as
 ordinary cached blocks, still good for prefix hits here.
 
-The handle a decode engine presents names the lease signed (engine/handoff_handles.py).
+The handle a decode engine presents names the lease signed (engine/kv/handoff_handles.py).
 
 Everything here runs in the engine thread (the pool is only consistent there), except `export`.
 """
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvharbor.common.block_hash import BlockHash
-from kvharbor.engine.kv_cache_manager import KVCacheManager
-from kvharbor.engine.kv_transfer import KVBlockIO
+from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
+from kvharbor.engine.kv.kv_transfer import KVBlockIO
 
 
 @dataclass

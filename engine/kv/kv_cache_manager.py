@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 from kvharbor.common.block_hash import BlockHash
-from kvharbor.engine.block_pool import Block, BlockPool
+from kvharbor.engine.kv.block_pool import Block, BlockPool
 from kvharbor.engine.request import Request
 
 

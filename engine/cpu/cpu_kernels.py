@@ -1,4 +1,4 @@
-"""kvharbor's float32 CPU kernels (engine/csrc/cpu_kernels.c, AVX2 + FMA): the linears of
+"""kvharbor's float32 CPU kernels (engine/cpu/csrc/cpu_kernels.c, AVX2 + FMA): the linears of
 decode-sized inputs (float32 and quantized weights, engine/quantize.py), dequantization, and paged
 decode attention read in place from the KV cache.
 
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from kvharbor.common.machine import cpu_info
 from kvharbor.engine.quantize import FORMATS, QuantWeight
 
-log = logging.getLogger("kvharbor.engine.cpu_kernels")
+log = logging.getLogger("kvharbor.engine.cpu.cpu_kernels")
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-lpthread", "-lm")
@@ -249,7 +249,7 @@ class CpuKernels:
     def kv_write_int8(
         self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, bounds: tuple[int, int] | None = None
     ) -> None:
-        """Quantize rows [T, heads, dim] float32 (engine/kv_quant.py's int8 rows, the same bytes
+        """Quantize rows [T, heads, dim] float32 (engine/kv/kv_quant.py's int8 rows, the same bytes
         as quantize_rows) and write each token's at its slot of cache [heads, slots, dim + 2] uint8.
         `bounds`: the slots' (min, max) where the caller knows them (else they are computed)."""
         self._kv_write(self._lib.kvharbor_kv_write_int8, rows, slots, cache, bounds, torch.uint8, 2)
@@ -327,7 +327,7 @@ class CpuKernels:
         out: torch.Tensor,  # [B, heads, dim] (rows may be strided), written
     ) -> None:
         """Attention of one query per sequence over its first ctx_lens positions, in place from
-        the paged cache (float32 or bfloat16 rows, or engine/kv_quant.py's int8 rows); q and out
+        the paged cache (float32 or bfloat16 rows, or engine/kv/kv_quant.py's int8 rows); q and out
         float32. A query's result does not depend on the others in the call. Raises ValueError for
         a shape the kernel does not take."""
         b, heads, dim = q.shape
@@ -429,7 +429,7 @@ class SkinnyLinear:
         if self.max_rows is None or x.shape[0] <= self.max_rows:
             return self.gemm.linear(x, self.weight, bias)
         if self.packed is not None:
-            from kvharbor.engine.cpu_linear import packed_linear
+            from kvharbor.engine.cpu.cpu_linear import packed_linear
 
             return packed_linear(x, self.packed, bias)
         return F.linear(x, self.weight, bias)

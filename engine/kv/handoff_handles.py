@@ -1,4 +1,4 @@
-"""The handles of P/D hand-off leases (engine/kv_handoff.py): the lease's key (the prefill
+"""The handles of P/D hand-off leases (engine/kv/kv_handoff.py): the lease's key (the prefill
 request's id and a nonce the API server draws for that one prefill) and an HMAC of it under a
 secret the core process draws at start and tells only its own API server.
 

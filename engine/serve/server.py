@@ -26,7 +26,7 @@ from kvharbor.common.logs import setup_logging
 from kvharbor.common.machine import pin_to_cpus
 from kvharbor.common.redis_client import credentials_refused
 
-log = logging.getLogger("kvharbor.engine.serve")
+log = logging.getLogger("kvharbor.engine.serve.server")
 
 
 def main(argv: list[str], prog: str = "kvharbor serve", command: str = "serve") -> int:
@@ -49,15 +49,15 @@ def main(argv: list[str], prog: str = "kvharbor serve", command: str = "serve") 
 
 
 class EngineServer:
-    """The API server and its engine core process (engine/core_client.py), started and stopped
+    """The API server and its engine core process (engine/serve/core_client.py), started and stopped
     together: the core loads the model and warms up before uvicorn takes a connection."""
 
     def __init__(self, config: Any) -> None:
         from kvharbor.common.tracing import setup_tracing
-        from kvharbor.engine.api_server import ServerState, build_app
-        from kvharbor.engine.core_client import CoreClient
-        from kvharbor.engine.metrics import ServerMetrics
-        from kvharbor.engine.slo_window import SLOWindow
+        from kvharbor.engine.serve.api_server import ServerState, build_app
+        from kvharbor.engine.serve.core_client import CoreClient
+        from kvharbor.engine.serve.metrics import ServerMetrics
+        from kvharbor.engine.serve.slo_window import SLOWindow
 
         srv = config.server
         # Bound before the model load, so a taken port fails at once; held until uvicorn serves on them.

@@ -2,7 +2,7 @@
 
 - bfloat16 with oneDNN: weights prepacked for oneDNN (below).
 - float32 on x86 with AVX2 + FMA: decode-sized inputs through kvharbor's kernel
-  (engine/cpu_kernels.py), larger ones through F.linear on the same weight.
+  (engine/cpu/cpu_kernels.py), larger ones through F.linear on the same weight.
 - anything else: F.linear.
 - batch-invariant mode (`invariant=True`): every row count through kvharbor's kernel (float32
   weights, or bfloat16 weights widened exactly, products summed in float32), whose order of
@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("kvharbor.engine.cpu_linear")
+log = logging.getLogger("kvharbor.engine.cpu.cpu_linear")
 
 
 # Float32 weights are kept twice when prefill gets a oneDNN-packed copy: only for models up to this
@@ -79,7 +79,7 @@ def prepare_linears(
     if dtype == torch.bfloat16 and packing_available(dtype, device):
         return "weights prepacked for oneDNN", lambda w: functools.partial(_onednn, pack(w))
     if device.type == "cpu" and dtype == torch.float32:
-        from kvharbor.engine.cpu_kernels import SkinnyLinear, load
+        from kvharbor.engine.cpu.cpu_kernels import SkinnyLinear, load
 
         gemm = load(threads)
         prefill = packing_available(dtype, device) and weight_bytes <= PREFILL_PACK_MAX_BYTES
@@ -95,7 +95,7 @@ PREFILL_ROWS_HINT = 128
 
 
 def _invariant_linears(dtype: torch.dtype, device: torch.device, threads: int) -> tuple[str, Callable]:
-    from kvharbor.engine.cpu_kernels import SkinnyLinear, load
+    from kvharbor.engine.cpu.cpu_kernels import SkinnyLinear, load
 
     gemm = load(threads) if device.type == "cpu" else None
     if gemm is None or dtype not in (torch.float32, torch.bfloat16):

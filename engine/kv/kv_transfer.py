@@ -52,7 +52,7 @@ class KVBlockIO:
         self.shape = (layers, two, heads, block_size, row)
         self._blocks = kv_caches.view(layers, two, heads, slots // block_size, block_size, row)
         self.dtype = kv_caches.dtype
-        # 8-bit caches (engine/kv_quant.py): byte rows of head_dim codes + a bf16 scale, tagged with
+        # 8-bit caches (engine/kv/kv_quant.py): byte rows of head_dim codes + a bf16 scale, tagged with
         # their code type, so a store or a peer never hands them to a float engine or back.
         quantized = kv_dtype != "auto"
         dim = head_dim if quantized and head_dim else row

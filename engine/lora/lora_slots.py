@@ -1,6 +1,6 @@
 """Adapter slots and one step's LoRA deltas, applied to a flat batch in a few calls per projection.
 
-`LoRASlots` holds --max-loras slots of --max-lora-rank, per layer (engine/lora.py), in the model's
+`LoRASlots` holds --max-loras slots of --max-lora-rank, per layer (engine/lora/adapter.py), in the model's
 dtype: A as `[sub-projections, slots, R, in]` per fused projection and B transposed as
 `[out, slots * R]` per sub-projection, zero where an adapter's rank or modules stop, so any mix of
 ranks and targets runs through the same shapes. `LoRAStep` is one step's map from rows to slots,
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kvharbor.engine.cpu_kernels import CpuKernels
-from kvharbor.engine.lora import SUB_PROJECTIONS, LoRAAdapter, SubShape, sub_shapes
+from kvharbor.engine.cpu.cpu_kernels import CpuKernels
+from kvharbor.engine.lora.adapter import SUB_PROJECTIONS, LoRAAdapter, SubShape, sub_shapes
 from kvharbor.engine.model_arch import ModelArch
 
 # Decode rows up to which the deltas go through the CPU kernel (cpu_kernels.lora_decode), as

@@ -1,5 +1,5 @@
 """P/D hand-off transfers: a decode engine pulls a prefill's KV blocks straight from the prefill
-engine's core process over TCP, with no Redis round trip per block (DESIGN §9).
+engine's core process over TCP, with no Redis round trip per block (engine/README.md, Prefill/decode disaggregation).
 
 The prefill engine's core process serves `--kv-transfer-port`; frames are core_link's (4-byte
 length, msgpack list):
@@ -33,11 +33,11 @@ from typing import Any
 
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.engine.core_io import HandoffFailed, KVTransfer
-from kvharbor.engine.core_link import LinkClosed, encode, read_message
-from kvharbor.engine.handoff_handles import handle_lease, unverified_request_id
+from kvharbor.engine.kv.handoff_handles import handle_lease, unverified_request_id
+from kvharbor.engine.serve.core_link import LinkClosed, encode, read_message
 from kvharbor.kvcache_service.block_store import BlockFormat, BlockRefused, decode_block, encode_block
 
-log = logging.getLogger("kvharbor.engine.kv_handoff")
+log = logging.getLogger("kvharbor.engine.kv.kv_handoff")
 # Exported, encoded and checked 32 at a time, in worker threads: off the core process's event loop,
 # which carries every stream's tokens to the API server. One frame per block: asyncio streams read
 # many ~1 MB frames 2x faster than a few 20 MB ones (measured: 128 SmolLM2 blocks, 94 MB).
@@ -186,7 +186,7 @@ def _check(pulled: Pulled, fmt: BlockFormat, hashes: Sequence[BlockHash], start:
 
 class HandoffPuller:
     """The decode engine's side: turns a request's `kv_transfer_params` into an ExternalPrefix
-    (engine/kv_offload.py) the engine thread imports before admitting the request."""
+    (engine/kv/kv_offload.py) the engine thread imports before admitting the request."""
 
     def __init__(self, core: Any, ask: Ask, counters: Any, policy: str, timeout: float) -> None:
         self.core = core  # read only for its constants (model, block size, block format)
@@ -203,7 +203,7 @@ class HandoffPuller:
         None when nothing is needed or nothing could be had (then the prefill is recomputed here);
         raises HandoffFailed instead when the policy is `fail`."""
         from kvharbor.common.block_hash import block_hashes
-        from kvharbor.engine.kv_offload import ExternalPrefix
+        from kvharbor.engine.kv.kv_offload import ExternalPrefix
 
         core = self.core
         hashes = block_hashes(prompt_ids, core.capacity.block_size, core.model_name, cache_salt, adapter)

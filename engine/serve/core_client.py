@@ -1,7 +1,7 @@
 """CoreClient: the API server's side of its engine core process.
 
-It starts `python -m kvharbor.engine.core_process` as a child joined by a socket pair
-(engine/core_link.py), sends it requests as token ids and sampling options, and turns the token
+It starts `python -m kvharbor.engine.serve.core_process` as a child joined by a socket pair
+(engine/serve/core_link.py), sends it requests as token ids and sampling options, and turns the token
 deltas it sends back into RequestOutputs (engine/output_processor.py: text, stop strings), one
 RequestStream per request. A stop string is told back to the core, which retires the sample.
 
@@ -30,11 +30,11 @@ from kvharbor.common.load_report import LoadReport
 from kvharbor.common.model_files import load_tokenizer
 from kvharbor.common.process_stop import stop_process
 from kvharbor.engine.core_io import ERROR_KINDS, CoreOutput, CoreStats, EngineDead, EngineRequest
-from kvharbor.engine.core_link import LinkClosed, encode, read_message, read_message_sync
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput
+from kvharbor.engine.serve.core_link import LinkClosed, encode, read_message, read_message_sync
 
-log = logging.getLogger("kvharbor.engine.core_client")
+log = logging.getLogger("kvharbor.engine.serve.core_client")
 
 
 class RequestStream:
@@ -98,7 +98,7 @@ class CoreClient:
         loaded and warmed up. Raises ValueError for what the core refused (a bad model path, a KV
         pool too small) and RuntimeError if it exits first."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        cmd = [sys.executable, "-m", "kvharbor.engine.core_process", "--link-fd", str(theirs.fileno())]
+        cmd = [sys.executable, "-m", "kvharbor.engine.serve.core_process", "--link-fd", str(theirs.fileno())]
         self.proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=os.environ.copy())
         theirs.close()
         if nice := self.config.server.api_server_nice:

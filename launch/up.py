@@ -28,9 +28,9 @@ import yaml
 
 from kvharbor.common.api_keys import hash_key
 from kvharbor.common.config import config_from_argv, opt
-from kvharbor.common.loadtest_tenants import loadtest_tenant_rows
 from kvharbor.common.process_stop import die_with_parent
 from kvharbor.common.server_config import TracedListenConfig
+from kvharbor.launch.loadtest_tenants import loadtest_tenant_rows
 
 PREFIX = "[kvharbor up]"
 MAX_BACKOFF_S = 30.0
@@ -195,7 +195,7 @@ class Platform:
             check_credentials(check_url(self.redis_url))  # RedisAuthError (a ValueError): `up` stops, saying why
             say(f"using Redis at {redact(self.redis_url)}")
             return
-        from kvharbor.common.embedded_redis import EmbeddedRedis, EmbeddedRedisCluster
+        from kvharbor.launch.embedded_redis import EmbeddedRedis, EmbeddedRedisCluster
 
         if self.config.embedded_redis == "cluster":
             say("starting an embedded 3-master Redis Cluster (waits for its nodes to agree on the slots) ...")
@@ -230,10 +230,10 @@ class Platform:
         return str(path)
 
     def _children(self) -> list[Child]:
-        from kvharbor.common.embedded_redis import free_port
+        from kvharbor.launch.embedded_redis import free_port
 
         c = self.config
-        cli = [sys.executable, "-m", "kvharbor.common.cli"]
+        cli = [sys.executable, "-m", "kvharbor.launch.cli"]
         shared = ["--log-level", c.log_level, "--log-json" if c.log_json else "--no-log-json",
                   "--header-timeout", str(c.header_timeout)]  # fmt: skip
         traced = [*shared, *(["--otlp-endpoint", c.otlp_endpoint] if c.otlp_endpoint else [])]

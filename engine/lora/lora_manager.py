@@ -1,7 +1,7 @@
 """LoRAManager: the adapters an engine serves, which of them hold a slot, and who uses each slot.
 
 Loaded adapters (at most --max-cpu-loras) stay in CPU memory. A step can run --max-loras of them:
-those hold a slot (engine/lora_slots.py). The scheduler asks `can_run` before it admits a
+those hold a slot (engine/lora/lora_slots.py). The scheduler asks `can_run` before it admits a
 request on an adapter and `acquire`s its slot when it does; a slot's adapter stays while any
 running request uses it, and a slot nobody uses is taken over least recently used first (the
 swap copies the adapter's weights into it). A waiting request whose adapter cannot get a slot is
@@ -16,9 +16,9 @@ import time
 import torch
 
 from kvharbor.engine.core_io import AdapterInUse, UnknownModel
-from kvharbor.engine.cpu_kernels import CpuKernels
-from kvharbor.engine.lora import AdapterError, LoRAAdapter, sub_shapes
-from kvharbor.engine.lora_slots import LoRASlots, LoRAStep
+from kvharbor.engine.cpu.cpu_kernels import CpuKernels
+from kvharbor.engine.lora.adapter import AdapterError, LoRAAdapter, sub_shapes
+from kvharbor.engine.lora.lora_slots import LoRASlots, LoRAStep
 from kvharbor.engine.model_arch import ModelArch
 
 
@@ -160,6 +160,6 @@ class LoRAManager:
 
 def reserved_bytes(arch: ModelArch, num_slots: int, max_rank: int, max_loaded: int, element_size: int) -> int:
     """Memory LoRA may take: the slots (model dtype) and --max-cpu-loras adapters at the highest
-    rank on every module (float32), so the KV pool is sized with room for them (DESIGN: one budget)."""
+    rank on every module (float32), so the KV pool is sized with room for them (engine/kv/capacity.py: one budget)."""
     per_rank = sum(s.d_in + s.d_out for s in sub_shapes(arch).values()) * arch.num_layers
     return per_rank * max_rank * (num_slots * element_size + max_loaded * 4)

@@ -1,5 +1,5 @@
 // kvharbor's CPU kernels for a float32 decode step, AVX2 + FMA, called through ctypes
-// (engine/cpu_kernels.py): the linears (y = x @ W^T + bias for a few rows) and paged decode
+// (engine/cpu/cpu_kernels.py): the linears (y = x @ W^T + bias for a few rows) and paged decode
 // attention, on a small pool of persistent threads.
 //
 // LINEAR: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
@@ -97,7 +97,7 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// A bfloat16 (the int8 KV rows' scale, engine/kv_quant.py) as a float: its 16 bits are the top
+// A bfloat16 (the int8 KV rows' scale, engine/kv/kv_quant.py) as a float: its 16 bits are the top
 // half of the float's.
 static inline float bf16_to_float(uint16_t h) {
     union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
@@ -517,7 +517,7 @@ static void run_dequantize(int q, int64_t n0, int64_t n1) {
     }
 }
 
-// ---- LoRA deltas of decode rows (engine/lora_slots.py) ------------------------------------------
+// ---- LoRA deltas of decode rows (engine/lora/lora_slots.py) ------------------------------------------
 //
 // BGMV: each row reads only its own slot's A and B. Phase 1 (units: one (row, sub, t) dot each):
 // s[r, j, t] = x[r] . A[j, slot_r, t]. Phase 2 (units: output columns of all subs, in order):
@@ -784,7 +784,7 @@ int kvharbor_lora_decode(int bf16, const void *x, int64_t ldx, const int32_t *ro
     return 0;
 }
 
-// ---- int8 KV rows (engine/kv_quant.py) -----------------------------------------------------------
+// ---- int8 KV rows (engine/kv/kv_quant.py) -----------------------------------------------------------
 
 
 
@@ -961,7 +961,7 @@ int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache
     return 0;
 }
 
-// ---- the layer's pointwise ops (engine/layer_ops.py) ----------------------------------------------
+// ---- the layer's pointwise ops (engine/cpu/layer_ops.py) ----------------------------------------------
 //
 // Why: a decode step's norms, RoPE, SiLU and K/V writes are a few thousand floats each, where torch
 // pays microseconds of dispatch per op: F.rms_norm alone ran 9 ops and 72 us a call here (AMD EPYC,

@@ -17,7 +17,7 @@ scale is known then; a per-block scale would have to re-quantize a block wheneve
 in it grows the range. Keeping the scale inside the row keeps the cache one tensor
 `[layers, 2, kv_heads, slots, D + 2]` of bytes: block copies, offload, the shared store and
 cross-instance pulls move its blocks as they move float ones, and the block format's dtype and
-layout tags (engine/kv_transfer.py) keep 8-bit blocks from ever meeting float ones. The scale
+layout tags (engine/kv/kv_transfer.py) keep 8-bit blocks from ever meeting float ones. The scale
 costs 2 bytes a row: SmolLM2 (30 layers, 3 KV heads, D 64) takes 2 x 30 x 3 x 66 = 11,880 bytes
 per token against 46,080 in float32 (3.9x the tokens) and 23,040 in bfloat16 (1.94x).
 """
