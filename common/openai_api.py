@@ -16,6 +16,7 @@ Extension fields, beyond OpenAI:
 
 from __future__ import annotations
 
+import uuid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -47,6 +48,25 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+# Request ids: the one rule for every HTTP edge (gateway and engine). An id travels back as the
+# X-Request-Id header and into every log line, so it is printable ASCII and bounded.
+MAX_REQUEST_ID = 256
+# What the gateway keeps free of that for its own suffixes on an engine's id: ".<8 hex>" per
+# admission and ".m<n>" per stream migration (gateway/call.py engine_rid).
+GATEWAY_ID_SUFFIX = 16
+
+
+def request_id(given: str | None, header: str | None, prefix: str) -> str:
+    """A request's id: the body's `request_id`, else its X-Request-Id header, else a fresh
+    `<prefix>-<hex>`. Raises APIError (400) for one that cannot go back as a header."""
+    rid = given or header or f"{prefix}-{uuid.uuid4().hex}"
+    if not (rid.isascii() and rid.isprintable()) or len(rid) > MAX_REQUEST_ID:
+        raise APIError(
+            400, f"request_id must be printable ASCII of at most {MAX_REQUEST_ID} characters", param="request_id"
+        )
+    return rid
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
@@ -87,7 +107,7 @@ class KVTransferParams(BaseModel):
     remote_host: Annotated[str, Field(min_length=1, max_length=255)] | None = None
     remote_port: Annotated[int, Field(ge=1, le=65535)] | None = None
     # A lease key (the gateway's request id, up to 256 + 9 characters, and a nonce, + 17) signed
-    # (+ 33): engine/handoff_handles.py
+    # (+ 33): engine/kv/handoff_handles.py
     remote_handle: Annotated[str, Field(min_length=1, max_length=320)] | None = None
     first_token_id: Annotated[int, Field(ge=0)] | None = None
 
@@ -136,7 +156,7 @@ class SamplingFields(BaseModel):
     prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     cache_salt: str | None = None
     priority: int = 0
-    request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    request_id: Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID)] | None = None
     kv_prefix_source: Literal["local", "shared"] | None = None
     speculative: bool = True
     kv_transfer_params: KVTransferParams | None = None

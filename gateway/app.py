@@ -17,7 +17,6 @@ import json
 import logging
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +28,7 @@ from pydantic import ValidationError
 from kvharbor.common.admin_listener import ListenerSplit
 from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers
 from kvharbor.common.logs import request_context
-from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, message_dicts
+from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, message_dicts, request_id
 from kvharbor.gateway.admission import AdmissionQueue
 from kvharbor.gateway.call import Call, ModelEntry, count_rejected
 from kvharbor.gateway.catalog import listed_models, resolve
@@ -203,9 +202,7 @@ class _Handler:
             )
         if longest == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
-        rid = body.request_id or request.headers.get("x-request-id") or f"gw-{uuid.uuid4().hex}"
-        if not (rid.isascii() and rid.isprintable()) or len(rid) > 256:  # it goes on as a header
-            raise APIError(400, "request id must be printable and at most 256 characters", param="request_id")
+        rid = request_id(body.request_id, request.headers.get("x-request-id"), "gw")
         return Call(kind, tenant, model, body, raw, prompts, rid, resolved)
 
     # -- endpoints ------------------------------------------------------------------------------------

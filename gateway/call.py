@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvharbor.common.block_hash import DEFAULT_BLOCK_SIZE
-from kvharbor.common.openai_api import ChatCompletionRequest, CompletionRequest
+from kvharbor.common.openai_api import GATEWAY_ID_SUFFIX, MAX_REQUEST_ID, ChatCompletionRequest, CompletionRequest
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.gateway.catalog import Resolved
 from kvharbor.gateway.metrics import GatewayMetrics, adapter_label
@@ -80,8 +80,9 @@ class Call:
 
     @property
     def engine_rid(self) -> str:
-        """Unique at the engine even when clients reuse ids (theirs stays in x-request-id and logs)."""
-        return f"{self.rid}.{self.slot[:8]}"
+        """Unique at the engine even when clients reuse ids (theirs stays in x-request-id and logs),
+        and within the engine's request-id limit with a migration's suffix on it."""
+        return f"{self.rid[: MAX_REQUEST_ID - GATEWAY_ID_SUFFIX]}.{self.slot[:8]}"
 
     @property
     def path(self) -> str:

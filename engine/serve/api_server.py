@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ from kvharbor.common.openai_api import (
     UnloadLoRARequest,
     error_body,
     message_dicts,
+    request_id,
 )
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_io import AdapterInUse, EngineDead, EngineRequest, HandoffFailed, KVTransfer, UnknownModel
@@ -216,7 +216,7 @@ class _Routes:
                 ids = self.tokenizer.encode_chat(message_dicts(body.messages))
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
-        rid = _request_id(body.request_id, request, "chatcmpl")
+        rid = request_id(body.request_id, request.headers.get("x-request-id"), "chatcmpl")
         return await self._generate("chat", rid, [ids], [""], body, request, lora)
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
@@ -233,7 +233,7 @@ class _Routes:
             else:
                 batch.append(list(p))
                 echo.append(self.tokenizer.decode(p) if body.echo and self.tokenizer else "")
-        rid = _request_id(body.request_id, request, "cmpl")
+        rid = request_id(body.request_id, request.headers.get("x-request-id"), "cmpl")
         return await self._generate("completion", rid, batch, echo, body, request, lora)
 
     async def _generate(
@@ -385,13 +385,6 @@ class _Routes:
 
     async def metrics(self) -> Response:
         return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4")
-
-
-def _request_id(given: str | None, request: Request, prefix: str) -> str:
-    rid = given or request.headers.get("x-request-id") or f"{prefix}-{uuid.uuid4().hex}"
-    if not (rid.isascii() and rid.isprintable()):  # it goes back as the X-Request-Id header
-        raise APIError(400, "request_id must be printable", param="request_id")
-    return rid
 
 
 class _Run:
