@@ -28,7 +28,7 @@ from kvharbor.engine.engine_stats import EngineStats
 from kvharbor.engine.loader import LoadedModel
 from kvharbor.engine.lora.adapter import AdapterError, LoRAAdapter
 from kvharbor.engine.lora.lora_manager import AdapterBusy, UnknownAdapter
-from kvharbor.engine.request import FinishReason, Request, check_request_id
+from kvharbor.engine.request import FinishReason, Request
 from kvharbor.engine.sampling_params import SamplingParams
 from kvharbor.engine.scheduler import SchedulerPlan, StepOutput
 from kvharbor.engine.spec.proposers import Proposal
@@ -109,9 +109,10 @@ class EngineCore:
         the API server draws one per prefill: engine/kv/handoff_handles.py). `req.first_token`
         continues a prefill done elsewhere: that token is the first output, and only what the
         prefix cache lacks (the prompt's tail, once its blocks were imported) runs."""
+        # NOTE: the request was validated where it was built (common/openai_api.py and
+        # SamplingParams at the HTTP edge, LLMEngine.add_request offline); what is checked here
+        # needs the core: its vocabulary, context, --max-n, the ids and leases in flight.
         params, request_id, hand_off, first_token = req.params, req.request_id, req.hand_off, req.first_token
-        params.validate()
-        check_request_id(request_id)
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self._check_prompt(req.prompt_token_ids)

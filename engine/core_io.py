@@ -71,16 +71,17 @@ class EngineRequest:
         return self.transfer.first_token_id if self.transfer else None
 
     def to_wire(self) -> list:
-        return [self.request_id, self.prompt_token_ids, dataclasses.asdict(self.params), self.priority, self.tenant,
+        return [self.request_id, self.prompt_token_ids, self.params.to_wire(), self.priority, self.tenant,
                 self.cache_salt, self.arrival_time, self.lora, self.kv_prefix_source,
                 self.transfer.to_wire() if self.transfer else None]  # fmt: skip
 
     @classmethod
     def from_wire(cls, data: list) -> EngineRequest:
-        """The request again; TypeError or ValueError for sampling parameters SamplingParams refuses."""
+        """The request again, trusted as the API server built it; TypeError for malformed sampling
+        parameters."""
         rid, ids, params, priority, tenant, salt, arrival, lora, source, transfer = data
         kv = KVTransfer.from_wire(transfer) if transfer is not None else None
-        return cls(rid, list(ids), SamplingParams(**params), priority, tenant, salt, arrival, lora, source, kv)
+        return cls(rid, list(ids), SamplingParams.from_wire(params), priority, tenant, salt, arrival, lora, source, kv)
 
 
 class EngineDead(RuntimeError):

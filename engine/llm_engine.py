@@ -19,6 +19,7 @@ from kvharbor.engine.core_io import EngineRequest, KVTransfer
 from kvharbor.engine.engine_stats import EngineStats
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput
+from kvharbor.engine.request import check_request_id
 from kvharbor.engine.sampling_params import SamplingParams
 
 __all__ = ["EngineStats", "LLMEngine", "Progress"]
@@ -61,6 +62,7 @@ class LLMEngine:
         """Queue a request given as text (tokenized here) or token ids. Raises ValueError (and
         queues nothing) for bad input. `hand_off` and `first_token`: P/D, and `lora` (an adapter's
         name), as in EngineCore.add_request."""
+        check_request_id(request_id)  # the offline edge (the HTTP one: common/openai_api.request_id)
         params = params or SamplingParams()
         if prompt_token_ids is None and prompt is not None:
             if self.core.tokenizer is None:

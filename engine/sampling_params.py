@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from kvharbor.common import sampling_limits as lim
@@ -59,6 +60,20 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
+
+    def to_wire(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_wire(cls, fields: dict) -> SamplingParams:
+        """Params that crossed the core link: validated once, when the API server built them, and
+        not again (the core trusts its typed input). KeyError or TypeError for a malformed dict."""
+        params = cls.__new__(cls)
+        known = {f.name for f in dataclasses.fields(cls)}
+        if set(fields) != known:
+            raise TypeError(f"sampling params on the wire must have exactly the fields {sorted(known)}")
+        params.__dict__.update(fields)
+        return params
 
     @property
     def greedy(self) -> bool:

@@ -118,3 +118,17 @@ def test_engine_requests_cross_the_link_whole_and_through_msgpack():
     assert (prefill.hand_off, prefill.first_token) == ("lease-1", None)
     with pytest.raises(TypeError):
         EngineRequest.from_wire(["r3", [1], {"no_such_field": 1}, 0, None, None, 0.0, None, None, None])
+
+
+def test_params_are_validated_once_where_they_are_built_not_again_across_the_link(monkeypatch):
+    params = SamplingParams(max_tokens=7, temperature=0.5, stop="x", top_k=-1, logit_bias={5: 1.0})
+    wire = params.to_wire()
+
+    def twice(self):
+        raise AssertionError("validated again after the link")
+
+    monkeypatch.setattr(SamplingParams, "validate", twice)
+    back = SamplingParams.from_wire(wire)
+    assert back == params and back.stop == ["x"] and back.top_k == 0  # normalized once, kept as it was
+    with pytest.raises(TypeError):
+        SamplingParams.from_wire({**wire, "extra": 1})
