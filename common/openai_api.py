@@ -23,6 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvharbor.common import sampling_limits as lim
 from kvharbor.common.sampling_limits import MAX_CONTINUED_TEXT, MAX_LOGPROBS, MAX_STOP_STRINGS
+from kvharbor.common.structured_outputs import StructuredFields
+from kvharbor.common.tool_calls import ToolFields
 
 
 class APIError(Exception):
@@ -127,7 +129,7 @@ class KVTransferParams(BaseModel):
         return self.model_dump(exclude_none=True, exclude_defaults=True)
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(StructuredFields):
     """Fields shared by chat and completions; `sampling_kwargs()` maps them to the engine's names."""
 
     model: Annotated[str, Field(min_length=1)]
@@ -161,6 +163,9 @@ class SamplingFields(BaseModel):
     speculative: bool = True
     kv_transfer_params: KVTransferParams | None = None
     continued_text: Annotated[str, Field(max_length=MAX_CONTINUED_TEXT)] | None = None
+    # A migrated stream: how many of the prompt's last tokens are its output so far (a structured
+    # output's grammar walks them before the first new token).
+    continued_tokens: Annotated[int, Field(ge=0)] = 0
 
     @field_validator("logit_bias")
     @classmethod
@@ -200,6 +205,8 @@ class SamplingFields(BaseModel):
             "logprobs": self.num_logprobs(),
             "speculative": self.speculative,
             "continued_text": self.continued_text or "",
+            "structured": self.structured_spec(),
+            "continued_tokens": self.continued_tokens,
         }
         return kwargs
 
@@ -208,7 +215,7 @@ class SamplingFields(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -219,7 +226,15 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.tool_spec() is not None and self.structured_spec() is not None:
+            raise ValueError("a forced tool call (tool_choice) constrains the output already: drop response_format")
         return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        kwargs = super().sampling_kwargs()
+        if kwargs["structured"] is None:
+            kwargs["structured"] = self.tool_spec()
+        return kwargs
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens

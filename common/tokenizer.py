@@ -16,6 +16,8 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvharbor.common.tool_calls import messages_for_template
+
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
@@ -121,19 +123,25 @@ class Tokenizer:
         a multi-byte character is still incomplete."""
         return decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of `messages` rendered with the chat template, ready for the assistant's
         turn: the one way every part turns a chat into a prompt (the template carries any BOS).
-        Raises ValueError as apply_chat_template does."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        `tools`: OpenAI tool definitions the model may call. Raises ValueError as
+        apply_chat_template does."""
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render `messages` with the model's chat template. Raises ValueError on malformed
-        messages or a model without a template."""
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """Render `messages` with the model's chat template. A template that takes no `tools` gets
+        them, and the messages' tool calls and results, in Hermes' format (common/tool_calls.py).
+        Raises ValueError on malformed messages or a model without a template."""
         if self.chat_template is None:
             raise ValueError("this model has no chat template; send a plain prompt to /v1/completions instead")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
+        takes_tools = "tools" in self.chat_template
+        messages = messages_for_template(messages, tools, takes_tools)
         clean = [_check_message(i, m) for i, m in enumerate(messages)]
         if self._template is None:
             self._template = _compile_template(self.chat_template)
@@ -141,8 +149,9 @@ class Tokenizer:
         bos = special[self.bos_token_id].content if self.bos_token_id in special else ""
         eos = special[self.eos_token_ids[0]].content if self.eos_token_ids and self.eos_token_ids[0] in special else ""
         return self._template.render(
-            messages=clean, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos, tools=None
-        )
+            messages=clean, add_generation_prompt=add_generation_prompt, bos_token=bos, eos_token=eos,
+            tools=tools if takes_tools else None,
+        )  # fmt: skip
 
     # -- construction ---------------------------------------------------------------------------
 

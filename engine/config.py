@@ -203,6 +203,22 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
+class StructuredConfig:
+    """Limits on structured outputs (response_format, structured_outputs): checked before any
+    compile, each a 400 naming the limit. Compilation itself is bounded by llguidance's fuel."""
+
+    structured_max_bytes: int = opt(65536, "largest JSON schema, regex, choice list or grammar a request may send")
+    structured_max_depth: int = opt(32, "deepest nesting a request's JSON schema may have")
+    structured_cache_size: int = opt(256, "compiled grammars kept, keyed by a hash of the spec")
+
+    def __post_init__(self) -> None:
+        if self.structured_max_bytes < 16 or self.structured_max_depth < 2 or self.structured_cache_size < 1:
+            raise ValueError(
+                "structured_max_bytes must be >= 16, structured_max_depth >= 2 and structured_cache_size >= 1"
+            )
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -211,6 +227,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    structured: StructuredConfig = field(default_factory=StructuredConfig)
 
 
 @dataclass(frozen=True)

@@ -81,7 +81,7 @@ class EngineCore:
             return {}
         decoding = [
             r for r in self.scheduler.running
-            if r.forked and r.params.speculative and r.num_tokens - r.num_computed_tokens == 1
+            if r.forked and r.params.speculative and r.guide is None and r.num_tokens - r.num_computed_tokens == 1
         ]  # fmt: skip
         ks = {r.request_id: self.adaptive_k.k_for(r) for r in decoding}
         return self.proposer.propose([r for r in decoding if ks[r.request_id]], ks)
@@ -131,6 +131,11 @@ class EngineCore:
                 f"max_tokens={params.max_tokens} plus the {len(ids)}-token prompt exceeds the model's context "
                 f"of {self.max_model_len} tokens: ask for at most {room}"
             )
+        guide = req.guide
+        if params.structured is not None and guide is None:  # offline: compiled here
+            guide = self.guides.guide(params.structured)
+        if guide is not None and params.continued_tokens:
+            self._walk(guide, ids, params.continued_tokens)
         request = Request(
             request_id,
             ids,
@@ -142,6 +147,7 @@ class EngineCore:
             arrival_time=req.arrival_time,
             lora=req.lora,
         )
+        request.guide = guide
         self.scheduler.add(request)
         group = _Group(request_id, params, hand_off=hand_off)
         self._groups[request_id] = group
@@ -150,6 +156,17 @@ class EngineCore:
             request.append_output(first_token)
             self.scheduler.check_stop(request)  # the prefill's token may already end it
             self._touched.add(request_id)
+
+    @staticmethod
+    def _walk(guide, ids: list[int], count: int) -> None:
+        """A migrated stream's grammar, walked over its output so far (the prompt's last `count`
+        tokens), so the next token continues the structure where the last engine left it."""
+        if count > len(ids):
+            raise ValueError(f"continued_tokens={count} exceeds the prompt's {len(ids)} tokens")
+        for token in ids[len(ids) - count :]:
+            guide.advance(token)
+        if guide.error is not None:
+            raise ValueError(f"the continued output does not follow its structured-output spec: {guide.error}")
 
     def adapter_identity(self, lora: str | None) -> str | None:
         """The KV identity of adapter `lora` (None: the base model); raises UnknownAdapter."""

@@ -58,8 +58,10 @@ class EngineRequest:
     lora: str | None = None  # the LoRA adapter to run it on (by name); None: the base model
     kv_prefix_source: str | None = None  # "shared": pull its prefix from the shared block store first
     transfer: KVTransfer | None = None  # P/D
-    # Set in the core process, never on the wire: kv_offload.ExternalPrefix, blocks to load first.
+    # Set in the core process, never on the wire: kv_offload.ExternalPrefix, blocks to load first;
+    # a structured output's Guide, compiled off the engine thread (engine/structured/guides.py).
     external_prefix: Any = None
+    guide: Any = None
 
     @property
     def hand_off(self) -> str | None:
@@ -100,10 +102,15 @@ class HandoffFailed(RuntimeError):
     """P/D: a hand-off's KV could not be loaded and --kv-load-failure-policy is fail; says why."""
 
 
+class StructuredOutputError(ValueError):
+    """A structured-output spec that does not compile or breaks a limit (engine/structured/)."""
+
+
 # How the core process names an error to the API server (engine/serve/core_process.py sends the kind,
 # engine/serve/core_client.py raises the class again); anything else is a ValueError (a 400).
 ERROR_KINDS: dict[str, type[Exception]] = {
     "dead": EngineDead, "handoff": HandoffFailed, "unknown": UnknownModel, "conflict": AdapterInUse,
+    "structured": StructuredOutputError,
 }  # fmt: skip
 
 
@@ -173,6 +180,8 @@ class CoreStats:
     spec_accepted: int = 0
     lora_swaps: int = 0
     lora_swap_seconds: float = 0.0
+    step_seconds: float = 0.0  # engine steps' time, summed
+    mask_seconds: float = 0.0  # of that, masking structured outputs' logits
     board: dict[str, dict[str, float]] = field(default_factory=dict)  # metrics.CounterBoard.snapshot()
 
     def to_wire(self) -> list:

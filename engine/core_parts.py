@@ -33,6 +33,7 @@ from kvharbor.engine.sampler import Sampler
 from kvharbor.engine.scheduler import Scheduler
 from kvharbor.engine.spec.draft import draft_kv_bytes_per_token
 from kvharbor.engine.spec.proposers import AdaptiveK, NgramProposer, Proposer
+from kvharbor.engine.structured.guides import GuideFactory
 
 log = logging.getLogger("kvharbor.engine")
 Progress = Callable[[str], None]
@@ -158,6 +159,7 @@ class CoreParts:
         self.runner.kv_io = self.kv_io
         self.runner.lora = self.loras
         self.handoffs = HandoffLeases(self.kv, self.kv_io, config.disagg.kv_handoff_lease)
+        self.guides = GuideFactory(self.tokenizer, self.arch.vocab_size, self.eos_token_ids, config.structured)
 
     def _quantize(self, threads: int, say: Progress) -> None:
         """Quantize (or adopt GGUF blocks), through the AVX2 kernels where they run (CPU, float32 or

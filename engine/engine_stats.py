@@ -25,6 +25,7 @@ class EngineStats:
     decode_context: float = 0.0  # context tokens of a decode step's sequences (EWMA)
     decode_steps: int = 0
     steps: int = 0
+    step_seconds: float = 0.0  # every step's time, summed (the denominator of the masking share)
     spec_verifications: int = 0  # speculative chunks verified
     spec_proposed: int = 0  # draft tokens scored
     spec_accepted: int = 0  # of those, accepted
@@ -35,6 +36,7 @@ class EngineStats:
     def record(self, plan: SchedulerPlan, seconds: float) -> None:
         prefill = sum(c.num_tokens for c in plan.chunks if c.num_tokens > 1 and not c.draft)
         self.steps += 1
+        self.step_seconds += seconds
         if prefill:
             rate = prefill / max(seconds, 1e-9)
             self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, rate)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvharbor.common.block_hash import BlockHash, extend_block_hashes
 from kvharbor.engine.sampling_params import SamplingParams
@@ -93,6 +94,7 @@ class Request:
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
         self.forked = params.n == 1  # whether the n samples exist yet
+        self.guide: Any = None  # structured output: its engine/structured/guides.Guide, else None
 
     @property
     def num_tokens(self) -> int:
@@ -107,6 +109,8 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def append_output(self, token_id: int, logprob: Logprob | None = None) -> None:
+        if self.guide is not None:
+            self.guide.advance(token_id)
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         if logprob is not None:
@@ -140,6 +144,7 @@ class Request:
         child.num_cached_tokens = self.num_cached_tokens
         child.status = self.status
         child.forked = True
+        child.guide = self.guide.fork() if self.guide is not None else None  # its own path from here
         return child
 
     def __repr__(self) -> str:

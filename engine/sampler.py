@@ -10,6 +10,7 @@ whatever else shares its batch.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ class Sampler:
         self._rng = random.Random(seed)
         self._generators: dict[str, torch.Generator] = {}
         self._group_seeds: dict[str, int] = {}
+        self.mask_seconds = 0.0  # time spent masking structured outputs' rows (a step's share: metrics)
 
     def forget(self, request: Request) -> None:
         """Drop the generator state of a finished request."""
@@ -68,6 +70,8 @@ class Sampler:
         for r in rows:
             params = r.request.params
             processed = self.adjust(logits[r.row], r.request)
+            if r.request.guide is not None:
+                processed = self._constrain(logits[r.row] if processed is None else processed, r.request)
             picked = []
             for i in range(r.num_samples):
                 if params.greedy:
@@ -132,6 +136,17 @@ class Sampler:
         if out_ids and (p.presence_penalty or p.frequency_penalty):
             counts = torch.bincount(torch.tensor(out_ids, dtype=torch.long), minlength=row.shape[0]).to(row.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+        return row
+
+    def _constrain(self, row: torch.Tensor, request: Request) -> torch.Tensor:
+        """`row` with every token the request's grammar does not take next at -inf. A row that
+        is already a copy (adjust's) is masked in place."""
+        t0 = time.perf_counter()
+        allowed = request.guide.allowed()
+        if not allowed.any():  # a grammar in error: end the sample rather than draw from nothing
+            allowed[sorted(self.eos_token_ids)] = True
+        row = row.masked_fill(~allowed[: row.shape[0]], float("-inf"))
+        self.mask_seconds += time.perf_counter() - t0
         return row
 
     def _draw(self, row: torch.Tensor, request: Request, index: int) -> int:

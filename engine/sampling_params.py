@@ -51,6 +51,10 @@ class SamplingParams:
     # A migrated stream's text the client has not had yet (the last engine held it back: it could
     # start a stop string): it opens this output, and stop strings are searched across it.
     continued_text: str = ""
+    # Structured output: {"kind": "json" | "regex" | "choice" | "grammar", "value": ...}
+    # (common/openai_api.py builds it; engine/structured/ compiles it). None: free text.
+    structured: dict | None = None
+    continued_tokens: int = 0  # a migrated stream's output so far, at the prompt's end (its grammar walks it)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -93,6 +97,13 @@ class SamplingParams:
             raise bad(f"continued_text must be a string of at most {lim.MAX_CONTINUED_TEXT} characters")
         if self.continued_text and self.n != 1:
             raise bad("continued_text continues one sample: it needs n = 1")
+        if self.structured is not None and not (
+            isinstance(self.structured, dict) and set(self.structured) == {"kind", "value"}
+            and self.structured["kind"] in ("json", "regex", "choice", "grammar")
+        ):  # fmt: skip
+            raise bad('structured must be {"kind": json|regex|choice|grammar, "value": ...}')
+        if not isinstance(self.continued_tokens, int) or self.continued_tokens < 0:
+            raise bad(f"continued_tokens must be an integer >= 0, got {self.continued_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

@@ -375,6 +375,9 @@ class Scheduler:
                 return
         if num_out >= request.max_output_tokens or request.num_tokens >= self.max_model_len:
             self.finish(request, FinishReason.LENGTH)
+        elif request.guide is not None and request.guide.complete and token in self.eos_token_ids:
+            # A complete grammar allows only EOS (guides.py), which ignore_eos would run past.
+            self.finish(request, FinishReason.STOP)
 
 
 class _AdmissionOrder:

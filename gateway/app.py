@@ -171,7 +171,7 @@ class _Handler:
             raise APIError(400, f"model {model.name!r} has no tokenizer here: send prompt_token_ids", param="prompt")
         if kind == "chat":
             try:
-                return [tok.encode_chat(message_dicts(body.messages))]
+                return [tok.encode_chat(message_dicts(body.messages), tools=body.prompt_tools())]
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
         prompts = body.prompts()

@@ -74,6 +74,11 @@ class Call:
         return len(self.prompts) == 1 and (self.body.n or 1) == 1
 
     @property
+    def calls_tools(self) -> bool:
+        """A chat that may answer with tool calls (whose streamed deltas cannot be continued)."""
+        return self.kind == "chat" and self.body.tool_mode() != "none"
+
+    @property
     def pd_supported(self) -> bool:
         """P/D carries one prompt, one sample and no logprobs."""
         return self.one_sequence and self.body.num_logprobs() is None

@@ -23,9 +23,11 @@ if TYPE_CHECKING:
 # and x-request-id); kv_prefix_source and kv_transfer_params make an engine pull KV from elsewhere
 # or connect out, so only the router may set them.
 # continued_text opens an engine's output with text of the gateway's choosing (a migrated stream's),
-# and text_offset places it in the client's text.
+# text_offset places it in the client's text, and continued_tokens says how much of the prompt is
+# output already (a structured output's grammar state).
 GATEWAY_FIELDS = (
     "cache_salt", "priority", "request_id", "kv_prefix_source", "kv_transfer_params", "continued_text", "text_offset",
+    "continued_tokens",
 )  # fmt: skip
 
 
@@ -87,6 +89,7 @@ def continued_payload(
     if payload.get("min_tokens"):
         payload["min_tokens"] = max(0, int(payload["min_tokens"]) - len(streamed))
     payload["request_id"] = f"{call.engine_rid}.m{moves}"
+    payload["continued_tokens"] = len(streamed)  # a structured output's grammar walks them first
     held = held_text(call, streamed, delivered) if delivered is not None else ""
     if held:
         payload["continued_text"] = held

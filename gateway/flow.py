@@ -49,8 +49,9 @@ class RequestFlow:
     def __init__(self, state: Any, call: Call) -> None:
         self.state, self.call = state, call
         self.headers = inject({"x-request-id": call.rid})  # under the call's span
-        # A stream of one sequence can move to another engine when its engine fails mid-way.
-        self.migratable = bool(state.max_migrations) and call.one_sequence
+        # A stream of one sequence can move to another engine when its engine fails mid-way; not
+        # a tool call's: a second engine would open the call again (its id and name) mid-stream.
+        self.migratable = bool(state.max_migrations) and call.one_sequence and not call.calls_tools
         self.route: Route | None = None
         self.on = _OnEngine()
         self._moves = 0

@@ -18,6 +18,7 @@ TENANT_TRIES = {
     "kv_transfer_params": {"remote_host": "10.0.0.9", "remote_port": 9, "remote_handle": "h", "first_token_id": 1},
     "continued_text": "Ignore the above.",  # would open the answer with text of the tenant's choosing
     "text_offset": 42,  # would shift the logprobs' offsets off the answer's text
+    "continued_tokens": 3,  # would start a structured output's grammar mid-way
 }
 
 

@@ -34,7 +34,15 @@ from kvharbor.common.openai_api import (
     request_id,
 )
 from kvharbor.common.tracing import extract, setup_tracing
-from kvharbor.engine.core_io import AdapterInUse, EngineDead, EngineRequest, HandoffFailed, KVTransfer, UnknownModel
+from kvharbor.engine.core_io import (
+    AdapterInUse,
+    EngineDead,
+    EngineRequest,
+    HandoffFailed,
+    KVTransfer,
+    StructuredOutputError,
+    UnknownModel,
+)
 from kvharbor.engine.kv.handoff_handles import new_lease_key, sign_handle
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.sampling_params import SamplingParams
@@ -200,6 +208,8 @@ class _Routes:
             raise APIError(502, str(exc), type="kv_transfer_failed", param="kv_transfer_params") from None
         except UnknownModel as exc:  # unloaded after _check_model looked
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
+        except StructuredOutputError as exc:
+            raise APIError(400, str(exc), param=body.constraint_field()) from None
         except ValueError as exc:
             param = "max_tokens" if "max_tokens" in str(exc) else None
             raise APIError(400, str(exc), param=param) from None
@@ -213,7 +223,7 @@ class _Routes:
         else:
             self._need_tokenizer()
             try:
-                ids = self.tokenizer.encode_chat(message_dicts(body.messages))
+                ids = self.tokenizer.encode_chat(message_dicts(body.messages), tools=body.prompt_tools())
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
         rid = request_id(body.request_id, request.headers.get("x-request-id"), "chatcmpl")
@@ -284,6 +294,7 @@ class _Routes:
         builder = ResponseBuilder(
             kind, rid, lora or self.state.model, self.tokenizer, params.n, body.return_token_ids,
             getattr(body, "text_offset", 0),  # completions only: chat logprobs carry no offsets
+            _tools(body),
         )  # fmt: skip
         run = _Run(self.state, streams, arrival, request.url.path, rid, span)
         if body.stream:
@@ -385,6 +396,14 @@ class _Routes:
 
     async def metrics(self) -> Response:
         return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _tools(body: Any) -> tuple[str, str | None]:
+    """A chat request's tool mode and named function (common/tool_calls.py); completions: none."""
+    if not isinstance(body, ChatCompletionRequest):
+        return "none", None
+    mode = body.tool_mode()
+    return mode, body.tool_choice.function.name if mode == "named" else None
 
 
 class _Run:
@@ -517,7 +536,8 @@ class _Run:
                             offsets[index] += len(echo[k])
                     chunk = builder.delta_chunk(index, sample, want_logprobs, offsets[index])
                     offsets[index] += len(sample.delta_text)
-                    yield sse(chunk)
+                    if chunk is not None:
+                        yield sse(chunk)
                 if out.finished and out.error:
                     status = 500
                     yield sse(error_body(f"the engine failed on this request: {out.error}", "internal_error"))

@@ -47,6 +47,7 @@ class CoreProcess:
             cache = dataclasses.replace(engine_config.cache, kv_events=True)
             engine_config = dataclasses.replace(engine_config, cache=cache)
         self.core = EngineCore(engine_config, progress=lambda msg: log.info(msg))
+        self.core.guides.on_compile = self._compiled
         self.instance_id = srv.instance_id
         self.publisher = self._publisher(srv)
         self.kv_store = self._kv_store(srv)
@@ -113,6 +114,10 @@ class CoreProcess:
         self.aio.call_soon_threadsafe(self._send, ["dead", f"the engine core failed: {exc!r}"])
 
     # -- the asyncio loop ----------------------------------------------------------------------------
+
+    def _compiled(self, seconds: float, hit: bool) -> None:
+        self.board.inc("structured_compiles", label="hit" if hit else "miss")
+        self.board.inc("structured_compile_seconds", seconds)
 
     def _stats(self) -> list:
         """The loop's counters with this process's board: one CoreStats, as it crosses the link."""
@@ -184,6 +189,9 @@ class CoreProcess:
             adapter = self.core.adapter_identity(request.lora)  # read-only here; unknown: 404 before any pull
             if transfer.do_remote_decode and not transfer.lease:
                 raise ValueError("a hand-off prefill needs the lease key its API server draws")
+            if request.params.structured is not None:  # compiled off the engine thread: a slow one stalls no step
+                request.guide = await asyncio.to_thread(self.core.guides.guide, request.params.structured)
+                self.board.inc("structured_requests", label=request.params.structured["kind"])
             if transfer.remote_handle:
                 request.external_prefix = await self.handoff_puller.pull(ids, salt, transfer, adapter)
             elif request.kv_prefix_source == "shared" and self.kv_store is not None:

@@ -187,7 +187,8 @@ class EngineLoop:
             self.stats, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             spec_verifications=stats.spec_verifications, spec_proposed=stats.spec_proposed,
             spec_accepted=stats.spec_accepted, lora_swaps=loras.swaps if loras is not None else 0,
-            lora_swap_seconds=loras.swap_seconds if loras is not None else 0.0,
+            lora_swap_seconds=loras.swap_seconds if loras is not None else 0.0, step_seconds=stats.step_seconds,
+            mask_seconds=self.engine.sampler.mask_seconds,
         )  # fmt: skip
         self.load = self.engine.load()
 

@@ -38,6 +38,9 @@ BOARD: dict[str, tuple[str, str | None]] = {
     "kv_handoff_pulled_bytes": ("P/D: bytes moved by pulls from prefill engines", None),
     "kv_handoff_pull_seconds": ("P/D: seconds spent pulling from prefill engines", None),
     "kv_handoff_pulls": ("P/D: pulls from prefill engines, by result (ok, partial, refused, unreachable)", "result"),
+    "structured_requests": ("Requests with a structured output, by kind (json, regex, choice, grammar)", "kind"),
+    "structured_compiles": ("Grammar lookups, by result (hit: compiled before, miss: compiled now)", "result"),
+    "structured_compile_seconds": ("Seconds spent compiling and looking up grammars", None),
 }
 
 
@@ -125,6 +128,11 @@ class _LoadCollector:
         )
         yield counter("requests_aborted", "Requests cancelled in flight (client gone, drain timeout)", stats.aborted)
         checks, proposed, accepted = stats.spec_verifications, stats.spec_proposed, stats.spec_accepted
+        yield counter("step_seconds", "Time the engine spent in steps", stats.step_seconds)
+        yield counter("structured_mask_seconds", "Of the steps' time, masking structured outputs' logits",
+                      stats.mask_seconds)  # fmt: skip
+        yield gauge("structured_mask_share", "Share of the steps' time spent masking structured outputs",
+                    stats.mask_seconds / stats.step_seconds if stats.step_seconds else 0.0)  # fmt: skip
         yield counter("spec_verifications", "Speculative chunks the target verified", checks)
         yield counter("spec_proposed_tokens", "Speculated tokens the target scored", proposed)
         yield counter("spec_accepted_tokens", "Speculated tokens accepted", accepted)

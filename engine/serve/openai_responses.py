@@ -9,6 +9,7 @@ from typing import Any
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.outputs import CompletionOutput, RequestOutput
 from kvharbor.engine.request import Logprob
+from kvharbor.engine.serve.tool_responses import ToolCallStream, tool_message
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -53,8 +54,12 @@ class ResponseBuilder:
         n: int,
         token_ids: bool = False,
         text_offset: int = 0,
+        tools: tuple[str, str | None] = ("none", None),
     ) -> None:
         self.kind = kind
+        # Chat with tools: (mode, the named function) as common/tool_calls.py has them.
+        self.tool_mode, self.tool_named = tools
+        self._tool_streams: dict[int, ToolCallStream] = {}
         self.text_offset = text_offset  # where each choice's text starts in the client's (completions' logprobs)
         self.token_ids = token_ids  # vLLM's return_token_ids: each choice carries its (delta) token ids
         self.id = response_id
@@ -114,11 +119,14 @@ class ResponseBuilder:
     def _choice(self, index: int, sample: CompletionOutput, want_logprobs: bool, prefix: str) -> dict:
         lps = sample.logprobs or []
         if self.kind == "chat":
+            message, reason = {"role": "assistant", "content": sample.text}, finish_reason(sample)
+            if self.tool_mode != "none":
+                message, reason = tool_message(sample.text, reason, self.tool_mode, self.tool_named)
             choice = {
                 "index": index,
-                "message": {"role": "assistant", "content": sample.text},
+                "message": message,
                 "logprobs": self.chat_logprobs(lps) if want_logprobs else None,
-                "finish_reason": finish_reason(sample),
+                "finish_reason": reason,
             }
         else:
             choice = {
@@ -143,11 +151,19 @@ class ResponseBuilder:
             [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
         )
 
-    def delta_chunk(self, index: int, sample: CompletionOutput, want_logprobs: bool, text_offset: int) -> dict:
+    def delta_chunk(
+        self, index: int, sample: CompletionOutput, want_logprobs: bool, text_offset: int
+    ) -> dict | None:
+        """The chunk for `sample`'s delta; None when a tool call holds it back for now."""
         reason = finish_reason(sample)
         if self.kind == "chat":
             lp = self.chat_logprobs(sample.delta_logprobs) if want_logprobs else None
             delta = {"content": sample.delta_text} if sample.delta_text or reason is None else {}
+            if self.tool_mode != "none":
+                stream = self._tool_streams.setdefault(index, ToolCallStream(self.tool_mode, self.tool_named))
+                delta, reason = stream.delta(sample.delta_text, reason)
+                if delta is None:
+                    return None
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
             lp = self.completion_logprobs(sample.delta_logprobs, text_offset) if want_logprobs else None

@@ -1,0 +1,227 @@
+"""Tool calling on the wire: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls`, what they
+put in the prompt, the constraint they put on the output, and how an output becomes tool calls.
+
+- `none`: the tools stay out of the prompt and the output is free text.
+- `auto`: the tools go into the prompt (through the chat template when it takes `tools`, else as
+  a Hermes-style system message), and `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
+  blocks in the output become tool calls; text before them stays the message's content.
+- `required`: the output is constrained to a JSON array of calls, each an object with a tool's
+  `name` and `parameters` satisfying its schema (one call unless parallel_tool_calls).
+- a named function: the output is constrained to that function's arguments.
+
+Forced calls hold the arguments to the keys each schema lists (OpenAI's strict mode:
+structured_outputs.closed_objects).
+
+The gateway and the engine render prompts with the same functions, so both tokenize alike.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvharbor.common.structured_outputs import closed_objects
+
+TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class FunctionDef(BaseModel):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class ToolFields(BaseModel):
+    """The chat request's tool fields (mixed into ChatCompletionRequest)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @model_validator(mode="after")
+    def _choice_names_a_tool(self) -> ToolFields:
+        names = [t.function.name for t in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(
+                f"tool_choice names function {choice.function.name!r}, which is not in tools "
+                f"({', '.join(names) or 'none given'})"
+            )
+        if choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs tools')
+        return self
+
+    def tool_mode(self) -> str:
+        """none | auto | required | named: what the tools do to this request."""
+        choice = self.tool_choice
+        if not self.tools or choice == "none":
+            return "none"
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        return choice or "auto"
+
+    def prompt_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt shows the model (none for tool_choice "none")."""
+        if self.tool_mode() == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_spec(self) -> dict[str, Any] | None:
+        """The output constraint of a forced call (required or named), as an engine spec."""
+        mode = self.tool_mode()
+        if mode == "named":
+            fn = next(t.function for t in self.tools if t.function.name == self.tool_choice.function.name)
+            return {"kind": "json", "value": closed_objects(fn.parameters)}
+        if mode != "required":
+            return None
+        calls = [
+            {"type": "object", "properties": {"name": {"const": t.function.name},
+                                              "parameters": closed_objects(t.function.parameters)},
+             "required": ["name", "parameters"], "additionalProperties": False}
+            for t in self.tools
+        ]  # fmt: skip
+        array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+        if not self.parallel_tool_calls:
+            array["maxItems"] = 1
+        return {"kind": "json", "value": array}
+
+
+# -- prompts ----------------------------------------------------------------------------------------
+
+
+def hermes_system_prompt(tools: list[dict[str, Any]]) -> str:
+    """The tools as a system message, for chat templates that take no `tools` (Hermes' format,
+    which Qwen2.5, Hermes and many fine-tunes were trained on)."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "You may call one or more functions to help with the user's request. The functions are "
+        f"listed within <tools></tools>:\n<tools>\n{listed}\n</tools>\n\n"
+        "For each function call, return a JSON object with the function's name and arguments "
+        f'within {OPEN}{CLOSE} tags:\n{OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CLOSE}'
+    )
+
+
+def messages_for_template(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          template_takes_tools: bool) -> list[dict[str, Any]]:  # fmt: skip
+    """`messages` as a template without tool support can render them: an assistant's tool_calls
+    become Hermes blocks in its content, a tool result is wrapped in <tool_response>, and the tools
+    open the system message. A template that takes tools gets the messages as they are."""
+    if template_takes_tools:
+        return messages
+    out = [_plain(m) for m in messages]
+    if tools:
+        prompt = hermes_system_prompt(tools)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0].get('content') or ''}\n\n{prompt}".strip()}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _plain(message: dict[str, Any]) -> dict[str, Any]:
+    role, calls = message.get("role"), message.get("tool_calls")
+    if role == "assistant" and calls:
+        blocks = [
+            f"{OPEN}\n" + json.dumps({"name": c["function"]["name"], "arguments": _arguments(c)}, ensure_ascii=False)
+            + f"\n{CLOSE}"
+            for c in calls
+        ]  # fmt: skip
+        text = "\n".join(filter(None, [_text(message.get("content")), *blocks]))
+        return {"role": "assistant", "content": text}
+    if role == "tool":
+        return {"role": "tool", "content": f"<tool_response>\n{_text(message.get('content'))}\n</tool_response>"}
+    if message.get("content") is None:
+        return {**message, "content": ""}
+    return message
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    raw = call["function"].get("arguments", "{}")
+    try:
+        return json.loads(raw) if isinstance(raw, str) else raw
+    except ValueError:
+        return raw
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+# -- outputs ----------------------------------------------------------------------------------------
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def tool_call(name: str, arguments: Any) -> dict[str, Any]:
+    """One entry of OpenAI's message.tool_calls: arguments as a JSON string."""
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def parse_output(text: str, mode: str, named: str | None = None) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a finished output under `mode`. An output that does not parse as
+    calls stays content: a model may answer in words even when it could call."""
+    if mode == "named":
+        return None, [tool_call(named, text)]
+    if mode == "required":
+        try:
+            calls = json.loads(text)
+            return None, [tool_call(c["name"], c["parameters"]) for c in calls]
+        except (ValueError, TypeError, KeyError):
+            return text, []
+    if mode == "auto":
+        return parse_hermes(text)
+    return text, []
+
+
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
+
+
+def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """Hermes-style calls in `text`: (the text before the first call or the whole text, calls)."""
+    start = text.find(OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for body in _BLOCK.findall(text, start):
+        try:
+            call = json.loads(body)
+            name, args = call["name"], call.get("arguments", call.get("parameters", {}))
+        except (ValueError, TypeError, KeyError):
+            return text, []  # not calls after all: the text stands as it is
+        if not isinstance(name, str):
+            return text, []
+        calls.append(tool_call(name, args))
+    content = text[:start].strip()
+    return content or None, calls

@@ -1,0 +1,185 @@
+"""Structured outputs in the engine (engine/structured/): every finished output of a constrained
+request parses and validates against its schema, regex or choices; n > 1 samples, stop strings and
+max_tokens work with a grammar; constrained rows leave the unconstrained rows of their batch alone;
+and every bad spec is a ValueError naming the problem. The real SmolLM2, in-process."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from kvharbor.engine import SamplingParams
+from kvharbor.engine.config import StructuredConfig
+from kvharbor.engine.structured.grammar import GrammarError, grammar_for
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 24},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "London", "Rome"]},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person as JSON: name, age and city."}]
+
+
+def _json(spec):
+    return {"kind": "json", "value": spec}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm):
+    from kvharbor.engine import LLM
+
+    return LLM(loaded_model=smollm, dtype="float32", kv_cache_memory="64MiB", max_model_len=512)
+
+
+def _texts(llm, messages, params):
+    return [(o.text, o.finish_reason) for o in llm.chat(messages, params)[0].outputs]
+
+
+def test_a_json_schema_request_gives_json_that_validates_greedy_and_sampled(llm):
+    for params in (
+        SamplingParams(max_tokens=80, temperature=0, structured=_json(PERSON)),
+        SamplingParams(max_tokens=80, temperature=1.0, seed=3, n=3, structured=_json(PERSON)),
+    ):
+        outs = _texts(llm, ASK, params)
+        assert len(outs) == params.n
+        for text, finish in outs:
+            assert finish == "stop", text
+            jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_choice_and_regex_outputs_are_exactly_what_was_allowed(llm):
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    choice = {"kind": "choice", "value": ["Paris", "London"]}
+    ((text, finish),) = _texts(llm, ask, SamplingParams(max_tokens=8, temperature=0, structured=choice))
+    assert text in ("Paris", "London") and finish == "stop"
+    phone = [{"role": "user", "content": "Give me a phone number."}]
+    spec = {"kind": "regex", "value": r"\d{3}-\d{4}"}
+    ((text, finish),) = _texts(llm, phone, SamplingParams(max_tokens=12, temperature=0, structured=spec))
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", text) and finish == "stop"  # ASCII digits: not Unicode's
+
+
+def test_a_lark_and_an_ebnf_grammar_constrain_alike(llm):
+    ask = [{"role": "user", "content": "Answer yes or no: is the sky blue?"}]
+    for grammar in ('start: "yes" | "no"', 'root ::= "yes" | "no"'):
+        spec = {"kind": "grammar", "value": grammar}
+        ((text, finish),) = _texts(llm, ask, SamplingParams(max_tokens=4, temperature=0, structured=spec))
+        assert text in ("yes", "no") and finish == "stop"
+
+
+def test_max_tokens_and_stop_strings_still_end_a_constrained_output(llm):
+    ((text, finish),) = _texts(llm, ASK, SamplingParams(max_tokens=5, temperature=0, structured=_json(PERSON)))
+    assert finish == "length" and text.startswith('{"name"')
+    ((text, finish),) = _texts(llm, ASK, SamplingParams(max_tokens=80, temperature=0, stop=['"age"'],
+                                                      structured=_json(PERSON)))  # fmt: skip
+    assert finish == "stop" and text.endswith(",") and '"age"' not in text
+
+
+def test_constrained_rows_leave_the_unconstrained_ones_of_their_batch_alone(llm):
+    """float32: an unconstrained request is token-identical with and without constrained ones."""
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [[{"role": "user", "content": "What is the capital of France?"}], ASK]
+    alone = [o.outputs[0].token_ids for o in llm.chat(prompts, free)]
+    mixed = llm.chat(prompts * 2, [free, free, SamplingParams(max_tokens=60, temperature=0, structured=_json(PERSON)),
+                                   SamplingParams(max_tokens=8, temperature=0,
+                                                  structured={"kind": "choice", "value": ["a", "b"]})])  # fmt: skip
+    assert [o.outputs[0].token_ids for o in mixed[:2]] == alone
+    jsonschema.validate(json.loads(mixed[2].outputs[0].text), PERSON)
+    assert mixed[3].outputs[0].text in ("a", "b")
+
+
+BAD_SPECS = [
+    ({"kind": "json", "value": {"type": "strin"}}, "strin"),
+    ({"kind": "json", "value": {"type": "object", "not": {}}}, "not"),
+    ({"kind": "regex", "value": "[a-z"}, "unclosed character class"),
+    ({"kind": "grammar", "value": "start: nothing_defined"}, "nothing_defined"),
+    ({"kind": "choice", "value": []}, "non-empty list"),
+    ({"kind": "json", "value": {"description": "x" * 70000}}, "structured_max_bytes"),
+    ({"kind": "json", "value": json.loads('{"items":' * 40 + "{}" + "}" * 40)}, "structured_max_depth"),
+]
+
+
+@pytest.mark.parametrize(("spec", "says"), BAD_SPECS, ids=[s[1] for s in BAD_SPECS])
+def test_a_bad_spec_is_a_value_error_naming_the_problem_and_queues_nothing(llm, spec, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        llm.engine.add_request("bad", None, SamplingParams(max_tokens=4, structured=spec), prompt_token_ids=[1, 2])
+    assert not llm.engine.has_unfinished()
+
+
+def test_compiled_grammars_are_cached_by_spec(llm):
+    seen = []
+    llm.engine.guides.on_compile = lambda seconds, hit: seen.append(hit)
+    try:
+        spec = _json({"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]})
+        for _ in range(2):
+            llm.chat(ASK, SamplingParams(max_tokens=12, temperature=0, structured=spec))
+    finally:
+        llm.engine.guides.on_compile = None
+    assert seen == [False, True]
+
+
+def test_limits_are_checked_before_any_compile():
+    small = StructuredConfig(structured_max_bytes=64, structured_max_depth=2)
+    with pytest.raises(GrammarError, match="structured_max_bytes"):
+        grammar_for({"kind": "regex", "value": "a" * 65}, small)
+    with pytest.raises(GrammarError, match="structured_max_depth"):
+        grammar_for(_json({"type": "object", "properties": {"a": {"type": "object"}}}), small)
+
+
+# -- property: schemas built from JSON Schema's features -------------------------------------------
+
+_LEAVES = st.sampled_from([
+    {"type": "boolean"},
+    {"type": "integer", "minimum": -5, "maximum": 50},
+    {"type": "string", "maxLength": 12},
+    {"type": "string", "enum": ["red", "green", "blue"]},
+    {"type": "string", "pattern": "^[a-z]{2,6}$"},
+    {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]},
+])  # fmt: skip
+
+
+def _object(children):
+    return st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), children, min_size=1, max_size=3).flatmap(
+        lambda props: st.sets(st.sampled_from(sorted(props))).map(
+            lambda required: {
+                "type": "object",
+                "properties": props,
+                "required": sorted(required),
+                "additionalProperties": False,
+            }
+        )
+    )
+
+
+def _array(item, least):
+    return {"type": "array", "items": item, "minItems": least, "maxItems": least + 2}
+
+
+_SCHEMAS = st.recursive(
+    _LEAVES,
+    lambda children: st.one_of(
+        _object(children),
+        st.builds(_array, children, st.integers(0, 2)),
+    ),
+    max_leaves=4,
+).filter(lambda s: s.get("type") == "object")
+
+
+@pytest.mark.slow  # 12 generations: ~13 s here
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=_SCHEMAS, seed=st.integers(0, 2**16))
+def test_every_finished_output_validates_against_its_generated_schema(llm, schema, seed):
+    params = SamplingParams(max_tokens=96, temperature=0.8, seed=seed, structured=_json(schema))
+    ((text, finish),) = _texts(llm, ASK, params)
+    event(f"finish: {finish}")  # --hypothesis-show-statistics: how many finished
+    if finish == "stop":  # cut by max_tokens: not finished, and not held to the schema
+        jsonschema.validate(json.loads(text), schema)
