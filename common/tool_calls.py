@@ -6,7 +6,8 @@ put in the prompt, the constraint they put on the output, and how an output beco
   a Hermes-style system message), and `<tool_call>{"name": ..., "arguments": ...}</tool_call>`
   blocks in the output become tool calls; text before them stays the message's content.
 - `required`: the output is constrained to a JSON array of calls, each an object with a tool's
-  `name` and `parameters` satisfying its schema (one call unless parallel_tool_calls).
+  `name` and `parameters` satisfying its schema (one call unless parallel_tool_calls, at most
+  MAX_PARALLEL_CALLS).
 - a named function: the output is constrained to that function's arguments.
 
 Forced calls hold the arguments to the keys each schema lists (OpenAI's strict mode:
@@ -27,6 +28,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from kvharbor.common.structured_outputs import closed_objects
 
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
+# Calls one `required` answer may hold: a small greedy model repeats the same call until its
+# context runs out (SmolLM2-135M did, 1,883 tokens of one call), and no caller wants more.
+MAX_PARALLEL_CALLS = 16
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -107,9 +111,8 @@ class ToolFields(BaseModel):
              "required": ["name", "parameters"], "additionalProperties": False}
             for t in self.tools
         ]  # fmt: skip
-        array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
-        if not self.parallel_tool_calls:
-            array["maxItems"] = 1
+        array = {"type": "array", "items": {"anyOf": calls}, "minItems": 1,
+                 "maxItems": MAX_PARALLEL_CALLS if self.parallel_tool_calls else 1}  # fmt: skip
         return {"kind": "json", "value": array}
 
 

@@ -183,3 +183,20 @@ def test_every_finished_output_validates_against_its_generated_schema(llm, schem
     event(f"finish: {finish}")  # --hypothesis-show-statistics: how many finished
     if finish == "stop":  # cut by max_tokens: not finished, and not held to the schema
         jsonschema.validate(json.loads(text), schema)
+
+
+def test_a_migrated_stream_continues_its_structure_where_the_last_engine_left_it(llm, smollm):
+    """The gateway moves a broken stream with its output so far at the prompt's end and
+    continued_tokens saying how long it is: the grammar walks those tokens first, so the new
+    engine's tokens finish the same JSON (greedy, float32: token for token)."""
+    prompt = smollm.tokenizer.encode_chat(ASK)
+    params = dict(max_tokens=80, temperature=0, structured=_json(PERSON))
+    whole = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**params))[0].outputs[0].token_ids
+    cut = 6
+    resumed = llm.generate([{"prompt_token_ids": prompt + whole[:cut]}],
+                           SamplingParams(**{**params, "max_tokens": 80 - cut}, continued_tokens=cut))  # fmt: skip
+    assert whole[:cut] + resumed[0].outputs[0].token_ids == whole
+    not_json = prompt + smollm.tokenizer.encode("hello", add_special_tokens=False)
+    with pytest.raises(ValueError, match="does not follow"):  # output that the grammar cannot have made
+        llm.engine.add_request("bad", None, SamplingParams(**params, continued_tokens=2), prompt_token_ids=not_json)
+    assert not llm.engine.has_unfinished()

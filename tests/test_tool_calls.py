@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from kvharbor.common.openai_api import ChatCompletionRequest
-from kvharbor.common.tool_calls import messages_for_template, parse_hermes, parse_output
+from kvharbor.common.tool_calls import MAX_PARALLEL_CALLS, messages_for_template, parse_hermes, parse_output
 from kvharbor.engine.serve.tool_responses import ToolCallStream, tool_message
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -37,6 +37,8 @@ def test_the_tool_choice_decides_the_mode_the_prompt_and_the_constraint():
     required = chat(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
     array = required.sampling_kwargs()["structured"]["value"]
     assert array["type"] == "array" and array["minItems"] == 1 and array["maxItems"] == 1
+    parallel = chat(tools=[WEATHER], tool_choice="required").sampling_kwargs()["structured"]["value"]
+    assert parallel["maxItems"] == MAX_PARALLEL_CALLS  # a repeating model stops there, not at its context
     assert [c["properties"]["name"]["const"] for c in array["items"]["anyOf"]] == ["get_weather", "get_time"]
 
 

@@ -20,6 +20,7 @@ import pickle
 import secrets
 import signal
 import socket
+import threading
 import time
 from typing import Any
 
@@ -48,6 +49,8 @@ class CoreProcess:
             engine_config = dataclasses.replace(engine_config, cache=cache)
         self.core = EngineCore(engine_config, progress=lambda msg: log.info(msg))
         self.core.guides.on_compile = self._compiled
+        # Off the engine thread, while the server starts: the first constrained request need not pay it.
+        threading.Thread(target=self.core.guides.prepare, name="kvharbor-grammar-tokenizer", daemon=True).start()
         self.instance_id = srv.instance_id
         self.publisher = self._publisher(srv)
         self.kv_store = self._kv_store(srv)
