@@ -71,6 +71,7 @@ class EngineCore:
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._touched: set[str] = set()
+        self._told_no_spec = False
         say("warming up ...")
         self._warm_up()
         say(f"ready in {time.monotonic() - t0:.1f}s")
@@ -136,6 +137,10 @@ class EngineCore:
             guide = self.guides.guide(params.structured)
         if guide is not None and params.continued_tokens:
             self._walk(guide, ids, params.continued_tokens)
+        if guide is not None and self.proposer is not None and not self._told_no_spec:
+            self._told_no_spec = True  # once per engine: every guided request is alike
+            log.info("speculative decoding skips structured-output requests: a proposal would have to be "
+                     "checked against the grammar token by token, which this engine does not do")  # fmt: skip
         request = Request(
             request_id,
             ids,

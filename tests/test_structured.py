@@ -200,3 +200,30 @@ def test_a_migrated_stream_continues_its_structure_where_the_last_engine_left_it
     with pytest.raises(ValueError, match="does not follow"):  # output that the grammar cannot have made
         llm.engine.add_request("bad", None, SamplingParams(**params, continued_tokens=2), prompt_token_ids=not_json)
     assert not llm.engine.has_unfinished()
+
+
+def test_chunked_prefill_and_preemption_keep_each_grammar_on_its_path(make_llm, smollm):
+    """A pool too small for the batch preempts (and recomputes) requests mid-JSON, and the prompts
+    prefill in chunks of 32 tokens: every output validates, and is the one it is alone."""
+    llm = make_llm(smollm, num_kv_blocks=10, max_model_len=160, max_num_batched_tokens=32, max_num_seqs=4)
+    asks = [[{"role": "user", "content": f"Describe {who} as JSON." + " Keep it short." * k}]
+            for who, k in (("a baker", 0), ("a pilot", 3), ("a doctor", 6), ("a farmer", 9))]  # fmt: skip
+    params = SamplingParams(max_tokens=60, temperature=0, structured=_json(PERSON))
+    alone = [llm.chat(m, params)[0].outputs[0].text for m in asks]
+    assert llm.engine.scheduler.num_preemptions == 0
+    outs = llm.chat(asks, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].text for o in outs] == alone
+    for text in alone:
+        jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_an_engine_that_speculates_leaves_guided_rows_to_plain_decoding(make_llm, smollm, caplog):
+    llm = make_llm(smollm, speculative_method="ngram", speculative_k=3)
+    params = SamplingParams(max_tokens=60, temperature=0, structured=_json(PERSON))
+    with caplog.at_level("INFO", logger="kvharbor.engine"):
+        ((text, finish),) = _texts(llm, ASK, params)
+    assert finish == "stop"
+    jsonschema.validate(json.loads(text), PERSON)
+    assert llm.engine.stats.spec_proposed == 0  # no proposal for the only (guided) request
+    assert any("speculative decoding skips structured-output" in r.message for r in caplog.records)
