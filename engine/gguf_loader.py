@@ -27,6 +27,8 @@ _LAYER_NAMES = {
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",  # qwen3
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -37,6 +39,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture as llama.cpp writes it
 
 
 @dataclass
@@ -48,8 +51,10 @@ class GGUFModel:
 
 def arch_from_metadata(meta: dict[str, Any]) -> ModelArch:
     name = meta.get("general.architecture")
-    if name not in ("llama", "qwen2"):
-        raise ValueError(f"GGUF architecture {name!r} is not supported (kvharbor loads llama and qwen2)")
+    if name not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF architecture {name!r} is not supported (kvharbor loads {', '.join(GGUF_ARCHITECTURES)})"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{name}.{key}", default)
@@ -76,6 +81,7 @@ def arch_from_metadata(meta: dict[str, Any]) -> ModelArch:
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings=False,  # decided by the loader from the tensors present
         attention_bias=name == "qwen2",
+        qk_norm=name == "qwen3",
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )

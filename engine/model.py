@@ -72,6 +72,9 @@ class DecoderLayer(nn.Module):
         self.qkv_bias = _param(qkv_rows, dtype=dtype, device=device) if arch.attention_bias else None
         self.o_proj = _param(h, arch.num_heads * d, dtype=dtype, device=device)
         self.post_norm = _param(h, dtype=dtype, device=device)
+        # Qwen3: each query and key head RMS-normed before RoPE (weights over head_dim)
+        self.q_norm = _param(d, dtype=dtype, device=device) if arch.qk_norm else None
+        self.k_norm = _param(d, dtype=dtype, device=device) if arch.qk_norm else None
         self.gate_up = _param(2 * arch.intermediate_size, h, dtype=dtype, device=device)
         self.down = _param(h, arch.intermediate_size, dtype=dtype, device=device)
         self.fast: dict[str, cpu_linear.FastLinear | None] = dict.fromkeys(("qkv", "o_proj", "gate_up", "down"))
@@ -99,6 +102,8 @@ class DecoderLayer(nn.Module):
             lora.apply(self.index, "qkv", h, qkv)
         t = qkv.shape[0]
         nq, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.q_norm is not None:
+            ops.head_norm(qkv, nq, nkv, d, self.q_norm, self.k_norm, self.eps)
         q, k = ops.rope(qkv, nq, nkv, d, cos, sin)
         v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
         attn = paged_attention(q, k, v, kv_cache, meta)
@@ -312,6 +317,9 @@ class LlamaModel(nn.Module):
             if layer.qkv_bias is not None:
                 put(layer.qkv_bias, torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]), a + "qkv bias")
             projection("o_proj", take(a + "o_proj.weight"), a + "o_proj")
+            if layer.q_norm is not None:
+                put(layer.q_norm, take(a + "q_norm.weight"), a + "q_norm")
+                put(layer.k_norm, take(a + "k_norm.weight"), a + "k_norm")
             put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm")
             put(layer.post_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
             projection("gate_up", fused([m + "gate_proj.weight", m + "up_proj.weight"]), m + "gate_up")

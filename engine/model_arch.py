@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class ModelArch:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen form of the HF dict
+    qk_norm: bool = False  # an RMS norm over each query and key head before RoPE (Qwen3)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -49,7 +50,7 @@ class ModelArch:
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * h * i + 2 * h
+        per_layer = attn + 3 * h * i + 2 * h + (2 * d if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -85,6 +86,7 @@ class ModelArch:
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
                 rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+                qk_norm=model_type == "qwen3",
             )
         except KeyError as exc:
             raise ValueError(f"config.json lacks {exc.args[0]!r}") from None

@@ -127,8 +127,11 @@ def smollm_case(smollm) -> ModelCase:
 def _tiny_case(tmp_path_factory, kind: str) -> ModelCase:
     if kind == "llama":
         model = hf_model("llama", 1234, **TINY, rope_theta=10000.0, tie_word_embeddings=False)
-    else:
+    elif kind == "qwen2":
         model = hf_model("qwen2", 4321, **TINY, rope_theta=1e6, tie_word_embeddings=True)
+    else:  # q/k norm, GQA 4:1, a head_dim (32) other than hidden / heads (8)
+        shape = {**TINY, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}
+        model = hf_model("qwen3", 2468, **shape, rope_theta=1e6, tie_word_embeddings=True)
     path = tmp_path_factory.mktemp(f"tiny-{kind}")
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(7)
@@ -148,11 +151,17 @@ def tiny_qwen2(tmp_path_factory) -> ModelCase:
     return _tiny_case(tmp_path_factory, "qwen2")
 
 
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory) -> ModelCase:
+    return _tiny_case(tmp_path_factory, "qwen3")
+
+
 # SmolLM2's cases run 5-35 s each here, so they are in the slow tier; the tiny models keep every
 # exactness check in the fast one.
-@pytest.fixture(params=[pytest.param("smollm2", marks=pytest.mark.slow), "tiny-llama", "tiny-qwen2"])
+@pytest.fixture(params=[pytest.param("smollm2", marks=pytest.mark.slow), "tiny-llama", "tiny-qwen2", "tiny-qwen3"])
 def model_case(request) -> ModelCase:
-    name = {"smollm2": "smollm_case", "tiny-llama": "tiny_llama", "tiny-qwen2": "tiny_qwen2"}[request.param]
+    name = {"smollm2": "smollm_case", "tiny-llama": "tiny_llama", "tiny-qwen2": "tiny_qwen2",
+            "tiny-qwen3": "tiny_qwen3"}[request.param]  # fmt: skip
     return request.getfixturevalue(name)
 
 

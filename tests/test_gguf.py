@@ -72,6 +72,8 @@ _NAMES = {
     "mlp.down_proj": "ffn_down",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -79,8 +81,10 @@ def write_gguf(case, path, quant: str | None = None) -> None:
     import gguf
 
     a = case.loaded.arch
-    name = "llama" if a.architecture == "llama" else "qwen2"
+    name = a.architecture
     w = gguf.GGUFWriter(str(path), name)
+    w.add_key_length(a.head_dim)  # qwen3's head_dim is not hidden / heads
+    w.add_value_length(a.head_dim)
     w.add_block_count(a.num_layers)
     w.add_context_length(a.max_position_embeddings)
     w.add_embedding_length(a.hidden_size)
@@ -115,7 +119,7 @@ def write_gguf(case, path, quant: str | None = None) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("case_name", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("case_name", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_a_written_gguf_loads_back_exactly_and_generates_the_same(case_name, request, tmp_path, make_llm):
     case = request.getfixturevalue(case_name)
     path = tmp_path / f"{case.name}.gguf"

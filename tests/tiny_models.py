@@ -24,11 +24,23 @@ TINY = dict(
 
 
 def hf_model(kind: str = "llama", seed: int | None = None, **config) -> torch.nn.Module:
-    """A float32 transformers Llama (`kind` llama) or Qwen2 (qwen2, qkv bias) in eval mode, with
+    """A float32 transformers Llama (`kind` llama), Qwen2 (qwen2, qkv bias) or Qwen3 (qwen3, q/k
+    norm) in eval mode, with
     random weights from `seed` (None: torch's current generator) and exactly `config`."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3Config,
+        Qwen3ForCausalLM,
+    )
 
     if seed is not None:
         torch.manual_seed(seed)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[kind]
+    config_cls, model_cls = {
+        "llama": (LlamaConfig, LlamaForCausalLM),
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    }[kind]
     return model_cls(config_cls(**config)).float().eval()

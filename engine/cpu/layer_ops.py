@@ -37,6 +37,17 @@ class TorchOps:
         qk = rotate(qkv[:, : (heads + kv_heads) * dim].view(t, heads + kv_heads, dim), cos, sin)
         return qk[:, :heads], qk[:, heads:]
 
+    def head_norm(
+        self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, q_weight: torch.Tensor,
+        k_weight: torch.Tensor, eps: float,
+    ) -> None:  # fmt: skip
+        """Qwen3's q/k norm, in place on the fused projection: each query head RMS-normed with
+        q_weight [dim], each key head with k_weight."""
+        t = qkv.shape[0]
+        for start, count, weight in ((0, heads, q_weight), (heads * dim, kv_heads, k_weight)):
+            part = qkv[:, start : start + count * dim].view(t, count, dim)
+            part.copy_(F.rms_norm(part, (dim,), weight, eps))
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -89,6 +100,16 @@ class CpuOps(TorchOps):
         return qkv[:, : heads * dim].view(t, heads, dim), qkv[:, heads * dim : (heads + kv_heads) * dim].view(
             t, kv_heads, dim
         )
+
+    def head_norm(self, qkv, heads, kv_heads, dim, q_weight, k_weight, eps):
+        if self._torch(qkv.shape[0]):
+            return super().head_norm(qkv, heads, kv_heads, dim, q_weight, k_weight, eps)
+        t = qkv.shape[0]
+        for start, count, weight in ((0, heads, q_weight), (heads * dim, kv_heads, k_weight)):
+            part = qkv[:, start : start + count * dim]
+            rows = part.reshape(t * count, dim).contiguous()  # one norm row per head
+            part.copy_(self.kernels.add_rms_norm(None, rows, self._float32(weight), eps).view(t, count * dim))
+        return None
 
     def silu_mul(self, gate_up):
         if self._torch(gate_up.shape[0]):
