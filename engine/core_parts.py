@@ -98,7 +98,14 @@ class CoreParts:
         self.model_name = loaded.name
         self.arch = loaded.arch
         self.tokenizer: Tokenizer | None = loaded.tokenizer
-        check_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings, self.model_name)
+        windowed = self.arch.context_limit < self.arch.max_position_embeddings
+        check_max_model_len(config.model.max_model_len, self.arch.context_limit, self.model_name, windowed)
+        if windowed:
+            log.warning(
+                "%s attends within a sliding window of %d tokens: its context is capped there, where the window "
+                "never binds (windowed attention over the paged cache is not built yet)",
+                self.model_name, self.arch.context_limit,
+            )  # fmt: skip
         say(
             f"building {self.arch.architecture} ({self.arch.num_parameters / 1e6:.1f}M parameters) "
             f"in {str(self.dtype).removeprefix('torch.')} on {self.device} ..."

@@ -56,7 +56,39 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
         mid = (1 - smooth) * scaled / factor + smooth * scaled
         is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(is_mid, mid, scaled)
-    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3)")
+    if kind == "longrope":
+        return _longrope(arch, inv_freq, "short_factor")
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope)")
+
+
+def _longrope(arch: ModelArch, inv_freq: torch.Tensor, which: str) -> torch.Tensor:
+    """Phi-3's LongRoPE: each frequency divided by its own factor (short_factor within the original
+    context, long_factor beyond it)."""
+    factors = torch.tensor(arch.rope_scaling_dict[which], dtype=torch.float32)
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"longrope {which} has {factors.numel()} factors, the heads need {inv_freq.numel()}")
+    return inv_freq / factors
+
+
+def longrope_extension(arch: ModelArch) -> tuple[torch.Tensor | None, int, float]:
+    """LongRoPE's other half: (the long-context inverse frequencies, the position from which they
+    apply, the cos/sin scale). (None, 0, 1.0) for every other RoPE.
+
+    NOTE: per position, as vLLM does: positions past original_max_position_embeddings take the
+    long factors, earlier ones the short. transformers switches every position once a sequence
+    passes that length, which a KV cache (its keys rotated already) cannot follow; the two agree
+    on every sequence within the original context."""
+    scaling = arch.rope_scaling_dict
+    if not scaling or scaling.get("rope_type", scaling.get("type")) != "longrope":
+        return None, 0, 1.0
+    d = arch.head_dim
+    base = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    original = int(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor") or arch.max_position_embeddings / original
+    scale = scaling.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return _longrope(arch, base, "long_factor"), original, float(scale)
 
 
 class DecoderLayer(nn.Module):
@@ -135,6 +167,8 @@ class LlamaModel(nn.Module):
             else _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(arch).to(device), persistent=False)
+        long, self.rope_switch, self.rope_scale = longrope_extension(arch)
+        self.register_buffer("inv_freq_long", None if long is None else long.to(device), persistent=False)
         self.lm_head_fast: cpu_linear.FastLinear | None = None
         # GGUF blocks kept as they are (--quantization gguf) for the embedding and the LM head.
         self.embed_blocks: QuantWeight | None = None
@@ -239,7 +273,13 @@ class LlamaModel(nn.Module):
         path and a scalar tail that can differ by an ulp, and which positions fall in the tail
         depends on T: float64 rounded to float32 gives a position the same value in any batch."""
         freqs = (positions.float()[:, None] * self.inv_freq[None, :]).double()
-        return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+        if self.inv_freq_long is not None:
+            long = (positions.float()[:, None] * self.inv_freq_long[None, :]).double()
+            freqs = torch.where((positions >= self.rope_switch)[:, None], long, freqs)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.rope_scale != 1.0:
+            cos, sin = cos * self.rope_scale, sin * self.rope_scale
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
     def forward(
         self,
@@ -290,7 +330,9 @@ class LlamaModel(nn.Module):
             dst.copy_(src)
             return None
 
-        def fused(names: list[str]) -> torch.Tensor | QuantWeight:
+        def fused(names: list[str], whole: str) -> torch.Tensor | QuantWeight:
+            if whole in state:  # Phi-3 ships q/k/v and gate/up fused already, in the same order
+                return take(whole)
             parts = [take(n) for n in names]
             if any(isinstance(p, QuantWeight) for p in parts):
                 if not all(isinstance(p, QuantWeight) for p in parts):
@@ -313,7 +355,7 @@ class LlamaModel(nn.Module):
                     layer.blocks[name] = blocks
 
             layer.blocks = {}
-            projection("qkv", fused([a + f"{n}_proj.weight" for n in "qkv"]), a + "qkv")
+            projection("qkv", fused([a + f"{n}_proj.weight" for n in "qkv"], a + "qkv_proj.weight"), a + "qkv")
             if layer.qkv_bias is not None:
                 put(layer.qkv_bias, torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]), a + "qkv bias")
             projection("o_proj", take(a + "o_proj.weight"), a + "o_proj")
@@ -322,7 +364,8 @@ class LlamaModel(nn.Module):
                 put(layer.k_norm, take(a + "k_norm.weight"), a + "k_norm")
             put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm")
             put(layer.post_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
-            projection("gate_up", fused([m + "gate_proj.weight", m + "up_proj.weight"]), m + "gate_up")
+            gate_up = fused([m + "gate_proj.weight", m + "up_proj.weight"], m + "gate_up_proj.weight")
+            projection("gate_up", gate_up, m + "gate_up")
             projection("down", take(m + "down_proj.weight"), m + "down_proj")
         leftovers = [k for k in state if not k.endswith("rotary_emb.inv_freq")]
         if leftovers:

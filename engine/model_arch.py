@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,10 @@ class ModelArch:
     eos_token_ids: tuple[int, ...]
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen form of the HF dict
     qk_norm: bool = False  # an RMS norm over each query and key head before RoPE (Qwen3)
+    # A sliding window (Mistral, Phi-3): the served context is capped at it, where it never binds.
+    # NOTE: windowed attention over the paged cache is not built yet; capping is the honest answer
+    # (a window silently ignored past its length would be a wrong answer, not an error).
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -35,6 +39,13 @@ class ModelArch:
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"{self.num_heads} query heads do not split over {self.num_kv_heads} KV heads")
+
+    @property
+    def context_limit(self) -> int:
+        """The longest sequence this engine serves the model at: its positions, and its window."""
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -67,8 +78,12 @@ class ModelArch:
             rope_theta = float(cfg.get("rope_theta") or (scaling or {}).get("rope_theta") or 10000.0)
             if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
                 scaling = None
-            if cfg.get("sliding_window") and cfg.get("use_sliding_window", model_type == "mistral"):
-                raise ValueError("sliding-window attention is not supported")
+            original = cfg.get("original_max_position_embeddings")
+            if scaling and original and "original_max_position_embeddings" not in scaling:
+                scaling = {**scaling, "original_max_position_embeddings": original}  # Phi-3 keeps it outside
+            windowed = cfg.get("use_sliding_window", model_type in ("mistral", "phi3"))
+            window = cfg.get("sliding_window") if windowed else None
+            _check_supported(model_type, cfg)
             return cls(
                 architecture=model_type,
                 vocab_size=int(cfg["vocab_size"]),
@@ -85,8 +100,27 @@ class ModelArch:
                 attention_bias=bool(cfg.get("attention_bias", model_type == "qwen2")),
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
-                rope_scaling=tuple(sorted(scaling.items())) if scaling else None,
+                rope_scaling=_frozen(scaling),
                 qk_norm=model_type == "qwen3",
+                sliding_window=int(window) if window else None,
             )
         except KeyError as exc:
             raise ValueError(f"config.json lacks {exc.args[0]!r}") from None
+
+
+def _check_supported(model_type: str, cfg: dict[str, Any]) -> None:
+    """Refuse, by name, the features of a supported family that this engine does not run."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"{model_type} with hidden_act {act!r} is not supported (kvharbor runs silu MLPs)")
+    rope = cfg.get("rope_parameters") or {}
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ValueError(f"{model_type} with partial_rotary_factor {partial} is not supported (RoPE over whole heads)")
+
+
+def _frozen(scaling: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+    """The HF rope dict as a hashable tuple (longrope's factor lists as tuples)."""
+    if not scaling:
+        return None
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in scaling.items()))

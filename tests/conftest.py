@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from process_guard import pytest_configure, pytest_unconfigure  # noqa: F401 - the tiers' guard, as hooks
-from tiny_models import TINY, hf_model
+from tiny_models import TINY, hf_model, longrope
 
 from kvharbor.engine import LLM
 from kvharbor.engine.hf_reference import hf_reference_model
@@ -129,9 +129,14 @@ def _tiny_case(tmp_path_factory, kind: str) -> ModelCase:
         model = hf_model("llama", 1234, **TINY, rope_theta=10000.0, tie_word_embeddings=False)
     elif kind == "qwen2":
         model = hf_model("qwen2", 4321, **TINY, rope_theta=1e6, tie_word_embeddings=True)
-    else:  # q/k norm, GQA 4:1, a head_dim (32) other than hidden / heads (8)
+    elif kind == "qwen3":  # q/k norm, GQA 4:1, a head_dim (32) other than hidden / heads (8)
         shape = {**TINY, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}
         model = hf_model("qwen3", 2468, **shape, rope_theta=1e6, tie_word_embeddings=True)
+    else:  # phi3: fused q/k/v and gate/up, GQA 1:1, LongRoPE with an attention factor (max 4x original)
+        rope = longrope(TINY["hidden_size"] // 4, original=512)
+        shape = {**TINY, "num_key_value_heads": 4, "max_position_embeddings": 2048, "pad_token_id": 0,
+                 "original_max_position_embeddings": 512}  # fmt: skip
+        model = hf_model("phi3", 1357, **shape, rope_parameters=rope, sliding_window=None, tie_word_embeddings=False)
     path = tmp_path_factory.mktemp(f"tiny-{kind}")
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(7)
@@ -156,12 +161,18 @@ def tiny_qwen3(tmp_path_factory) -> ModelCase:
     return _tiny_case(tmp_path_factory, "qwen3")
 
 
+@pytest.fixture(scope="session")
+def tiny_phi3(tmp_path_factory) -> ModelCase:
+    return _tiny_case(tmp_path_factory, "phi3")
+
+
 # SmolLM2's cases run 5-35 s each here, so they are in the slow tier; the tiny models keep every
 # exactness check in the fast one.
-@pytest.fixture(params=[pytest.param("smollm2", marks=pytest.mark.slow), "tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.fixture(
+    params=[pytest.param("smollm2", marks=pytest.mark.slow), "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-phi3"]
+)
 def model_case(request) -> ModelCase:
-    name = {"smollm2": "smollm_case", "tiny-llama": "tiny_llama", "tiny-qwen2": "tiny_qwen2",
-            "tiny-qwen3": "tiny_qwen3"}[request.param]  # fmt: skip
+    name = "smollm_case" if request.param == "smollm2" else request.param.replace("-", "_")
     return request.getfixturevalue(name)
 
 

@@ -48,9 +48,35 @@ def test_a_mistral_folder_generates_like_transformers(tmp_path, make_llm):
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 10)[0]
 
 
-def test_sliding_window_attention_is_refused(tmp_path):
-    _tiny_mistral(tmp_path, sliding_window=16)
-    with pytest.raises(ValueError, match="sliding-window attention is not supported"):
+def test_a_sliding_window_caps_the_context_where_it_never_binds(tmp_path, make_llm):
+    """Issue 26 (#41) replaced the refusal: a windowed model is served up to its window, where
+    windowed and full attention agree, and a longer max_model_len is refused naming the window."""
+    hf = _tiny_mistral(tmp_path, sliding_window=48)
+    loaded = load_model(str(tmp_path))
+    assert loaded.arch.sliding_window == 48 and loaded.arch.context_limit == 48
+    with pytest.raises(ValueError, match="sliding window of 48 tokens"):
+        make_llm(loaded, max_model_len=256)
+    llm = make_llm(loaded, max_model_len=None)
+    assert llm.engine.max_model_len == 48
+    prompt = list(range(3, 40))
+    out = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 10)[0]  # 47 tokens: inside the window
+    with pytest.raises(ValueError, match="context"):  # past the window is past the context
+        llm.generate([list(range(3, 60))], SamplingParams(max_tokens=4))
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [({"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"), ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+     ({"model_type": "gemma3_text"}, "unsupported architecture 'gemma3_text'")],
+)  # fmt: skip
+def test_unsupported_features_of_a_family_are_refused_by_name(tmp_path, extra, says):
+    import json
+
+    _tiny_mistral(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **extra}))
+    with pytest.raises(ValueError, match=says):
         load_model(str(tmp_path))
 
 

@@ -24,12 +24,14 @@ TINY = dict(
 
 
 def hf_model(kind: str = "llama", seed: int | None = None, **config) -> torch.nn.Module:
-    """A float32 transformers Llama (`kind` llama), Qwen2 (qwen2, qkv bias) or Qwen3 (qwen3, q/k
-    norm) in eval mode, with
+    """A float32 transformers Llama (`kind` llama), Qwen2 (qwen2, qkv bias), Qwen3 (qwen3, q/k
+    norm) or Phi-3 (phi3, fused projections, LongRoPE) in eval mode, with
     random weights from `seed` (None: torch's current generator) and exactly `config`."""
     from transformers import (
         LlamaConfig,
         LlamaForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -42,5 +44,16 @@ def hf_model(kind: str = "llama", seed: int | None = None, **config) -> torch.nn
         "llama": (LlamaConfig, LlamaForCausalLM),
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "phi3": (Phi3Config, Phi3ForCausalLM),
     }[kind]
     return model_cls(config_cls(**config)).float().eval()
+
+
+def longrope(head_dim: int, original: int, seed: int = 3) -> dict:
+    """A Phi-3 LongRoPE rope dict with random factors (short near 1, long 1-8), as Phi-3 ships."""
+    gen = torch.Generator().manual_seed(seed)
+    half = head_dim // 2
+    short = (1 + 0.1 * torch.rand(half, generator=gen)).tolist()
+    long = (1 + 7 * torch.rand(half, generator=gen)).tolist()
+    return {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+            "original_max_position_embeddings": original, "rope_theta": 10000.0}  # fmt: skip
