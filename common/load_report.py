@@ -101,6 +101,13 @@ class LoadReport:
             if f.name not in data:
                 continue
             values[f.name] = _checked(f.name, data[f.name], _TYPES[f.name])
+        if not values:
+            # NOTE: vLLM's GET /load answers {"server_load": N}. Read as a report of defaults, that
+            # was an idle engine of block size 0: the gateway sent it everything.
+            raise LoadReportError(
+                f"/load answered none of a load report's fields (got {sorted(data)[:5]}): not a kvharbor "
+                "engine; a vLLM server answers {\"server_load\": N} there"
+            )
         return cls(**values)
 
 

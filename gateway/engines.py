@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvharbor.common.load_report import LoadReport
+from kvharbor.common.load_report import LoadReport, LoadReportError
 
 log = logging.getLogger("kvharbor.gateway.engines")
 COOLDOWN_S = 5.0
@@ -183,7 +183,8 @@ class EnginePool:
             resp.raise_for_status()
             load = LoadReport.from_json(resp.json())
         except (httpx.HTTPError, ValueError) as exc:
-            self.failed(engine, f"/load: {type(exc).__name__}", hard=isinstance(exc, httpx.ConnectError), passive=False)
+            why = str(exc)[:200] if isinstance(exc, LoadReportError) else type(exc).__name__  # the reason, not a class
+            self.failed(engine, f"/load: {why}", hard=isinstance(exc, httpx.ConnectError), passive=False)
             return
         engine.load, engine.polled_at = load, sent_at
         engine.instance_id = load.instance_id or engine.instance_id

@@ -46,6 +46,14 @@ def test_a_malformed_report_is_refused_naming_the_field(bad):
         LoadReport.from_json(bad)
 
 
+def test_an_answer_with_none_of_the_fields_is_not_taken_for_an_idle_engine():
+    """vLLM's GET /load answers {"server_load": N}: read as defaults, it was an idle engine of
+    block size 0 that the gateway sent everything to (issue 25, #40)."""
+    for foreign in ({"server_load": 3}, {}):
+        with pytest.raises(LoadReportError, match="none of a load report's fields"):
+            LoadReport.from_json(foreign)
+
+
 def test_metrics_render_the_same_report():
     text = ServerMetrics(lambda: (FULL, CoreStats()), "m", "a").render().decode()
     assert 'kvharbor_requests_running{instance="a",model="m"} 3.0' in text
