@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -39,9 +40,20 @@ def test_operator_is_the_stdlib_module_from_the_repository_root(cwd):
     assert Path(out.stdout.strip()).resolve().parent == STDLIB
 
 
+PARTS = ("common", "engine", "gateway", "kvcache_service", "kv_bridge", "launch", "operator")
+
+
 @pytest.mark.slow  # fresh interpreters
 def test_operator_is_the_stdlib_module_from_a_wheel(tmp_path):
     wheels = tmp_path / "wheels"
+    # Built from a copy: setuptools reuses the repository's build/ folder, whose stale files once
+    # hid a sub-package missing from pyproject's list.
+    src = tmp_path / "src"
+    for name in ("pyproject.toml", "README.md"):
+        (src / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(REPO / name, src / name)
+    for part in PARTS:
+        shutil.copytree(REPO / part, src / part, ignore=shutil.ignore_patterns("__pycache__", "*.so", "README.md"))
     subprocess.run(
         [
             sys.executable,
@@ -53,7 +65,7 @@ def test_operator_is_the_stdlib_module_from_a_wheel(tmp_path):
             "--no-build-isolation",
             "-w",
             str(wheels),
-            str(REPO),
+            str(src),
         ],
         check=True,
         capture_output=True,
@@ -66,6 +78,11 @@ def test_operator_is_the_stdlib_module_from_a_wheel(tmp_path):
     assert "kvharbor/engine/kernels/decode.py" in names
     for module in (REPO / "operator").rglob("*.py"):  # operator code ships under kvharbor/operator/
         assert f"kvharbor/operator/{module.relative_to(REPO / 'operator').as_posix()}" in names
+    # Every module of every part ships: a sub-package missing from pyproject's list (as
+    # engine/structured/ once was) works in the editable install and fails only once installed.
+    for part in PARTS:
+        for module in (REPO / part).rglob("*.py"):
+            assert f"kvharbor/{part}/{module.relative_to(REPO / part).as_posix()}" in names, module
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel)],
