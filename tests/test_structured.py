@@ -227,3 +227,21 @@ def test_an_engine_that_speculates_leaves_guided_rows_to_plain_decoding(make_llm
     jsonschema.validate(json.loads(text), PERSON)
     assert llm.engine.stats.spec_proposed == 0  # no proposal for the only (guided) request
     assert any("speculative decoding skips structured-output" in r.message for r in caplog.records)
+
+
+def test_lora_rows_are_constrained_like_base_rows_in_one_batch(make_llm, smollm, tmp_path):
+    from lora_adapters import write_random_adapter
+
+    adapter = write_random_adapter(tmp_path / "sql", smollm.arch, 8, seed=1)
+    llm = make_llm(smollm, lora=[f"sql={adapter}"], kv_cache_memory="512MiB", max_loras=1, max_cpu_loras=1)
+    params = SamplingParams(max_tokens=60, temperature=0, structured=_json(PERSON))
+    prompt = smollm.tokenizer.encode_chat(ASK)
+    for name in ("a", "b"):
+        llm.engine.add_request(name, None, params, prompt_token_ids=prompt, lora="sql" if name == "a" else None)
+    outs = {}
+    while llm.engine.has_unfinished():
+        outs.update({o.request_id: o for o in llm.engine.step() if o.finished})
+    assert sorted(outs) == ["a", "b"]
+    for out in outs.values():
+        assert out.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
