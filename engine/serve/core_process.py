@@ -69,7 +69,7 @@ class CoreProcess:
     def _publisher(self, srv: Any) -> Any:
         if not srv.redis_url:
             return None
-        from kvharbor.engine.kv.kv_publisher import KVEventPublisher
+        from kvharbor.common.kv_publisher import KVEventPublisher
 
         model = self.core.model_name
         return KVEventPublisher(
@@ -118,6 +118,16 @@ class CoreProcess:
 
     # -- the asyncio loop ----------------------------------------------------------------------------
 
+    async def _snapshot(self) -> list[bytes]:
+        """Every block the pool holds, read between steps (the publisher's re-sync)."""
+
+        def read(engine) -> list[bytes]:
+            self.publisher.begin_snapshot()
+            engine.pool.take_events()  # superseded by the full set
+            return engine.pool.cached_hashes()
+
+        return await asyncio.wrap_future(self.loop.call(read))
+
     def _compiled(self, seconds: float, hit: bool) -> None:
         self.board.inc("structured_compiles", label="hit" if hit else "miss")
         self.board.inc("structured_compile_seconds", seconds)
@@ -148,7 +158,7 @@ class CoreProcess:
                 "kv_transfer_secret": self.handoff_secret.hex()}  # fmt: skip
         self._send(["ready", info])
         if self.publisher is not None:
-            self._spawn(self.publisher.run(self.loop, core.capacity.block_size))
+            self._spawn(self.publisher.run(self._snapshot, core.capacity.block_size))
         if self.kv_store is not None:
             self._spawn(self.kv_store.run())
         self._spawn(self._report_load())

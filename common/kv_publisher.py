@@ -1,4 +1,5 @@
-"""KVEventPublisher: the engine's block pool events, written to this instance's Redis Stream.
+"""KVEventPublisher: an instance's KV events, written to its Redis Stream (torch-free: the engine's
+core process and the vLLM KV bridge both publish through it).
 
     stream    <prefix>{<model>:<instance>}        XADD, one entry per event (kvharbor.common.kv_events)
     registry  <prefix>streams                     HSET stream -> model, instance (on every re-sync)
@@ -8,7 +9,8 @@
 Key names come from kvharbor.common.redis_keys; a redis+cluster:// URL writes to a Redis Cluster.
 One stream per instance lets several KV cache service replicas share the intake.
 
-On every (re)connect it writes `cleared` and then everything the pool holds, so an index that lost
+On every (re)connect it writes `cleared` and then everything the instance holds (its `snapshot`,
+which calls `begin_snapshot` where the events come from), so an index that lost
 its state, or missed events while Redis was away, is rebuilt. It does the same when the resync
 counter moves: on a Redis Cluster one node can restart empty while this engine's own keys, on
 another node, never noticed. While Redis is down the engine keeps
@@ -23,13 +25,14 @@ import contextlib
 import logging
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
+from kvharbor.common.block_hash import BlockHash
 from kvharbor.common.kv_events import AllCleared, BlockStored, EventEnvelope, KVEvent, to_fields
 from kvharbor.common.redis_client import connect
 from kvharbor.common.redis_keys import lease_key, registry_value, resync_key, stream_key, stream_registry_key
-from kvharbor.engine.core import EngineCore
-from kvharbor.engine.serve.engine_loop import EngineLoop
+
+Snapshot = Callable[[], Awaitable[list[BlockHash]]]  # every block the instance holds, now
 
 log = logging.getLogger("kvharbor.engine.kv_events")
 
@@ -84,24 +87,22 @@ class KVEventPublisher:
         self.resyncs = 0
         self._resync_seen: bytes | None = None  # the resync counter when we last re-published
 
-    # -- the engine thread ------------------------------------------------------------------------
+    # -- where the events come from (the engine thread, or the bridge's loop) ----------------------
 
     def sink(self, events: list[KVEvent]) -> None:
-        """Take the pool's events (engine thread). Dropped, and counted, while Redis is away."""
+        """Take the instance's events (any thread). Dropped, and counted, while Redis is away."""
         with self._lock:
             if not self._connected or len(self._queue) + len(events) > self._max_queue:
                 self._drop(len(events))
                 return
             self._queue.extend(events)
 
-    def _snapshot(self, engine: EngineCore) -> list[bytes]:
-        # Runs in the engine thread between steps: everything queued so far is superseded by
-        # the full set, so drop it and start counting from here.
+    def begin_snapshot(self) -> None:
+        """Called by the snapshot where the events come from, in the same breath as it reads the
+        full set: everything queued so far is superseded by it, so drop it and count from here."""
         with self._lock:
             self._queue.clear()
             self._connected = True
-        engine.pool.take_events()
-        return engine.pool.cached_hashes()
 
     def _drop(self, n: int) -> None:
         self.dropped += n
@@ -109,7 +110,7 @@ class KVEventPublisher:
 
     # -- the event loop ---------------------------------------------------------------------------
 
-    async def run(self, loop: EngineLoop, block_size: int) -> None:
+    async def run(self, snapshot: Snapshot, block_size: int) -> None:
         """Publish until `stop()`; reconnects with backoff; never raises for Redis trouble."""
         from redis.exceptions import RedisClusterException, RedisError
 
@@ -118,7 +119,7 @@ class KVEventPublisher:
             client = connect(self.redis_url, timeout=3)
             try:
                 await client.ping()
-                await self._resync(client, loop, block_size)
+                await self._resync(client, snapshot, block_size)
                 log.info("publishing KV events", extra={"stream": self.stream_key, "lease": self.lease})
                 backoff = 0.5
                 await self._pump(client)
@@ -136,8 +137,8 @@ class KVEventPublisher:
             finally:
                 await client.aclose()
 
-    async def _resync(self, client, loop: EngineLoop, block_size: int) -> None:
-        hashes = await asyncio.wrap_future(loop.call(self._snapshot))
+    async def _resync(self, client, snapshot: Snapshot, block_size: int) -> None:
+        hashes = await snapshot()
         events: list[KVEvent] = [AllCleared()]
         for i in range(0, len(hashes), RESYNC_BATCH):
             # NOTE: a re-sync sends the set of held blocks; its batches are not chains (parent None).
