@@ -35,11 +35,18 @@ class Translator:
         """Blocks this engine holds, as far as its events said."""
         return len(self._ours)
 
+    def held(self) -> list[BlockHash]:
+        """Their kvharbor hashes (a re-sync's full set)."""
+        return list(self._ours.values())
+
+    def clear(self) -> None:
+        self._ours.clear()
+
     def translate(self, event: VllmEvent) -> KVEvent | None:
         """The kvharbor event for `event`, or None when there is nothing to tell. Raises
         BlockSizeMismatch for blocks of another size than the gateway's."""
         if isinstance(event, VllmCleared):
-            self._ours.clear()
+            self.clear()
             return AllCleared()
         if isinstance(event, VllmRemoved):
             ours = tuple(self._ours.pop(h) for h in event.block_hashes if h in self._ours)

@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvharbor.kvcache_service.service",
         "run the KV cache service: prefix index, leases, shared block store",
     ),
+    "kv-bridge": ("kvharbor.kv_bridge.service", "bridge a vLLM pod's KV events into kvharbor's KV index (a sidecar)"),
     "operator": ("kvharbor.operator.service", "reconcile InferenceService and Tenant resources in Kubernetes (kopf)"),
 }
 
