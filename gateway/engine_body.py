@@ -8,6 +8,7 @@ GATEWAY_FIELDS are the gateway's alone.
 
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 from kvharbor.common.sampling_limits import MAX_CONTINUED_TEXT
@@ -31,10 +32,17 @@ GATEWAY_FIELDS = (
 )  # fmt: skip
 
 
+# kvharbor's own request fields, which a vLLM server would ignore or read otherwise
+# (kv_transfer_params means something else there).
+KVHARBOR_ONLY = ("kv_prefix_source", "kv_transfer_params", "continued_text", "text_offset", "continued_tokens",
+                 "speculative")  # fmt: skip
+VLLM_SALT_MAX = 128  # vLLM refuses longer salts, and any with @ / \ or NUL
+
+
 def engine_body(call: Call, route: Route, engine: Engine, migratable: bool) -> dict:
     """The body for `engine` on `route`: one prompt goes as token ids (tokenized once, here), a
     P/D hand-off or the router's shared-prefix hint rides along, and a stream that may migrate
-    asks for its token ids (what a migration continues from)."""
+    asks for its token ids (what a migration continues from). A vLLM engine gets vllm_body's."""
     body = {
         **{k: v for k, v in call.raw.items() if k not in GATEWAY_FIELDS},
         "cache_salt": call.tenant.cache_salt,
@@ -55,7 +63,24 @@ def engine_body(call: Call, route: Route, engine: Engine, migratable: bool) -> d
         body["stream_options"] = {"include_usage": True}  # the gateway counts tokens
         if migratable:
             body["return_token_ids"] = True
-    return body
+    return vllm_body(call, body) if engine.kind == "vllm" else body
+
+
+def vllm_body(call: Call, body: dict) -> dict:
+    """`body` as a vLLM server takes it: it ignores prompt_token_ids, so a completion's prompt goes
+    as the ids themselves and a chat as its messages (vLLM renders the same template); the tenant's
+    salt as vLLM's cache_salt (hashed when vLLM would refuse its characters); no priority (vLLM's
+    is lower-first and needs --scheduling-policy priority); none of kvharbor's own fields."""
+    out = {k: v for k, v in body.items() if k not in KVHARBOR_ONLY and k != "priority"}
+    ids = out.pop("prompt_token_ids", None)
+    if call.kind == "completion":
+        out["prompt"] = ids if ids is not None else out.get("prompt")
+    salt = out.get("cache_salt")
+    if not salt:
+        out.pop("cache_salt", None)
+    elif len(salt) > VLLM_SALT_MAX or any(c in salt for c in "@/\\\0"):
+        out["cache_salt"] = "h-" + hashlib.sha256(salt.encode()).hexdigest()[:40]
+    return out
 
 
 def prefill_body(body: dict) -> dict:

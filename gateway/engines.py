@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvharbor.common.load_report import LoadReport, LoadReportError
+from kvharbor.common.vllm_metrics import load_from_vllm_metrics
 
 log = logging.getLogger("kvharbor.gateway.engines")
 COOLDOWN_S = 5.0
@@ -46,7 +47,7 @@ class Sent:
 class Engine:
     url: str
     model: str
-    instance_id: str | None = None  # from /load: the id its KV events carry
+    instance_id: str | None = None  # from /load (a vLLM engine's: from its address): the id its KV events carry
     load: LoadReport = field(default_factory=LoadReport)
     polled: bool = False
     ejected: bool = False
@@ -55,6 +56,7 @@ class Engine:
     cooldown_until: float = 0.0  # after failed calls, a good /load alone does not bring it back before this
     polled_at: float = 0.0  # when the poll that brought `load` was sent
     sent: set[Sent] = field(default_factory=set)  # requests this gateway has open on it
+    kind: str = "kvharbor"  # kvharbor | vllm: how its load is read and what its requests carry
 
     @property
     def routable(self) -> bool:
@@ -141,10 +143,14 @@ class EnginePool:
         self.ejections = 0
 
     def set_engines(self, model: str, urls: list[str]) -> None:
-        """Make `urls` the engines of `model` (discovery); known ones keep their state."""
-        for url in urls:
-            self._engines.setdefault(url, Engine(url, model))
-        for url in [u for u, e in self._engines.items() if e.model == model and u not in urls]:
+        """Make `urls` the engines of `model` (discovery); known ones keep their state. A URL
+        written `vllm+http://host:port#instance-id` is a vLLM server (its instance id: the one its
+        kv-bridge publishes under)."""
+        specs = [parse_engine(u) for u in urls]
+        for url, kind, instance in specs:
+            self._engines.setdefault(url, Engine(url, model, instance_id=instance, kind=kind))
+        keep = {url for url, _, _ in specs}
+        for url in [u for u, e in self._engines.items() if e.model == model and u not in keep]:
             del self._engines[url]
 
     def all(self, model: str | None = None) -> list[Engine]:
@@ -179,9 +185,7 @@ class EnginePool:
     async def poll_once(self, engine: Engine) -> None:
         sent_at = time.monotonic()
         try:
-            resp = await self.client.get(engine.url + "/load", timeout=max(1.0, self.interval * 2))
-            resp.raise_for_status()
-            load = LoadReport.from_json(resp.json())
+            load = await self._read_load(engine)
         except (httpx.HTTPError, ValueError) as exc:
             why = str(exc)[:200] if isinstance(exc, LoadReportError) else type(exc).__name__  # the reason, not a class
             self.failed(engine, f"/load: {why}", hard=isinstance(exc, httpx.ConnectError), passive=False)
@@ -196,6 +200,18 @@ class EnginePool:
             log.info("engine up", extra={"engine": engine.url, "instance_id": engine.instance_id})
         self.on_change()
 
+    async def _read_load(self, engine: Engine) -> LoadReport:
+        """kvharbor's /load, or a vLLM server's /metrics mapped onto a LoadReport: by the kind
+        discovery gave the engine, never guessed from what an answer looks like."""
+        timeout = max(1.0, self.interval * 2)
+        if engine.kind == "vllm":
+            resp = await self.client.get(engine.url + "/metrics", timeout=timeout)
+            resp.raise_for_status()
+            return load_from_vllm_metrics(resp.text, engine.instance_id or engine.url)
+        resp = await self.client.get(engine.url + "/load", timeout=timeout)
+        resp.raise_for_status()
+        return LoadReport.from_json(resp.json())
+
     async def poll_forever(self) -> None:
         while True:
             started = time.monotonic()
@@ -206,3 +222,20 @@ class EnginePool:
                 if isinstance(err, Exception):  # a bug must not end health checking for good
                     log.error("engine poll failed unexpectedly", exc_info=err)
             await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+
+
+ENGINE_KINDS = ("kvharbor", "vllm")
+
+
+def parse_engine(spec: str) -> tuple[str, str, str | None]:
+    """(url, kind, fixed instance id) of an engine address: `http://host:port` is a kvharbor
+    engine; `vllm+http://host:port#instance-id` a vLLM server. Raises ValueError otherwise."""
+    kind, _, rest = spec.partition("+") if "+" in spec.split("://", 1)[0] else ("kvharbor", "", spec)
+    if kind not in ENGINE_KINDS:
+        raise ValueError(f"engine kind {kind!r} in {spec!r} is not one of {', '.join(ENGINE_KINDS)}")
+    url, _, instance = rest.partition("#")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"engine address {spec!r} must be http(s)://host:port (vllm+http://...#instance for vLLM)")
+    if kind == "vllm" and not instance:
+        raise ValueError(f"a vLLM engine names the instance id its kv-bridge publishes: {spec}#<instance-id>")
+    return url.rstrip("/"), kind, instance or None

