@@ -37,6 +37,11 @@ class Discovery(Protocol):
 
 
 def check_url(url: str) -> str:
+    if url.startswith("vllm+"):  # a vLLM server: vllm+http://HOST:PORT#instance-id (gateway/engines.py)
+        from kvharbor.gateway.engines import parse_engine
+
+        parse_engine(url)
+        return url
     parsed = urlparse(url)
     if parsed.scheme not in ("http", "https") or not parsed.hostname:
         raise ValueError(f"engine URL {url!r} must look like http://HOST:PORT")

@@ -103,3 +103,12 @@ def test_a_vllm_engine_gets_a_body_it_reads_as_meant():
                            SimpleNamespace(kind="kvharbor"), False)  # fmt: skip
     assert kvharbor["prompt_token_ids"] == [1] and kvharbor["priority"] == 5
     assert kvharbor["kv_prefix_source"] == "shared"
+
+
+def test_static_discovery_takes_vllm_addresses_and_refuses_bad_ones():
+    from kvharbor.gateway.discovery import check_url
+
+    assert check_url("vllm+http://10.0.0.2:8000#pod-b") == "vllm+http://10.0.0.2:8000#pod-b"
+    assert check_url("http://10.0.0.1:8000/") == "http://10.0.0.1:8000"
+    with pytest.raises(ValueError, match="instance id"):
+        check_url("vllm+http://10.0.0.2:8000")
