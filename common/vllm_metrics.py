@@ -10,7 +10,9 @@ rate, decode step) stays 0, which the gateway's predictions read as "not measure
 
 from __future__ import annotations
 
+import dataclasses
 import re
+from typing import Any
 
 from kvharbor.common.load_report import LoadReport, LoadReportError
 
@@ -50,3 +52,15 @@ def load_from_vllm_metrics(text: str, instance_id: str) -> LoadReport:
         lora_active=tuple(adapters),
         lora_slots=int(newest.get("max_lora") or 0),
     )
+
+
+def with_vllm_adapters(load: LoadReport, models: Any) -> LoadReport:
+    """`load` with every LoRA adapter vLLM's GET /v1/models lists (an entry whose `parent` is
+    another model): /metrics names only those with requests running or waiting, and the gateway
+    routes an adapter only to engines that report it. Raises LoadReportError for another shape."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        raise LoadReportError("/v1/models must answer {data: [...]} (OpenAI's list of models)")
+    names = [m["id"] for m in data if isinstance(m, dict) and isinstance(m.get("id"), str) and m.get("parent")]
+    adapters = {**load.lora_adapters, **{name: name for name in names}}  # vLLM's KV events hash by the name
+    return dataclasses.replace(load, lora_adapters=adapters)

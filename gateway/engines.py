@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvharbor.common.load_report import LoadReport, LoadReportError
-from kvharbor.common.vllm_metrics import load_from_vllm_metrics
+from kvharbor.common.vllm_metrics import load_from_vllm_metrics, with_vllm_adapters
 
 log = logging.getLogger("kvharbor.gateway.engines")
 COOLDOWN_S = 5.0
@@ -207,7 +207,11 @@ class EnginePool:
         if engine.kind == "vllm":
             resp = await self.client.get(engine.url + "/metrics", timeout=timeout)
             resp.raise_for_status()
-            return load_from_vllm_metrics(resp.text, engine.instance_id or engine.url)
+            load = load_from_vllm_metrics(resp.text, engine.instance_id or engine.url)
+            # /metrics names only the adapters running or waiting; /v1/models every loaded one
+            models = await self.client.get(engine.url + "/v1/models", timeout=timeout)
+            models.raise_for_status()
+            return with_vllm_adapters(load, models.json())
         resp = await self.client.get(engine.url + "/load", timeout=timeout)
         resp.raise_for_status()
         return LoadReport.from_json(resp.json())

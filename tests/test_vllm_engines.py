@@ -57,6 +57,9 @@ def test_the_pool_reads_a_vllm_engines_load_from_its_metrics_and_a_kvharbor_engi
 
     def handler(request: httpx.Request) -> httpx.Response:
         asked.append(request.url.path)
+        if request.url.host == "v" and request.url.path == "/v1/models":  # vLLM's: a LoRA module has a parent
+            return httpx.Response(200, json={"object": "list", "data": [
+                {"id": "SmolLM2-135M-Instruct", "parent": None}, {"id": "sql", "parent": "SmolLM2-135M-Instruct"}]})
         if request.url.host == "v":
             return httpx.Response(200, text=METRICS)
         return httpx.Response(200, json={"server_load": 0})  # a vLLM server listed as kvharbor's
@@ -70,9 +73,10 @@ def test_the_pool_reads_a_vllm_engines_load_from_its_metrics_and_a_kvharbor_engi
             return {e.url: e for e in pool.all("m")}
 
     engines = asyncio.run(main())
-    assert sorted(asked) == ["/load", "/metrics"]  # each by its kind, never guessed from an answer
+    assert sorted(asked) == ["/load", "/metrics", "/v1/models"]  # each by its kind, never guessed from an answer
     vllm, mislabelled = engines["http://v:8000"], engines["http://k:8000"]
     assert vllm.routable and vllm.kind == "vllm" and vllm.instance_id == "vllm-a" and vllm.load.block_size == 32
+    assert vllm.load.lora_adapters == {"sql": "sql"}  # idle, yet routable for its adapter (hashed by name)
     assert not mislabelled.routable  # {"server_load": 0} is not taken for an idle engine
 
 
@@ -112,3 +116,13 @@ def test_static_discovery_takes_vllm_addresses_and_refuses_bad_ones():
     assert check_url("http://10.0.0.1:8000/") == "http://10.0.0.1:8000"
     with pytest.raises(ValueError, match="instance id"):
         check_url("vllm+http://10.0.0.2:8000")
+
+
+def test_an_unexpected_models_answer_is_refused_not_read_as_no_adapters():
+    from kvharbor.common.vllm_metrics import with_vllm_adapters
+
+    load = load_from_vllm_metrics(METRICS, "vllm-a")
+    for bad in ({"server_load": 0}, [], {"data": "x"}):
+        with pytest.raises(LoadReportError, match="/v1/models"):
+            with_vllm_adapters(load, bad)
+    assert with_vllm_adapters(load, {"data": [{"id": "SmolLM2-135M-Instruct", "parent": None}]}) == load
