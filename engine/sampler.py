@@ -139,8 +139,8 @@ class Sampler:
         return row
 
     def _constrain(self, row: torch.Tensor, request: Request) -> torch.Tensor:
-        """`row` with every token the request's grammar does not take next at -inf. A row that
-        is already a copy (adjust's) is masked in place."""
+        """A copy of `row` with every token the request's grammar does not take next at -inf
+        (the logits the step shares stay as they were)."""
         t0 = time.perf_counter()
         allowed = request.guide.allowed()
         if not allowed.any():  # a grammar in error: end the sample rather than draw from nothing

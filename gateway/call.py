@@ -69,6 +69,11 @@ class Call:
         return len(self.prompts[0])
 
     @property
+    def max_tokens(self) -> int | None:
+        """Its output cap: the client's, else the tenant's (the front matter puts it in `raw`)."""
+        return self.body.max_new_tokens() or self.raw.get("max_tokens")
+
+    @property
     def one_sequence(self) -> bool:
         """One prompt and one sample: what P/D and stream migration can carry."""
         return len(self.prompts) == 1 and (self.body.n or 1) == 1

@@ -235,8 +235,7 @@ class RequestFlow:
         if not self.migratable or self.route.engine.kind != "kvharbor":
             return None  # migration continues a kvharbor engine's stream (its token ids, its grammar)
         call = self.call
-        limit = call.body.max_new_tokens() or call.raw.get("max_tokens")
-        return Continuation(self._resume, self.state.max_migrations, limit, call.prompt_tokens,
+        return Continuation(self._resume, self.state.max_migrations, call.max_tokens, call.prompt_tokens,
                             not call.body.return_token_ids)  # fmt: skip
 
     async def _resume(self, streamed: list[int], failure: str, delivered: str) -> EngineStream:
@@ -249,8 +248,7 @@ class RequestFlow:
         chosen = await self.choose(self.candidates(exclude={failed.url}))
         if chosen is None:
             raise EngineFailed("no other engine to continue the stream on")
-        limit = call.body.max_new_tokens() or call.raw.get("max_tokens")
-        body = continued_payload(self._body(chosen.engine), call, streamed, limit, self._moves, delivered)
+        body = continued_payload(self._body(chosen.engine), call, streamed, call.max_tokens, self._moves, delivered)
         try:
             return await self._open(chosen.engine, body)
         except EngineFailed as exc:
