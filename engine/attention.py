@@ -12,6 +12,11 @@ reads without another copy; slot = block_id * block_size + offset. Every layer w
 first, then attends, so a sequence may read blocks that another sequence of the same step is
 writing (prefix hits on blocks registered this step).
 
+Layers differ (engine/model_arch.py's LayerKind): a sliding-window layer attends to the last
+`window` positions only, and a layer may have its own score scale (Gemma's query_pre_attn_scalar)
+and a soft-cap on its scores (Gemma 2). The step's metadata carries the decode groups' and prefill
+chunks' masks once per window the model has (`AttentionMetadata.windowed`).
+
 NOTE (CPU speed, measured on 2 cores): SDPA with one query per sequence and `enable_gqa` is ~4x
 slower than folding each KV head's query group into the query axis (q `[B, kv_heads, group, d]`),
 and gathering whole blocks with index_select is ~3x faster than gathering slots.
@@ -19,7 +24,7 @@ and gathering whole blocks with index_select is ~3x faster than gathering slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -58,6 +63,21 @@ class CpuDecode:
     ctx_lens: torch.Tensor  # [rows] int32
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention needs beyond the step's metadata: its sliding window (None:
+    the whole context), its score scale (None: head_dim ** -0.5) and its score soft-cap (None:
+    none; else scores become softcap * tanh(score / softcap) before the mask, as HF's eager
+    attention does)."""
+
+    window: int | None = None
+    scale: float | None = None
+    softcap: float | None = None
+
+
+FULL = LayerAttention()
+
+
 @dataclass
 class AttentionMetadata:
     """Built once per step by the runner and shared by every layer."""
@@ -72,6 +92,12 @@ class AttentionMetadata:
     kv_dtype: str = "auto"  # int8 / fp8: the cache holds engine/kv/kv_quant.py's byte rows
     kv_writer: Any = None  # cpu_kernels.CpuKernels: writes float32 or int8 rows instead of torch ops
     slot_bounds: tuple[int, int] | None = None  # min and max of slot_mapping, for the writer's check
+    # Each sliding window the model has: its decode groups and prefill chunks (masks banded to it).
+    windowed: dict[int, tuple[list[DecodeGroup], list[PrefillChunk]]] = field(default_factory=dict)
+
+    def parts(self, window: int | None) -> tuple[list[DecodeGroup], list[PrefillChunk]]:
+        """The torch path's decode groups and prefill chunks for a layer with this window."""
+        return (self.decode_groups, self.prefills) if window is None else self.windowed[window]
 
 
 # One more decode call costs about as much as attending to this many more padded key positions
@@ -119,6 +145,7 @@ def build_metadata(
     cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decodes through its attention kernel
     kv_dtype: str = "auto",  # the cache's --kv-cache-dtype
     invariant: bool = False,  # batch-invariant: every row through cpu_kernels' kernel
+    windows: tuple[int, ...] = (),  # the model's sliding windows (engine/model_arch.py)
 ) -> AttentionMetadata:
     """Metadata for sequences (decodes first) with these block tables, computed prefixes
     (`starts`) and new-token counts (`lengths`)."""
@@ -126,7 +153,9 @@ def build_metadata(
     for table, start, n in zip(block_tables, starts, lengths, strict=True):
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
     if invariant:
-        return _invariant_metadata(block_tables, starts, lengths, num_decodes, block_size, slots, cpu_kernels, kv_dtype)
+        meta = _invariant_metadata(block_tables, starts, lengths, num_decodes, block_size, slots, cpu_kernels, kv_dtype)
+        meta.windowed = {w: ([], []) for w in windows}  # the kernel takes every row, windowed by its argument
+        return meta
     if backend == "triton":
         from kvharbor.engine.attention_triton import build_triton_metadata
 
@@ -141,29 +170,62 @@ def build_metadata(
         tables, lens = torch.tensor(padded, dtype=torch.int32), torch.tensor(ctx_lens, dtype=torch.int32)
         cpu_decode = CpuDecode(cpu_kernels, tables, lens)
         ctx_lens = []  # no decode groups: the kernel takes them all
-    groups = [
-        _decode_group(
-            start, block_tables[start : start + size], ctx_lens[start : start + size], block_size, dtype, device
-        )
-        for start, size in decode_groups(ctx_lens, block_size)
-    ]
-    prefills = []
-    q_start = num_decodes
-    for table, start, n in zip(block_tables[num_decodes:], starts[num_decodes:], lengths[num_decodes:], strict=True):
-        if start == 0:
-            prefills.append(PrefillChunk(q_start, n, n, None, None))
-        else:
-            used = -(-(start + n) // block_size)
-            blocks = torch.tensor(table[:used], dtype=torch.long, device=device)
-            mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
-            prefills.append(PrefillChunk(q_start, n, start + n, blocks, mask))
-        q_start += n
+    seqs = _Seqs(block_tables, starts, lengths, num_decodes, ctx_lens, block_size, dtype, device)
+    groups, prefills = seqs.parts(None)
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
     writer = cpu_kernels if kv_dtype in ("auto", "int8") else None
     return AttentionMetadata(
         block_size, slot_mapping, num_decodes, groups, prefills, cpu_decode=cpu_decode, kv_dtype=kv_dtype,
         kv_writer=writer, slot_bounds=(min(slots), max(slots)) if slots else None,
+        windowed={w: seqs.parts(w) for w in windows},
     )  # fmt: skip
+
+
+@dataclass
+class _Seqs:
+    """The step's sequences, as the torch path's decode groups and prefill chunks are built from."""
+
+    block_tables: list[list[int]]
+    starts: list[int]
+    lengths: list[int]
+    num_decodes: int
+    ctx_lens: list[int]  # the decodes' that go to decode groups (none when the CPU kernel takes them)
+    block_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def parts(self, window: int | None) -> tuple[list[DecodeGroup], list[PrefillChunk]]:
+        """Decode groups and prefill chunks whose masks hide what lies outside `window` (None: causal only)."""
+        nd, bs = self.num_decodes, self.block_size
+        groups = []
+        for start, size in decode_groups(self.ctx_lens, bs):
+            rows = slice(start, start + size)
+            groups.append(
+                _decode_group(start, self.block_tables[rows], self.ctx_lens[rows], bs, self.dtype, self.device, window)
+            )
+        prefills = []
+        q_start = nd
+        for table, start, n in zip(self.block_tables[nd:], self.starts[nd:], self.lengths[nd:], strict=True):
+            prefills.append(_prefill_chunk(q_start, table, start, n, bs, self.device, window))
+            q_start += n
+        return groups, prefills
+
+
+def _prefill_chunk(
+    q_start: int, table: list[int], start: int, n: int, block_size: int, device: torch.device, window: int | None
+) -> PrefillChunk:
+    """A chunk of n tokens after `start` cached ones; its mask is causal, and banded to `window`."""
+    banded = window is not None and start + n > window
+    if start == 0 and not banded:
+        return PrefillChunk(q_start, n, n, None, None)
+    mask = torch.ones(n, start + n, dtype=torch.bool, device=device).tril(start)
+    if banded:  # query start+i sees keys j with start+i - window < j
+        mask = mask.triu(start - window + 1)
+    if start == 0:
+        return PrefillChunk(q_start, n, n, None, mask)
+    used = -(-(start + n) // block_size)
+    blocks = torch.tensor(table[:used], dtype=torch.long, device=device)
+    return PrefillChunk(q_start, n, start + n, blocks, mask)
 
 
 def _invariant_metadata(
@@ -195,12 +257,16 @@ def _invariant_metadata(
 
 
 def _decode_group(
-    start: int, tables: list[list[int]], ctx_lens: list[int], block_size: int, dtype: torch.dtype, device: torch.device
-) -> DecodeGroup:
+    start: int, tables: list[list[int]], ctx_lens: list[int], block_size: int, dtype: torch.dtype,
+    device: torch.device, window: int | None = None,
+) -> DecodeGroup:  # fmt: skip
     width = max(len(t) for t in tables)
     blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long, device=device).view(-1)
     ctx = torch.tensor(ctx_lens, device=device)
-    visible = torch.arange(width * block_size, device=device)[None, :] < ctx[:, None]
+    pos = torch.arange(width * block_size, device=device)[None, :]
+    visible = pos < ctx[:, None]
+    if window is not None:
+        visible &= pos >= ctx[:, None] - window
     mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
     return DecodeGroup(start, len(tables), blocks, mask.view(len(tables), 1, 1, -1))
 
@@ -249,6 +315,7 @@ def paged_attention(
     v: torch.Tensor,
     kv_cache: torch.Tensor,  # [2, kv_heads, slots, dim]
     meta: AttentionMetadata,
+    layer: LayerAttention = FULL,
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Returns [T, heads, dim]."""
     if meta.triton is not None:
@@ -266,33 +333,51 @@ def paged_attention(
     bs = meta.block_size
     if (cpu := meta.cpu_decode) is not None:
         n = cpu.tables.shape[0]
+        how = dict(scale=layer.scale, window=layer.window or 0, softcap=layer.softcap or 0.0)
         if q.dtype == torch.float32:
-            cpu.kernels.decode_attention(q[:n], k_cache, v_cache, cpu.tables, cpu.ctx_lens, bs, out[:n])
+            cpu.kernels.decode_attention(q[:n], k_cache, v_cache, cpu.tables, cpu.ctx_lens, bs, out[:n], **how)
         else:  # bfloat16: the kernel takes float32 queries (widened exactly) and writes float32
             o = torch.empty(n, heads, dim, dtype=torch.float32)
-            cpu.kernels.decode_attention(q[:n].float(), k_cache, v_cache, cpu.tables, cpu.ctx_lens, bs, o)
+            cpu.kernels.decode_attention(q[:n].float(), k_cache, v_cache, cpu.tables, cpu.ctx_lens, bs, o, **how)
             out[:n] = o
-    for g in meta.decode_groups:
+    groups, prefills = meta.parts(layer.window)
+    for g in groups:
         rows = slice(g.start, g.start + g.size)
         keys = _gather(k_cache, g.blocks, bs, kvd, q.dtype).view(kv_heads, g.size, -1, dim).transpose(0, 1)
         values = _gather(v_cache, g.blocks, bs, kvd, q.dtype).view(kv_heads, g.size, -1, dim).transpose(0, 1)
         query = q[rows].view(g.size, kv_heads, heads // kv_heads, dim)
-        o = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask)
+        o = _attend(query, keys, values, g.mask, layer)
         out[rows] = o.reshape(g.size, heads, dim)
-    for p in meta.prefills:
+    for p in prefills:
         rows = slice(p.q_start, p.q_start + p.q_len)
         if p.blocks is None:
             keys, values = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
         else:
             keys = _gather(k_cache, p.blocks, bs, kvd, q.dtype)[:, : p.ctx_len]
             values = _gather(v_cache, p.blocks, bs, kvd, q.dtype)[:, : p.ctx_len]
-        o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1).unsqueeze(0),
-            keys.unsqueeze(0),
-            values.unsqueeze(0),
-            attn_mask=p.mask,
-            is_causal=p.mask is None,
-            enable_gqa=True,
-        )
+        query = q[rows].transpose(0, 1).unsqueeze(0)
+        o = _attend(query, keys.unsqueeze(0), values.unsqueeze(0), p.mask, layer, gqa=True)
         out[rows] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, layer: LayerAttention,
+    gqa: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """SDPA over [batch, heads, rows, dim]; a None mask is causal. `gqa`: k/v have fewer heads than
+    q, each shared by a run of query heads. A soft-capped layer takes the explicit path (SDPA
+    has no soft-cap): scores in float32, capped, masked, softmaxed, as HF's eager attention."""
+    if layer.softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=layer.scale,
+                                              enable_gqa=gqa)  # fmt: skip
+    if gqa and k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scale = q.shape[-1] ** -0.5 if layer.scale is None else layer.scale
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril(k.shape[-2] - q.shape[-2])
+    scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return (scores.softmax(-1).to(v.dtype)) @ v

@@ -9,10 +9,13 @@ for the GPU, and prefill chunks to `prefill_attention`.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -30,11 +33,23 @@ class TritonMetadata:
     max_q_len: int
 
 
-def resolve_backend(name: str, device: torch.device, block_size: int, kv_dtype: str = "auto") -> str:
+def resolve_backend(
+    name: str, device: torch.device, block_size: int, kv_dtype: str = "auto", unsupported: str | None = None
+) -> str:
     """`auto` is triton on CUDA and torch elsewhere, and torch with an 8-bit KV cache (the Triton
-    kernels read float KV only); an impossible choice fails with what to do."""
+    kernels read float KV only) or a model feature they do not cover (`unsupported` names it:
+    sliding windows, soft-caps, a non-default score scale); an impossible choice fails with what to do."""
     if name not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    if unsupported and name == "triton":
+        raise ValueError(
+            f"the Triton attention kernels do not cover this model's {unsupported}: use --attention-backend torch "
+            "(or auto, which picks it)"
+        )
+    if unsupported and name == "auto":
+        if device.type == "cuda":
+            log.warning("attention runs on the torch backend: the Triton kernels do not cover %s", unsupported)
+        return "torch"
     if kv_dtype != "auto" and name == "triton":
         raise ValueError(
             f"--kv-cache-dtype {kv_dtype} runs on the torch attention backend (the Triton kernels read float KV): "

@@ -61,8 +61,9 @@ class CoreParts:
         threads = cpu_threads(self.device, config.runtime.threads)
         fingerprint = self._build_model(loaded_model, say)
         self.attention_backend = resolve_backend(
-            config.runtime.attention_backend, self.device, config.cache.block_size, config.cache.kv_cache_dtype
-        )
+            config.runtime.attention_backend, self.device, config.cache.block_size, config.cache.kv_cache_dtype,
+            self.arch.attention_features,
+        )  # fmt: skip
         self.batch_invariant = self._batch_invariant(threads)
         if config.model.quantization != "none":
             self._quantize(threads, say)
@@ -98,14 +99,7 @@ class CoreParts:
         self.model_name = loaded.name
         self.arch = loaded.arch
         self.tokenizer: Tokenizer | None = loaded.tokenizer
-        windowed = self.arch.context_limit < self.arch.max_position_embeddings
-        check_max_model_len(config.model.max_model_len, self.arch.context_limit, self.model_name, windowed)
-        if windowed:
-            log.warning(
-                "%s attends within a sliding window of %d tokens: its context is capped there, where the window "
-                "never binds (windowed attention over the paged cache is not built yet)",
-                self.model_name, self.arch.context_limit,
-            )  # fmt: skip
+        check_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings, self.model_name)
         say(
             f"building {self.arch.architecture} ({self.arch.num_parameters / 1e6:.1f}M parameters) "
             f"in {str(self.dtype).removeprefix('torch.')} on {self.device} ..."

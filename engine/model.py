@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, SmolLM2, Qwen2) over a flat, unpadded token batch.
+"""The Llama-family decoder (Llama, Mistral, SmolLM2, Qwen2/3, Phi-3, Gemma 2/3) over a flat,
+unpadded token batch.
 
 Every non-attention op sees one `[num_tokens, hidden]` matrix; attention reads the paged KV cache
 (engine.attention). Q/K/V and gate/up projections are fused into one matmul each, because on CPU
@@ -36,10 +37,13 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def _base_inv_freq(theta: float, d: int) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     """Inverse RoPE frequencies (float32), with Llama 3 / linear scaling applied."""
-    d = arch.head_dim
-    inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    inv_freq = _base_inv_freq(arch.rope_theta, arch.head_dim)
     scaling = arch.rope_scaling_dict
     if not scaling:
         return inv_freq
@@ -81,8 +85,7 @@ def longrope_extension(arch: ModelArch) -> tuple[torch.Tensor | None, int, float
     scaling = arch.rope_scaling_dict
     if not scaling or scaling.get("rope_type", scaling.get("type")) != "longrope":
         return None, 0, 1.0
-    d = arch.head_dim
-    base = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    base = _base_inv_freq(arch.rope_theta, arch.head_dim)
     original = int(scaling["original_max_position_embeddings"])
     factor = scaling.get("factor") or arch.max_position_embeddings / original
     scale = scaling.get("attention_factor")
@@ -98,15 +101,23 @@ class DecoderLayer(nn.Module):
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
         self.eps = arch.rms_norm_eps
+        self.attention = arch.attention(index)
+        self.local_rope = self.attention.window is not None and arch.local_rope_theta is not None
+        self.act = arch.hidden_act
         qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * d
-        self.input_norm = _param(h, dtype=dtype, device=device)
+        # Gemma's norms multiply by (1 + w) in float32: kept as float32 1 + w (load_hf_state_dict)
+        norm_dtype = torch.float32 if arch.gemma_norms else dtype
+        self.input_norm = _param(h, dtype=norm_dtype, device=device)
         self.qkv = _param(qkv_rows, h, dtype=dtype, device=device)
         self.qkv_bias = _param(qkv_rows, dtype=dtype, device=device) if arch.attention_bias else None
         self.o_proj = _param(h, arch.num_heads * d, dtype=dtype, device=device)
-        self.post_norm = _param(h, dtype=dtype, device=device)
-        # Qwen3: each query and key head RMS-normed before RoPE (weights over head_dim)
-        self.q_norm = _param(d, dtype=dtype, device=device) if arch.qk_norm else None
-        self.k_norm = _param(d, dtype=dtype, device=device) if arch.qk_norm else None
+        self.post_norm = _param(h, dtype=norm_dtype, device=device)  # before the MLP
+        # Gemma's sandwich: the attention's and the MLP's outputs normed before the residual add
+        self.attn_out_norm = _param(h, dtype=norm_dtype, device=device) if arch.gemma_norms else None
+        self.mlp_out_norm = _param(h, dtype=norm_dtype, device=device) if arch.gemma_norms else None
+        # Qwen3, Gemma 3: each query and key head RMS-normed before RoPE (weights over head_dim)
+        self.q_norm = _param(d, dtype=norm_dtype, device=device) if arch.qk_norm else None
+        self.k_norm = _param(d, dtype=norm_dtype, device=device) if arch.qk_norm else None
         self.gate_up = _param(2 * arch.intermediate_size, h, dtype=dtype, device=device)
         self.down = _param(h, arch.intermediate_size, dtype=dtype, device=device)
         self.fast: dict[str, cpu_linear.FastLinear | None] = dict.fromkeys(("qkv", "o_proj", "gate_up", "down"))
@@ -138,19 +149,23 @@ class DecoderLayer(nn.Module):
             ops.head_norm(qkv, nq, nkv, d, self.q_norm, self.k_norm, self.eps)
         q, k = ops.rope(qkv, nq, nkv, d, cos, sin)
         v = qkv[:, (nq + nkv) * d :].view(t, nkv, d)
-        attn = paged_attention(q, k, v, kv_cache, meta)
+        attn = paged_attention(q, k, v, kv_cache, meta, self.attention)
         attn = attn.reshape(t, nq * d)
         o = _linear(attn, self.o_proj, self.fast["o_proj"])
         if lora is not None:
             lora.apply(self.index, "o_proj", attn, o)
+        if self.attn_out_norm is not None:
+            o = ops.add_rms_norm(o, None, self.attn_out_norm, self.eps)[0]
         h, residual = ops.add_rms_norm(o, residual, self.post_norm, self.eps)
         gate_up = _linear(h, self.gate_up, self.fast["gate_up"])
         if lora is not None:
             lora.apply(self.index, "gate_up", h, gate_up)
-        act = ops.silu_mul(gate_up)
+        act = ops.silu_mul(gate_up) if self.act == "silu" else ops.gelu_tanh_mul(gate_up)
         out = _linear(act, self.down, self.fast["down"])
         if lora is not None:
             lora.apply(self.index, "down", act, out)
+        if self.mlp_out_norm is not None:
+            out = ops.add_rms_norm(out, None, self.mlp_out_norm, self.eps)[0]
         return out, residual
 
 
@@ -160,7 +175,7 @@ class LlamaModel(nn.Module):
         self.arch = arch
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, i) for i in range(arch.num_layers))
-        self.norm = _param(arch.hidden_size, dtype=dtype, device=device)
+        self.norm = _param(arch.hidden_size, dtype=torch.float32 if arch.gemma_norms else dtype, device=device)
         self.lm_head = (
             self.embed
             if arch.tie_word_embeddings
@@ -169,6 +184,9 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch).to(device), persistent=False)
         long, self.rope_switch, self.rope_scale = longrope_extension(arch)
         self.register_buffer("inv_freq_long", None if long is None else long.to(device), persistent=False)
+        local = None if arch.local_rope_theta is None else _base_inv_freq(arch.local_rope_theta, arch.head_dim)
+        self.register_buffer("inv_freq_local", None if local is None else local.to(device), persistent=False)
+        self.embed_scale = arch.hidden_size**0.5 if arch.gemma_norms else None  # Gemma scales its embedding
         self.lm_head_fast: cpu_linear.FastLinear | None = None
         # GGUF blocks kept as they are (--quantization gguf) for the embedding and the LM head.
         self.embed_blocks: QuantWeight | None = None
@@ -267,12 +285,17 @@ class LlamaModel(nn.Module):
             return F.embedding(input_ids, self.embed)
         return self.embed_blocks.dequantize(input_ids).to(self.embed.dtype)  # only the rows asked for
 
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(
+        self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for `positions`, [T, 1, head_dim/2]: the angles in float32 like the reference,
         their cos/sin in float64 rounded to float32. NOTE: torch's float32 cos/sin take a vector
         path and a scalar tail that can differ by an ulp, and which positions fall in the tail
         depends on T: float64 rounded to float32 gives a position the same value in any batch."""
-        freqs = (positions.float()[:, None] * self.inv_freq[None, :]).double()
+        inv_freq = self.inv_freq_local if local else self.inv_freq
+        freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
+        if local:  # Gemma 3's sliding layers: their own base, no scaling
+            return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
         if self.inv_freq_long is not None:
             long = (positions.float()[:, None] * self.inv_freq_long[None, :]).double()
             freqs = torch.where((positions >= self.rope_switch)[:, None], long, freqs)
@@ -291,10 +314,16 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] before the final norm; K/V written into `kv_caches`. `lora`:
         the step's adapter rows (engine/lora/lora_slots.py), None when every row is the base model's."""
-        x = self._embed(input_ids).to(self.activation_dtype)
-        cos, sin = self.rope(positions, x.dtype)
+        x = self._embed(input_ids)
+        if self.embed_scale is not None:  # in the embedding's dtype, as HF's Gemma rounds it
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        x = x.to(self.activation_dtype)
+        ropes = {False: self.rope(positions, x.dtype)}
+        if self.inv_freq_local is not None:
+            ropes[True] = self.rope(positions, x.dtype, local=True)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            cos, sin = ropes[layer.local_rope]
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops, lora)
         return x.float() + residual  # float32, for the final norm (logits())
 
@@ -306,7 +335,10 @@ class LlamaModel(nn.Module):
         h = F.rms_norm(hidden.float(), (hidden.shape[-1],), self.norm.float(), self.arch.rms_norm_eps)
         if self.head is None:
             self.head = cpu_linear.float32_head(self.lm_head.data, self.lm_head_fast, None)
-        return self.head(h, None)
+        logits = self.head(h, None)
+        if (cap := self.arch.final_softcap) is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -340,8 +372,15 @@ class LlamaModel(nn.Module):
                 return concat(parts)
             return torch.cat(parts)
 
+        shift = 1.0 if self.arch.gemma_norms else 0.0
+
+        def norm(dst: torch.Tensor, name: str) -> None:
+            """A norm weight; Gemma's stored as w - 1, kept as 1 + w (in float32, as HF computes it)."""
+            src = take(name)
+            put(dst, src.float() + shift if shift else src, name)
+
         self.embed_blocks = put(self.embed, take("model.embed_tokens.weight"), "embed_tokens")
-        put(self.norm, take("model.norm.weight"), "norm")
+        norm(self.norm, "model.norm.weight")
         self.head_blocks = self.embed_blocks
         if not self.arch.tie_word_embeddings:
             self.head_blocks = put(self.lm_head, take("lm_head.weight"), "lm_head")
@@ -360,10 +399,15 @@ class LlamaModel(nn.Module):
                 put(layer.qkv_bias, torch.cat([take(a + f"{n}_proj.bias") for n in "qkv"]), a + "qkv bias")
             projection("o_proj", take(a + "o_proj.weight"), a + "o_proj")
             if layer.q_norm is not None:
-                put(layer.q_norm, take(a + "q_norm.weight"), a + "q_norm")
-                put(layer.k_norm, take(a + "k_norm.weight"), a + "k_norm")
-            put(layer.input_norm, take(p + "input_layernorm.weight"), p + "input_layernorm")
-            put(layer.post_norm, take(p + "post_attention_layernorm.weight"), p + "post_attention_layernorm")
+                norm(layer.q_norm, a + "q_norm.weight")
+                norm(layer.k_norm, a + "k_norm.weight")
+            norm(layer.input_norm, p + "input_layernorm.weight")
+            if layer.attn_out_norm is None:
+                norm(layer.post_norm, p + "post_attention_layernorm.weight")
+            else:  # Gemma: post_attention_layernorm norms the attention's output; the MLP has its own pair
+                norm(layer.attn_out_norm, p + "post_attention_layernorm.weight")
+                norm(layer.post_norm, p + "pre_feedforward_layernorm.weight")
+                norm(layer.mlp_out_norm, p + "post_feedforward_layernorm.weight")
             gate_up = fused([m + "gate_proj.weight", m + "up_proj.weight"], m + "gate_up_proj.weight")
             projection("gate_up", gate_up, m + "gate_up")
             projection("down", take(m + "down_proj.weight"), m + "down_proj")

@@ -124,6 +124,7 @@ class ModelRunner:
             self.cpu_kernels,
             self.kv_dtype,
             self.invariant,
+            self.model.arch.windows,
         )
         lora = None
         if self.lora is not None:

@@ -132,11 +132,13 @@ def _tiny_case(tmp_path_factory, kind: str) -> ModelCase:
     elif kind == "qwen3":  # q/k norm, GQA 4:1, a head_dim (32) other than hidden / heads (8)
         shape = {**TINY, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}
         model = hf_model("qwen3", 2468, **shape, rope_theta=1e6, tie_word_embeddings=True)
-    else:  # phi3: fused q/k/v and gate/up, GQA 1:1, LongRoPE with an attention factor (max 4x original)
+    elif kind == "phi3":  # fused q/k/v and gate/up, GQA 1:1, LongRoPE with an attention factor (max 4x original)
         rope = longrope(TINY["hidden_size"] // 4, original=512)
         shape = {**TINY, "num_key_value_heads": 4, "max_position_embeddings": 2048, "pad_token_id": 0,
                  "original_max_position_embeddings": 512}  # fmt: skip
         model = hf_model("phi3", 1357, **shape, rope_parameters=rope, sliding_window=None, tie_word_embeddings=False)
+    else:
+        model = _tiny_windowed(kind)
     path = tmp_path_factory.mktemp(f"tiny-{kind}")
     model.save_pretrained(path)
     gen = torch.Generator().manual_seed(7)
@@ -144,6 +146,25 @@ def _tiny_case(tmp_path_factory, kind: str) -> ModelCase:
     prefix = torch.randint(3, 512, (37,), generator=gen).tolist()
     shared = [prefix + torch.randint(3, 512, (3 + 2 * i,), generator=gen).tolist() for i in range(8)]
     return ModelCase(f"tiny-{kind}", load_model(str(path)), model, prompts, shared)
+
+
+# Windows of 20-24 tokens: shorter than most test prompts, so every scheduling situation (chunks,
+# prefix hits, preemption) runs with the window binding.
+def _tiny_windowed(kind: str) -> torch.nn.Module:
+    if kind == "mistral-window":  # every layer windowed
+        return hf_model("mistral", 9753, **TINY, rope_theta=10000.0, sliding_window=20, tie_word_embeddings=False)
+    if kind == "gemma3":  # q/k norm, sandwich norms, gelu, GQA 8:1, head_dim 32 != 64 / 8, scale from
+        # query_pre_attn_scalar 24, windows of 24 with their own RoPE base, linear-scaled global RoPE
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}  # fmt: skip
+        shape = {**TINY, "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 32, "pad_token_id": 0}
+        return hf_model("gemma3", 8642, **shape, rope_parameters=rope, sliding_window=24, query_pre_attn_scalar=24,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])  # fmt: skip
+    # gemma2: attention and final soft-caps (low enough to bind), alternating windows of 20, GQA 2:1,
+    # head_dim 16
+    shape = {**TINY, "head_dim": 16, "pad_token_id": 0}
+    return hf_model("gemma2", 1470, **shape, rope_theta=10000.0, sliding_window=20, query_pre_attn_scalar=16,
+                    attn_logit_softcapping=5.0, final_logit_softcapping=20.0)  # fmt: skip
 
 
 @pytest.fixture(scope="session")
@@ -166,11 +187,29 @@ def tiny_phi3(tmp_path_factory) -> ModelCase:
     return _tiny_case(tmp_path_factory, "phi3")
 
 
+@pytest.fixture(scope="session")
+def tiny_mistral_window(tmp_path_factory) -> ModelCase:
+    return _tiny_case(tmp_path_factory, "mistral-window")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory) -> ModelCase:
+    return _tiny_case(tmp_path_factory, "gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory) -> ModelCase:
+    return _tiny_case(tmp_path_factory, "gemma3")
+
+
 # SmolLM2's cases run 5-35 s each here, so they are in the slow tier; the tiny models keep every
 # exactness check in the fast one.
-@pytest.fixture(
-    params=[pytest.param("smollm2", marks=pytest.mark.slow), "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-phi3"]
-)
+TINY_CASES = [
+    "tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-phi3", "tiny-mistral-window", "tiny-gemma2", "tiny-gemma3",
+]  # fmt: skip
+
+
+@pytest.fixture(params=[pytest.param("smollm2", marks=pytest.mark.slow), *TINY_CASES])
 def model_case(request) -> ModelCase:
     name = "smollm_case" if request.param == "smollm2" else request.param.replace("-", "_")
     return request.getfixturevalue(name)

@@ -23,9 +23,10 @@ TOKENS = SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True)
 DTYPES = ["float32", "bfloat16"]
 
 
-@pytest.fixture(params=["tiny-llama", "tiny-qwen2"])
+# Gemma 3: sliding windows, its gelu kernel and float32 (1 + w) norms on the invariant path too.
+@pytest.fixture(params=["tiny-llama", "tiny-qwen2", "tiny-gemma3"])
 def case(request):
-    return request.getfixturevalue({"tiny-llama": "tiny_llama", "tiny-qwen2": "tiny_qwen2"}[request.param])
+    return request.getfixturevalue(request.param.replace("-", "_"))
 
 
 def results(outs) -> list[tuple[list[int], list[float]]]:

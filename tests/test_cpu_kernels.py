@@ -51,14 +51,17 @@ def test_a_skinny_linear_takes_every_row_count(rows):
         assert (linear(x, bias).double() - want).abs().max() <= 1e-4
 
 
-def reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size):
+def reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, scale=None, window=0, softcap=0.0):
     heads, kv_heads = q.shape[1], k_cache.shape[0]
     out = torch.empty(q.shape, dtype=torch.float64)
     for b, n in enumerate(ctx_lens.tolist()):
-        slots = [tables[b, t // block_size].item() * block_size + t % block_size for t in range(n)]
+        first = max(0, n - window) if window else 0
+        slots = [tables[b, t // block_size].item() * block_size + t % block_size for t in range(first, n)]
         keys = k_cache[:, slots].double().repeat_interleave(heads // kv_heads, 0)  # [heads, n, dim]
         values = v_cache[:, slots].double().repeat_interleave(heads // kv_heads, 0)
-        scores = torch.einsum("hd,hnd->hn", q[b].double(), keys) / q.shape[-1] ** 0.5
+        scores = torch.einsum("hd,hnd->hn", q[b].double(), keys) * (scale or q.shape[-1] ** -0.5)
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         out[b] = torch.einsum("hn,hnd->hd", scores.softmax(-1), values)
     return out
 
@@ -78,6 +81,26 @@ def test_decode_attention_matches_float64(heads, kv_heads, dim, block_size):
     KERNELS.decode_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, out)
     want = reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size)
     assert (out.double() - want).abs().max() <= 1e-5
+
+
+@needs_kernels
+@pytest.mark.parametrize(("window", "scale", "softcap"), [(5, None, 0.0), (16, 0.3, 0.0), (1, None, 0.0),
+                                                         (0, None, 2.0), (20, 0.2, 3.0)])  # fmt: skip
+def test_decode_attention_windows_scales_and_soft_caps_match_float64(window, scale, softcap):
+    """Sliding-window layers (Mistral, Gemma), Gemma's query_pre_attn_scalar and Gemma 2's soft-cap."""
+    heads, kv_heads, dim, block_size, num_blocks = 8, 1, 32, 16, 12
+    gen = torch.Generator().manual_seed(window + 7)
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen) * 2
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen)
+    ctx_lens = torch.tensor([1, 5, 6, 17, 40, 70], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:5] for _ in ctx_lens]).to(torch.int32)
+    q = torch.randn(len(ctx_lens), heads, dim, generator=gen)
+    out = torch.empty(len(ctx_lens), heads, dim)
+    KERNELS.decode_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, out, scale, window, softcap)
+    want = reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, scale, window, softcap)
+    assert (out.double() - want).abs().max() <= 1e-5
+    full = reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, scale)
+    assert (out.double() - full).abs().max() > 1e-2  # the window, cap or scale did bind
 
 
 @needs_kernels
@@ -231,15 +254,20 @@ def test_rope_matches_float64_rotate_half(heads, dim):
     assert torch.equal(x[:, heads * dim :], tail)
 
 
+GATED = {"silu_mul": lambda g: g * torch.sigmoid(g), "gelu_tanh_mul": lambda g: F.gelu(g, approximate="tanh")}
+
+
 @needs_kernels
 @pytest.mark.parametrize("inter", [8, 13, 1536])
-def test_silu_mul_matches_float64_also_far_out(inter):
+@pytest.mark.parametrize("name", list(GATED))
+def test_gated_activations_match_float64_also_far_out(name, inter):
+    """silu (Llama's MLP) and gelu-tanh (Gemma's), each times up."""
     gen = torch.Generator().manual_seed(inter)
     gate_up = torch.randn(4, 2 * inter, generator=gen) * 4
     gate_up[0, : min(inter, 6)] = torch.tensor([-120.0, -88.5, -20.0, 0.0, 88.5, 120.0])[: min(inter, 6)]
     g, u = gate_up.double().chunk(2, dim=-1)
-    want = g * torch.sigmoid(g) * u
-    got = KERNELS.silu_mul(gate_up)
+    want = GATED[name](g) * u
+    got = getattr(KERNELS, name)(gate_up)
     assert got.shape == (4, inter) and torch.isfinite(got).all()
     assert (got.double() - want).abs().max() <= POINTWISE_TOL * want.abs().max()
 

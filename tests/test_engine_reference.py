@@ -137,3 +137,19 @@ def test_a_repeated_block_aligned_prompt_recomputes_only_its_last_block(model_ca
     assert second[0].num_cached_tokens == 16  # the last token must run, so its block does too
     assert tokens_of(first) == tokens_of(second)
     assert_greedy(model_case, [prompt], tokens_of(first))
+
+
+WINDOWED = ["tiny-mistral-window", "tiny-gemma2", "tiny-gemma3"]
+
+
+@pytest.mark.parametrize("case", WINDOWED)
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["decode-kernel", "torch-only"])
+def test_windowed_models_match_on_the_batched_paths(case, cpu_kernels, request, make_llm):
+    """The cases above run batch-invariant (every row through the CPU kernel's window argument).
+    Here the other paths: decode groups (or the kernel) and prefill chunks with banded masks,
+    soft-caps through the explicit softmax, in chunks small enough that the band crosses them."""
+    model_case = request.getfixturevalue(case.replace("-", "_"))
+    llm = make_llm(model_case.loaded, batch_invariant="off", cpu_kernels=cpu_kernels, max_num_batched_tokens=24)
+    prompts = model_case.prompts + model_case.shared_prompts[:4]
+    assert_greedy(model_case, prompts, tokens_of(llm.generate(prompts, GREEDY)))
+    assert llm.engine.kv.prefix_hits > 0

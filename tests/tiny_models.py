@@ -24,12 +24,19 @@ TINY = dict(
 
 
 def hf_model(kind: str = "llama", seed: int | None = None, **config) -> torch.nn.Module:
-    """A float32 transformers Llama (`kind` llama), Qwen2 (qwen2, qkv bias), Qwen3 (qwen3, q/k
-    norm) or Phi-3 (phi3, fused projections, LongRoPE) in eval mode, with
-    random weights from `seed` (None: torch's current generator) and exactly `config`."""
+    """A float32 transformers Llama (`kind` llama), Mistral (mistral), Qwen2 (qwen2, qkv bias),
+    Qwen3 (qwen3, q/k norm), Phi-3 (phi3, fused projections, LongRoPE), Gemma 2 (gemma2) or Gemma 3
+    (gemma3) in eval mode, with random weights from `seed` (None: torch's current generator) and
+    exactly `config`."""
     from transformers import (
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         LlamaConfig,
         LlamaForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
@@ -45,8 +52,17 @@ def hf_model(kind: str = "llama", seed: int | None = None, **config) -> torch.nn
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "phi3": (Phi3Config, Phi3ForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
+        "gemma2": (Gemma2Config, Gemma2ForCausalLM),
+        "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM),
     }[kind]
-    return model_cls(config_cls(**config)).float().eval()
+    model = model_cls(config_cls(**config)).float().eval()
+    if kind.startswith("gemma"):  # Gemma's norms start at 0 (a weight of 1 + w): make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
+    return model
 
 
 def longrope(head_dim: int, original: int, seed: int = 3) -> dict:

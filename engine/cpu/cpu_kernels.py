@@ -100,7 +100,8 @@ class CpuKernels:
         lib.kvharbor_dequantize.argtypes = [c_int, ptr, ptr, ptr, ptr, i64, i64, i64]
         lib.kvharbor_dequantize.restype = c_int
         lib.kvharbor_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64,
-                                                  i64, i64, ctypes.c_float, ctypes.c_int]  # fmt: skip
+                                                  i64, i64, ctypes.c_float, ctypes.c_int, i64,
+                                                  ctypes.c_float]  # fmt: skip
         lib.kvharbor_decode_attention.restype = ctypes.c_int
         lib.kvharbor_kv_write_int8.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64]
         lib.kvharbor_kv_write_int8.restype = None
@@ -112,6 +113,8 @@ class CpuKernels:
         lib.kvharbor_rope.restype = None
         lib.kvharbor_silu_mul.argtypes = [ptr, i64, ptr, i64, i64]
         lib.kvharbor_silu_mul.restype = None
+        lib.kvharbor_gelu_tanh_mul.argtypes = [ptr, i64, ptr, i64, i64]
+        lib.kvharbor_gelu_tanh_mul.restype = None
         lib.kvharbor_lora_decode.argtypes = [c_int, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, ptr, ptr, ptr, c_int,
                                              ptr, i64]  # fmt: skip
         lib.kvharbor_lora_decode.restype = c_int
@@ -309,11 +312,19 @@ class CpuKernels:
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for rows of gate_up [rows, 2 * inter] float32 (gate first), as [rows, inter]."""
+        return self._gated(gate_up, self._lib.kvharbor_silu_mul, "silu_mul")
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, tanh approximation) * up, laid out as for silu_mul (Gemma's MLP)."""
+        return self._gated(gate_up, self._lib.kvharbor_gelu_tanh_mul, "gelu_tanh_mul")
+
+    @staticmethod
+    def _gated(gate_up: torch.Tensor, fn, name: str) -> torch.Tensor:
         rows, width = gate_up.shape
         if gate_up.dtype != torch.float32 or gate_up.stride(1) != 1 or width % 2:
-            raise ValueError(f"silu_mul takes float32 rows of gate and up, got {gate_up.dtype} {tuple(gate_up.shape)}")
+            raise ValueError(f"{name} takes float32 rows of gate and up, got {gate_up.dtype} {tuple(gate_up.shape)}")
         out = torch.empty(rows, width // 2, dtype=torch.float32)
-        self._lib.kvharbor_silu_mul(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
+        fn(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2)
         return out
 
     def decode_attention(
@@ -325,6 +336,9 @@ class CpuKernels:
         ctx_lens: torch.Tensor,  # [B] int32
         block_size: int,
         out: torch.Tensor,  # [B, heads, dim] (rows may be strided), written
+        scale: float | None = None,  # the scores' scale; None: dim ** -0.5
+        window: int = 0,  # > 0: attend to the last `window` positions of each context only
+        softcap: float = 0.0,  # > 0: scores soft-capped, softcap * tanh(score / softcap)
     ) -> None:
         """Attention of one query per sequence over its first ctx_lens positions, in place from
         the paged cache (float32 or bfloat16 rows, or engine/kv/kv_quant.py's int8 rows); q and out
@@ -342,7 +356,7 @@ class CpuKernels:
         code = self._lib.kvharbor_decode_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots * row * k_cache.element_size(),
             tables.data_ptr(), tables.stride(0), ctx_lens.data_ptr(), out.data_ptr(), out.stride(0), b, heads,
-            kv_heads, dim, block_size, dim**-0.5, kv_fmt,
+            kv_heads, dim, block_size, dim**-0.5 if scale is None else scale, kv_fmt, window, softcap,
         )  # fmt: skip
         if code != 0:
             raise ValueError(f"decode attention does not take heads={heads}, kv_heads={kv_heads}, dim={dim}")

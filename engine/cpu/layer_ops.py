@@ -1,4 +1,4 @@
-"""A decoder layer's pointwise ops (residual add + RMS norm, RoPE, SiLU-and-multiply), chosen once
+"""A decoder layer's pointwise ops (residual add + RMS norm, RoPE, SiLU- or GELU-and-multiply), chosen once
 at load: torch's (any dtype, any device), or the AVX2 kernels' (engine/cpu/cpu_kernels.py) for the few
 rows of a decode step in float32 (every row in batch-invariant mode, whose activations are float32
 in a bfloat16 model too).
@@ -24,8 +24,11 @@ class TorchOps:
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual) * weight, x + residual); a residual of None is taken as 0."""
+        """(norm(x + residual) * weight, x + residual); a residual of None is taken as 0. A float32
+        weight on narrower activations (Gemma's norms) is applied in float32, then rounded."""
         residual = x if residual is None else x + residual
+        if weight.dtype != residual.dtype:
+            return F.rms_norm(residual.float(), (residual.shape[-1],), weight.float(), eps).to(residual.dtype), residual
         return F.rms_norm(residual, (residual.shape[-1],), weight, eps), residual
 
     def rope(
@@ -41,16 +44,24 @@ class TorchOps:
         self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, q_weight: torch.Tensor,
         k_weight: torch.Tensor, eps: float,
     ) -> None:  # fmt: skip
-        """Qwen3's q/k norm, in place on the fused projection: each query head RMS-normed with
-        q_weight [dim], each key head with k_weight."""
+        """Qwen3's and Gemma 3's q/k norm, in place on the fused projection: each query head
+        RMS-normed with q_weight [dim], each key head with k_weight (float32 weights: in float32)."""
         t = qkv.shape[0]
         for start, count, weight in ((0, heads, q_weight), (heads * dim, kv_heads, k_weight)):
             part = qkv[:, start : start + count * dim].view(t, count, dim)
-            part.copy_(F.rms_norm(part, (dim,), weight, eps))
+            if weight.dtype != part.dtype:
+                part.copy_(F.rms_norm(part.float(), (dim,), weight.float(), eps))
+            else:
+                part.copy_(F.rms_norm(part, (dim,), weight, eps))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """Gemma's MLP: gelu (tanh approximation) of the gate, times up."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,3 +126,8 @@ class CpuOps(TorchOps):
         if self._torch(gate_up.shape[0]):
             return super().silu_mul(gate_up)
         return self.kernels.silu_mul(gate_up)
+
+    def gelu_tanh_mul(self, gate_up):
+        if self._torch(gate_up.shape[0]):
+            return super().gelu_tanh_mul(gate_up)
+        return self.kernels.gelu_tanh_mul(gate_up)

@@ -42,18 +42,10 @@ class KVCapacity:
         )
 
 
-def check_max_model_len(asked: int | None, model_limit: int, model_name: str, windowed: bool = False) -> None:
-    """Refuse an asked-for context longer than the model's (`windowed`: its limit is a sliding
-    window's), before any weights are built."""
-    limit = model_limit
-    if asked is None or asked <= limit:
-        return
-    if windowed:
-        raise ValueError(
-            f"max_model_len {asked} exceeds {model_name}'s sliding window of {limit} tokens: kvharbor serves "
-            "windowed models up to their window (windowed attention is not built yet); ask for at most that"
-        )
-    raise ValueError(f"max_model_len {asked} exceeds what {model_name} supports ({limit})")
+def check_max_model_len(asked: int | None, model_limit: int, model_name: str) -> None:
+    """Refuse an asked-for context longer than the model's, before any weights are built."""
+    if asked is not None and asked > model_limit:
+        raise ValueError(f"max_model_len {asked} exceeds what {model_name} supports ({model_limit})")
 
 
 def available_memory(device: torch.device) -> int:
@@ -106,7 +98,7 @@ def plan_capacity(
             )
         budget -= reserved_bytes
         num_blocks = budget // per_block
-    limit = arch.context_limit
+    limit = arch.max_position_embeddings
     tokens = num_blocks * cache.block_size
     held = f"the KV pool holds {num_blocks} blocks ({tokens} tokens, {budget / GiB:.2f} GiB at {per_token} bytes/token)"
     if tokens < 2:

@@ -61,8 +61,9 @@ typedef struct {
     const int32_t *tables, *ctx_lens;
     float *out;
     int64_t q_row, head_stride, table_stride, out_row, seqs, heads, kv_heads, dim, block_size;
-    float scale;
+    float scale, softcap;  // softcap 0: none; else each score becomes softcap * tanh(score / softcap)
     int kv_fmt;
+    int64_t window;  // 0: the whole context; else only its last `window` positions (sliding window)
 } attention_job_t;
 
 static int job_kind;  // 0 linear, 1 decode attention, 2 linear of weight format job_q, 3 dequantize,
@@ -876,6 +877,7 @@ static inline __attribute__((always_inline)) void attention_units(const int KV, 
     const int64_t row = Q8 ? D + 2 : KV == 2 ? D * 2 : D * 4;  // bytes per (slot, head) row
     for (int64_t u = first; u < last; u++) {
         const int64_t b = u / j.kv_heads, g = u % j.kv_heads, ctx = j.ctx_lens[b];
+        const int64_t begin = j.window > 0 && ctx > j.window ? ctx - j.window : 0;
         const int32_t *table = j.tables + b * j.table_stride;
         const char *kc = (const char *)j.k_cache + g * j.head_stride, *vc = (const char *)j.v_cache + g * j.head_stride;
         const float *q = j.q + b * j.q_row + g * G * D;
@@ -886,7 +888,7 @@ static inline __attribute__((always_inline)) void attention_units(const int KV, 
             l[h] = 0.0f;
             for (int64_t d = 0; d < D; d++) acc[h][d] = 0.0f;
         }
-        for (int64_t t0 = 0; t0 < ctx; t0 += ATT_BLOCK) {
+        for (int64_t t0 = begin; t0 < ctx; t0 += ATT_BLOCK) {
             const int64_t nb = ctx - t0 < ATT_BLOCK ? ctx - t0 : ATT_BLOCK;
             const char *krow[ATT_BLOCK], *vrow[ATT_BLOCK];
             float kscale[ATT_BLOCK], vscale[ATT_BLOCK];
@@ -906,6 +908,7 @@ static inline __attribute__((always_inline)) void attention_units(const int KV, 
                 float top = m[h];
                 for (int64_t i = 0; i < nb; i++) {
                     s[i] = dot(KV, q + h * D, krow[i], D) * (Q8 ? kscale[i] : j.scale);
+                    if (j.softcap > 0.0f) s[i] = j.softcap * tanhf(s[i] / j.softcap);
                     top = s[i] > top ? s[i] : top;
                 }
                 for (int64_t i = nb; i < ATT_BLOCK; i++) s[i] = -INFINITY;
@@ -946,16 +949,18 @@ static void run_attention(int64_t first, int64_t last) {
 // first ctx_lens[b] positions of its blocks in the paged cache. q rows: [heads * dim] floats every
 // q_row; caches: [kv_heads][slots][row] with row dim floats (kv_fmt 0), dim int8 codes and a bf16
 // scale (1), or dim bfloat16 (2); head_stride in bytes; tables: int32 block ids, table_stride per sequence. Needs
-// heads / kv_heads <= 16, dim a multiple of 8, at most 256.
+// heads / kv_heads <= 16, dim a multiple of 8, at most 256. window > 0: only the last `window` positions
+// of each context (a sliding-window layer); softcap > 0: scores soft-capped (Gemma 2).
 int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache, const void *v_cache,
                               int64_t head_stride, const int32_t *tables, int64_t table_stride,
                               const int32_t *ctx_lens, float *out, int64_t out_row, int64_t seqs, int64_t heads,
-                              int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int kv_fmt) {
+                              int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int kv_fmt,
+                              int64_t window, float softcap) {
     if (heads % kv_heads || heads / kv_heads > MAX_GROUP || dim % 8 || dim > MAX_DIM || kv_fmt < 0 || kv_fmt > 2)
         return -1;
     pthread_mutex_lock(&call_lock);
     ajob = (attention_job_t){q, k_cache, v_cache, tables, ctx_lens, out, q_row, head_stride, table_stride,
-                             out_row, seqs, heads, kv_heads, dim, block_size, scale, kv_fmt};
+                             out_row, seqs, heads, kv_heads, dim, block_size, scale, softcap, kv_fmt, window};
     run_job(1);
     pthread_mutex_unlock(&call_lock);
     return 0;
@@ -1034,6 +1039,28 @@ void kvharbor_silu_mul(const float *gu, int64_t ldgu, float *out, int64_t rows, 
             _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
         }
         for (int64_t i = vec; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+// out [rows, inter] = gelu_tanh(gate) * up (Gemma's MLP), rows of gu laid out as for silu_mul.
+// gelu_tanh(g) = g/2 (1 + tanh(u)) = g / (1 + e^(-2u)), u = sqrt(2/pi) (g + 0.044715 g^3).
+void kvharbor_gelu_tanh_mul(const float *gu, int64_t ldgu, float *out, int64_t rows, int64_t inter) {
+    const int64_t vec = inter & ~(int64_t)7;
+    const float c = 0.7978845608028654f, c3 = 0.7978845608028654f * 0.044715f;
+    const __m256 one = _mm256_set1_ps(1.0f), vc = _mm256_set1_ps(-2.0f * c), vc3 = _mm256_set1_ps(-2.0f * c3);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * ldgu, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < vec; i += 8) {
+            __m256 vg = _mm256_loadu_ps(g + i);
+            __m256 arg = _mm256_mul_ps(vg, _mm256_fmadd_ps(_mm256_mul_ps(vg, vg), vc3, vc));  // -2u
+            __m256 e = exp256(arg);
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+        }
+        for (int64_t i = vec; i < inter; i++) {
+            const float x = g[i];
+            o[i] = x / (1.0f + expf(x * (x * x * (-2.0f * c3) + (-2.0f * c)))) * u[i];
+        }
     }
 }
 
