@@ -1,4 +1,5 @@
-"""Tokenizer: `tokenizers` BPE built from a HF folder or from GGUF metadata, plus the chat template.
+"""Tokenizer: `tokenizers` BPE built from a HF folder or from GGUF metadata (byte-level BPE, or
+SentencePiece BPE with byte fallback: Llama 2, Gemma), plus the chat template.
 
 GGUF files name their pre-tokenizer (`tokenizer.ggml.pre`). Converters that ignore it get digits
 wrong: SmolLM2's `smollm` splits every digit on its own before byte-level BPE, so "\\n\\n1" must be
@@ -13,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from kvharbor.common.tool_calls import messages_for_template
@@ -54,6 +55,21 @@ _PRE_TOKENIZERS = {
 }
 
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
+_SPACE = "\u2581"  # SentencePiece's visible space
+# Tokens that end a turn in the families kvharbor serves: llama.cpp stops on these too (its EOG
+# set), where a GGUF names only one EOS id (Gemma's <end_of_turn>, Llama 3's <|eot_id|>).
+_END_OF_TURN = ("<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>")
+
+
+def gguf_eos_ids(meta: dict[str, Any]) -> tuple[int, ...]:
+    """Every id that ends generation: the file's EOS, EOT and EOM ids, then the end-of-turn
+    tokens its vocabulary holds as control tokens."""
+    ids = [meta.get(f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    tokens, types = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.token_type") or []
+    for i, token in enumerate(tokens):
+        if token in _END_OF_TURN and i < len(types) and types[i] == _GGUF_CONTROL:
+            ids.append(i)
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -106,6 +122,10 @@ class Tokenizer:
                 return bytes(_BYTE_DECODER[c] for c in piece)
             except KeyError:
                 pass  # an added token written in plain text
+        if piece is not None and isinstance(self.backend.model, models.BPE) and self.backend.model.byte_fallback:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # SentencePiece's byte tokens
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace(_SPACE, " ").encode()  # its leading space kept (decode would strip it)
         return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -162,21 +182,17 @@ class Tokenizer:
         if "tokenizer.ggml.tokens" not in meta:
             return None
         kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise ValueError(
-                f"GGUF tokenizer model {kind!r} is not supported (kvharbor reads byte-level BPE, 'gpt2'); "
-                "load the Hugging Face folder, whose tokenizer.json works for every model"
-            )
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre not in _PRE_TOKENIZERS:
-            raise ValueError(
-                f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(_PRE_TOKENIZERS))}"
-            )
         tokens: list[str] = meta["tokenizer.ggml.tokens"]
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-        backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
-        backend.pre_tokenizer = pre_tokenizers.Sequence(_PRE_TOKENIZERS[pre]())
-        backend.decoder = decoders.ByteLevel()
+        if kind == "gpt2":
+            backend = _byte_level_backend(meta, tokens)
+        elif kind == "llama":
+            tokens = _respelled(meta, tokens)
+            backend = _sentencepiece_backend(meta, tokens)
+        else:
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} is not supported (kvharbor reads byte-level BPE, 'gpt2', and "
+                "SentencePiece BPE, 'llama'); load the Hugging Face folder, whose tokenizer.json works for every model"
+            )
         types = meta.get("tokenizer.ggml.token_type", [])
         backend.add_tokens(
             [
@@ -188,13 +204,13 @@ class Tokenizer:
         backend.add_special_tokens(
             [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _GGUF_CONTROL]
         )
-        eos = meta.get("tokenizer.ggml.eos_token_id")
         return cls(
             backend,
             chat_template=meta.get("tokenizer.chat_template"),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=[] if eos is None else [int(eos)],
-            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+            eos_token_ids=gguf_eos_ids(meta),
+            # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
         )
 
     @classmethod
@@ -218,6 +234,72 @@ class Tokenizer:
             eos_token_ids=eos_token_ids,
             add_bos=bool(config.get("add_bos_token", False)) and backend.post_processor is None,
         )
+
+
+def _byte_level_backend(meta: dict[str, Any], tokens: list[str]) -> HFTokenizer:
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre not in _PRE_TOKENIZERS:
+        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported; known: {', '.join(sorted(_PRE_TOKENIZERS))}")
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    backend = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(_PRE_TOKENIZERS[pre]())
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_backend(meta: dict[str, Any], tokens: list[str]) -> HFTokenizer:
+    """SentencePiece BPE with byte fallback, as transformers' GGUF converters rebuild it (their
+    output is what tests/test_gguf_tokenizers.py compares against). Gemma files differ twice: a
+    token of only spaces is stored with real spaces, and merge priority follows the file's order,
+    not the scores; and Gemma marks spaces with a normalizer where Llama 2 uses a Metaspace
+    pre-tokenizer with a leading space (tokenizer.ggml.add_space_prefix)."""
+    gemma = _is_gemma(meta)
+    if gemma:
+        priority = {t: -i for i, t in enumerate(tokens)}
+    else:
+        priority = dict(zip(tokens, meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens), strict=True))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = meta.get("tokenizer.ggml.merges")
+    merges = [tuple(m.split(" ", 1)) for m in merges] if merges else _implied_merges(vocab, priority)
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    unk_token = tokens[unk] if unk is not None else "<unk>"
+    bpe = models.BPE(vocab=vocab, merges=merges, fuse_unk=True, unk_token=unk_token, byte_fallback=True)
+    backend = HFTokenizer(bpe)
+    pieces = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if gemma:
+        backend.normalizer = normalizers.Replace(" ", _SPACE)
+        backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    else:
+        prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(_SPACE, prepend_scheme="first" if prefix else "never",
+                                                         split=False)  # fmt: skip
+        if prefix:
+            pieces.append(decoders.Strip(" ", 1, 0))
+    backend.decoder = decoders.Sequence(pieces)
+    return backend
+
+
+def _is_gemma(meta: dict[str, Any]) -> bool:
+    return str(meta.get("general.architecture", "")).startswith("gemma")
+
+
+def _respelled(meta: dict[str, Any], tokens: list[str]) -> list[str]:
+    """Gemma files store a token of only spaces with real spaces; its vocabulary spells them ▁."""
+    if not _is_gemma(meta):
+        return tokens
+    return [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+
+
+def _implied_merges(vocab: dict[str, int], priority: dict[str, float]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies (GGUF files carry none): every split of a
+    token into two tokens, best token first, then the longer left piece."""
+    found = []
+    for token, score in priority.items():
+        local = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda pair: (vocab[pair[0]], vocab[pair[1]]))
+        found.extend((score, left, right) for left, right in local)
+    found.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)
+    return [(left, right) for _, left, right in found]
 
 
 def _read_json(path: Path) -> dict[str, Any]:

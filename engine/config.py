@@ -21,7 +21,9 @@ Device = Literal["auto", "cpu", "cuda"]
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str | None = opt(None, "HF folder or .gguf file; empty means the bundled SmolLM2-135M-Instruct")
+    model: str | None = opt(
+        None, "HF folder, .gguf file or bundled name (gemma-3-270m); empty means the bundled SmolLM2-135M-Instruct"
+    )
     served_model_name: str | None = opt(None, "model id in the API and in block hashes (default: file stem)")
     dtype: Dtype = opt(
         "auto", "weights/activations dtype; auto = bfloat16 on CUDA and on CPUs with AMX, else float32"

@@ -1,5 +1,5 @@
-"""Load a Llama-family GGUF file: architecture, weights (HF names; dequantized, or with their Q4_0 /
-Q4_1 / Q8_0 blocks kept for `--quantization gguf`), tokenizer fields."""
+"""Load a Llama-family (or Gemma 2/3) GGUF file: architecture, weights (HF names; dequantized, or
+with their Q4_0 / Q4_1 / Q8_0 blocks kept for `--quantization gguf`), tokenizer fields."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from kvharbor.common.gguf_file import GGUFError, TensorInfo, read_gguf_header
+from kvharbor.common.tokenizer import gguf_eos_ids
 from kvharbor.engine import gguf_blocks
-from kvharbor.engine.model_arch import ModelArch
+from kvharbor.engine.model_arch import FULL_ATTENTION, GEMMA_PATTERNS, SLIDING, ModelArch
 from kvharbor.engine.quantize import QuantWeight
 
 # GGUF tensor name -> Hugging Face name ("{i}" is the layer index).
@@ -33,13 +34,25 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's four norms a layer (llama.cpp's names differ from the Llama ones above for ffn_norm).
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture as llama.cpp writes it
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # general.architecture, llama.cpp's spelling
+_HF_NAMES = {"gemma3": "gemma3_text"}  # where transformers' model_type differs
+# What llama.cpp hard-codes for Gemma and the files do not carry: Gemma 3's sliding layers' RoPE
+# base, and the 27B models' attention scale (hidden / heads, not head_dim), told apart by depth.
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 @dataclass
@@ -64,26 +77,60 @@ def arch_from_metadata(meta: dict[str, Any]) -> ModelArch:
 
     heads = int(get("attention.head_count"))
     hidden = int(get("embedding_length"))
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    layers = int(get("block_count"))
+    head_dim = int(meta.get(f"{name}.attention.key_length") or hidden // heads)
     vocab = meta.get(f"{name}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", [])) or 1
     return ModelArch(
-        architecture=name,
+        architecture=_HF_NAMES.get(name, name),
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
+        num_layers=layers,
         num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(meta.get(f"{name}.attention.key_length") or hidden // heads),
+        head_dim=head_dim,
         rope_theta=float(get("rope.freq_base", 10000.0)),
         # GGUF stores eps as float32 (1e-5 reads back as 9.99999974e-06): round to what was meant.
         rms_norm_eps=float(f"{float(get('attention.layer_norm_rms_epsilon', 1e-6)):.7g}"),
         max_position_embeddings=int(get("context_length", 2048)),
         tie_word_embeddings=False,  # decided by the loader from the tensors present
         attention_bias=name == "qwen2",
-        qk_norm=name == "qwen3",
+        qk_norm=name in ("qwen3", "gemma3"),
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=() if eos is None else (int(eos),),
+        eos_token_ids=gguf_eos_ids(meta),
+        rope_scaling=_rope_scaling(meta, name),
+        **(_gemma_fields(meta, name, hidden // heads if layers == _GEMMA_27B_LAYERS[name] else head_dim)
+           if name in _GEMMA_27B_LAYERS else {}),
+    )  # fmt: skip
+
+
+def _rope_scaling(meta: dict[str, Any], name: str) -> tuple[tuple[str, Any], ...] | None:
+    """Linear RoPE scaling where the file gives it (Gemma 3 4B and up: factor 8); None otherwise."""
+    kind, factor = meta.get(f"{name}.rope.scaling.type"), meta.get(f"{name}.rope.scaling.factor")
+    if kind in (None, "none") or not factor or float(factor) == 1.0:
+        return None
+    if kind != "linear":
+        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (linear is); load the Hugging Face folder")
+    return (("factor", float(factor)), ("rope_type", "linear"))
+
+
+def _gemma_fields(meta: dict[str, Any], name: str, attn_scalar: int) -> dict[str, Any]:
+    """Gemma's ModelArch fields from a GGUF: windows in llama.cpp's fixed pattern (every 2nd layer
+    global in Gemma 2, every 6th in Gemma 3), soft-caps (Gemma 2), the local RoPE base (Gemma 3)."""
+    layers = int(meta[f"{name}.block_count"])
+    every = GEMMA_PATTERNS[_HF_NAMES.get(name, name)]
+    window = meta.get(f"{name}.attention.sliding_window")
+    soft = {key: float(v) for key in ("attn_logit_softcapping", "final_logit_softcapping")
+            if (v := meta.get(f"{name}.{key}"))}  # fmt: skip
+    return dict(
+        sliding_window=int(window) if window else None,
+        layer_types=tuple(SLIDING if (i + 1) % every else FULL_ATTENTION for i in range(layers)) if window else None,
+        local_rope_theta=GEMMA3_LOCAL_ROPE_THETA if name == "gemma3" else None,
+        hidden_act="gelu_tanh",
+        gemma_norms=True,
+        query_pre_attn_scalar=float(attn_scalar),
+        attn_softcap=soft.get("attn_logit_softcapping"),
+        final_softcap=soft.get("final_logit_softcapping"),
     )
 
 
@@ -158,6 +205,8 @@ def load_gguf(path: str | Path, keep_blocks: bool = False) -> GGUFModel:
     meta = header.metadata
     arch = arch_from_metadata(meta)
     state: dict[str, torch.Tensor] = {}
+    gemma = arch.gemma_norms
+    layer_names = _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES
     for tensor in header.tensors:
         name = tensor.name
         if name == "rope_freqs.weight":
@@ -166,8 +215,8 @@ def load_gguf(path: str | Path, keep_blocks: bool = False) -> GGUFModel:
                 "read yet; load the model's Hugging Face folder instead"
             )
         m = _LAYER_RE.match(name)
-        if m and m.group(2) in _LAYER_NAMES:
-            hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+        if m and m.group(2) in layer_names:
+            hf_name = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"
         elif name in _GLOBAL_NAMES:
             hf_name = _GLOBAL_NAMES[name]
         else:
@@ -177,6 +226,8 @@ def load_gguf(path: str | Path, keep_blocks: bool = False) -> GGUFModel:
             weight = _unpermute(weight, arch.num_heads)
         elif arch.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
             weight = _unpermute(weight, arch.num_kv_heads)
+        elif gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w; HF's are w
+            weight = weight - 1.0
         state[hf_name] = weight
     if "model.embed_tokens.weight" not in state:
         raise ValueError(f"{path} has no token_embd.weight tensor")

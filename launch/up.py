@@ -47,7 +47,9 @@ class UpConfig(TracedListenConfig):
     prefill_engines: int = opt(0, "P/D: prefill engines to start (with decode_engines, instead of --engines)")
     decode_engines: int = opt(0, "P/D: decode engines to start (with prefill_engines, instead of --engines)")
     pin_cpus: bool = opt(False, "pin each engine to its own CPU, in turn (engines then do not steal each other's)")
-    model: str | None = opt(None, "model for the engines: .gguf or HF folder (default: bundled SmolLM2)")
+    model: str | None = opt(
+        None, "model for the engines: .gguf, HF folder or bundled name (gemma-3-270m; default: bundled SmolLM2)"
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX, else float32"
     )

@@ -100,6 +100,8 @@ KNOWN = {
         # (the rest is the embedding, an untied LM head, norms and biases); then hidden_size,
         # intermediate_size and num_attention_heads from the same file.
         ModelProfile("SmolLM2-135M-Instruct", 134_515_008, 30, 3, 64, 106_168_320, 576, 1536, 9),
+        # KV counted for all 18 layers, though 15 attend within 512 tokens: an upper bound
+        ModelProfile("gemma-3-270m", 268_098_176, 18, 1, 256, 100_270_080, 640, 2048, 4),
         ModelProfile("Llama-3.1-8B-Instruct", 8_030_261_248, 32, 8, 128, 6_979_321_856, 4096, 14336, 32),
         ModelProfile("Llama-3.1-70B-Instruct", 70_553_706_496, 80, 8, 128, 68_451_041_280, 8192, 28672, 64),
         ModelProfile("Qwen2.5-7B-Instruct", 7_615_616_512, 28, 4, 128, 6_525_288_448, 3584, 18944, 28),

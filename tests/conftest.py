@@ -85,6 +85,14 @@ class ModelCase:
 
 
 @pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory) -> Path:
+    """The bundled Gemma 3 270M GGUF (the test extra installs its packages), joined once per worker."""
+    from kvharbor.common.model_files import GEMMA3_270M, chunked_model_path
+
+    return chunked_model_path(GEMMA3_270M, tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="session")
 def smollm() -> LoadedModel:
     return load_model(None)
 
