@@ -12,10 +12,11 @@ reads without another copy; slot = block_id * block_size + offset. Every layer w
 first, then attends, so a sequence may read blocks that another sequence of the same step is
 writing (prefix hits on blocks registered this step).
 
-Layers differ (engine/model_arch.py's LayerKind): a sliding-window layer attends to the last
-`window` positions only, and a layer may have its own score scale (Gemma's query_pre_attn_scalar)
-and a soft-cap on its scores (Gemma 2). The step's metadata carries the decode groups' and prefill
-chunks' masks once per window the model has (`AttentionMetadata.windowed`).
+Layers differ (`LayerAttention`, from engine/model_arch.py's ModelArch.attention): a
+sliding-window layer attends to the last `window` positions only, and a layer may have its own
+score scale (Gemma's query_pre_attn_scalar) and a soft-cap on its scores (Gemma 2). The step's
+metadata carries the decode groups' and prefill chunks' masks once per window the model has
+(`AttentionMetadata.windowed`).
 
 NOTE (CPU speed, measured on 2 cores): SDPA with one query per sequence and `enable_gqa` is ~4x
 slower than folding each KV head's query group into the query axis (q `[B, kv_heads, group, d]`),
@@ -25,6 +26,7 @@ and gathering whole blocks with index_select is ~3x faster than gathering slots.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -194,11 +196,16 @@ class _Seqs:
     dtype: torch.dtype
     device: torch.device
 
+    @cached_property
+    def partition(self) -> list[tuple[int, int]]:
+        """The decode groups' (start, size): the same for every window."""
+        return decode_groups(self.ctx_lens, self.block_size)
+
     def parts(self, window: int | None) -> tuple[list[DecodeGroup], list[PrefillChunk]]:
         """Decode groups and prefill chunks whose masks hide what lies outside `window` (None: causal only)."""
         nd, bs = self.num_decodes, self.block_size
         groups = []
-        for start, size in decode_groups(self.ctx_lens, bs):
+        for start, size in self.partition:
             rows = slice(start, start + size)
             groups.append(
                 _decode_group(start, self.block_tables[rows], self.ctx_lens[rows], bs, self.dtype, self.device, window)

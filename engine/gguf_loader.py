@@ -14,7 +14,7 @@ import torch
 from kvharbor.common.gguf_file import GGUFError, TensorInfo, read_gguf_header
 from kvharbor.common.tokenizer import gguf_eos_ids
 from kvharbor.engine import gguf_blocks
-from kvharbor.engine.model_arch import FULL_ATTENTION, GEMMA_PATTERNS, SLIDING, ModelArch
+from kvharbor.engine.model_arch import GEMMA3_LOCAL_ROPE_THETA, ModelArch, gemma_layer_types
 from kvharbor.engine.quantize import QuantWeight
 
 # GGUF tensor name -> Hugging Face name ("{i}" is the layer index).
@@ -49,9 +49,9 @@ _GLOBAL_NAMES = {
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3")  # general.architecture, llama.cpp's spelling
 _HF_NAMES = {"gemma3": "gemma3_text"}  # where transformers' model_type differs
-# What llama.cpp hard-codes for Gemma and the files do not carry: Gemma 3's sliding layers' RoPE
-# base, and the 27B models' attention scale (hidden / heads, not head_dim), told apart by depth.
-GEMMA3_LOCAL_ROPE_THETA = 10000.0
+# What llama.cpp hard-codes for Gemma and the files do not carry: the window pattern, Gemma 3's
+# sliding layers' RoPE base, and the 27B models' attention scale (hidden / heads, not head_dim),
+# told apart by depth.
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
@@ -99,9 +99,8 @@ def arch_from_metadata(meta: dict[str, Any]) -> ModelArch:
         bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=gguf_eos_ids(meta),
         rope_scaling=_rope_scaling(meta, name),
-        **(_gemma_fields(meta, name, hidden // heads if layers == _GEMMA_27B_LAYERS[name] else head_dim)
-           if name in _GEMMA_27B_LAYERS else {}),
-    )  # fmt: skip
+        **(_gemma_fields(meta, name, layers, hidden // heads, head_dim) if name in _GEMMA_27B_LAYERS else {}),
+    )
 
 
 def _rope_scaling(meta: dict[str, Any], name: str) -> tuple[tuple[str, Any], ...] | None:
@@ -114,21 +113,20 @@ def _rope_scaling(meta: dict[str, Any], name: str) -> tuple[tuple[str, Any], ...
     return (("factor", float(factor)), ("rope_type", "linear"))
 
 
-def _gemma_fields(meta: dict[str, Any], name: str, attn_scalar: int) -> dict[str, Any]:
+def _gemma_fields(meta: dict[str, Any], name: str, layers: int, per_head: int, head_dim: int) -> dict[str, Any]:
     """Gemma's ModelArch fields from a GGUF: windows in llama.cpp's fixed pattern (every 2nd layer
-    global in Gemma 2, every 6th in Gemma 3), soft-caps (Gemma 2), the local RoPE base (Gemma 3)."""
-    layers = int(meta[f"{name}.block_count"])
-    every = GEMMA_PATTERNS[_HF_NAMES.get(name, name)]
+    global in Gemma 2, every 6th in Gemma 3), soft-caps (Gemma 2), the local RoPE base (Gemma 3),
+    the attention scale (hidden / heads in the 27B models, head_dim in the others)."""
     window = meta.get(f"{name}.attention.sliding_window")
     soft = {key: float(v) for key in ("attn_logit_softcapping", "final_logit_softcapping")
             if (v := meta.get(f"{name}.{key}"))}  # fmt: skip
     return dict(
         sliding_window=int(window) if window else None,
-        layer_types=tuple(SLIDING if (i + 1) % every else FULL_ATTENTION for i in range(layers)) if window else None,
+        layer_types=gemma_layer_types(_HF_NAMES.get(name, name), layers) if window else None,
         local_rope_theta=GEMMA3_LOCAL_ROPE_THETA if name == "gemma3" else None,
         hidden_act="gelu_tanh",
         gemma_norms=True,
-        query_pre_attn_scalar=float(attn_scalar),
+        query_pre_attn_scalar=float(per_head if layers == _GEMMA_27B_LAYERS[name] else head_dim),
         attn_softcap=soft.get("attn_logit_softcapping"),
         final_softcap=soft.get("final_logit_softcapping"),
     )

@@ -292,15 +292,13 @@ class LlamaModel(nn.Module):
         their cos/sin in float64 rounded to float32. NOTE: torch's float32 cos/sin take a vector
         path and a scalar tail that can differ by an ulp, and which positions fall in the tail
         depends on T: float64 rounded to float32 gives a position the same value in any batch."""
-        inv_freq = self.inv_freq_local if local else self.inv_freq
+        inv_freq = self.inv_freq_local if local else self.inv_freq  # local: Gemma 3's sliding layers, unscaled
         freqs = (positions.float()[:, None] * inv_freq[None, :]).double()
-        if local:  # Gemma 3's sliding layers: their own base, no scaling
-            return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
-        if self.inv_freq_long is not None:
+        if self.inv_freq_long is not None and not local:
             long = (positions.float()[:, None] * self.inv_freq_long[None, :]).double()
             freqs = torch.where((positions >= self.rope_switch)[:, None], long, freqs)
         cos, sin = freqs.cos(), freqs.sin()
-        if self.rope_scale != 1.0:
+        if self.rope_scale != 1.0 and not local:
             cos, sin = cos * self.rope_scale, sin * self.rope_scale
         return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 

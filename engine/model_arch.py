@@ -13,6 +13,7 @@ GEMMA = ("gemma2", "gemma3_text")
 SLIDING, FULL_ATTENTION = "sliding_attention", "full_attention"
 # Gemma 3 checkpoints older than transformers' layer_types: every 6th layer is global.
 GEMMA_PATTERNS = {"gemma2": 2, "gemma3_text": 6}
+GEMMA3_LOCAL_ROPE_THETA = 10000.0  # Gemma 3's sliding layers' RoPE base where a config omits it
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
@@ -166,7 +167,7 @@ def _rope(model_type: str, cfg: dict[str, Any]) -> tuple[float, float | None, di
         per_kind = params if isinstance(params, dict) and FULL_ATTENTION in params else {}
         params = per_kind.get(FULL_ATTENTION) or cfg.get("rope_scaling")
         local_params = per_kind.get(SLIDING) or {}
-        local = float(local_params.get("rope_theta") or cfg.get("rope_local_base_freq") or 10000.0)
+        local = float(local_params.get("rope_theta") or cfg.get("rope_local_base_freq") or GEMMA3_LOCAL_ROPE_THETA)
         if local_params.get("rope_type", "default") != "default":
             raise ValueError("Gemma 3 with scaled RoPE on its sliding layers is not supported")
     scaling = cfg.get("rope_scaling") or params
@@ -190,9 +191,15 @@ def _windows(model_type: str, cfg: dict[str, Any], num_layers: int) -> tuple[int
     if not window:
         return None, None if types is None else tuple(types)
     if types is None and model_type in GEMMA:
-        every = int(cfg.get("sliding_window_pattern") or GEMMA_PATTERNS[model_type])
-        types = [SLIDING if (i + 1) % every else FULL_ATTENTION for i in range(num_layers)]
+        types = gemma_layer_types(model_type, num_layers, cfg.get("sliding_window_pattern"))
     return int(window), None if types is None else tuple(types)
+
+
+def gemma_layer_types(model_type: str, num_layers: int, every: int | None = None) -> tuple[str, ...]:
+    """Gemma's layer kinds by its pattern: every `every`-th layer global (default: the family's),
+    the rest sliding, as transformers and llama.cpp both derive them."""
+    every = int(every or GEMMA_PATTERNS[model_type])
+    return tuple(SLIDING if (i + 1) % every else FULL_ATTENTION for i in range(num_layers))
 
 
 def _positive(value: Any) -> float | None:

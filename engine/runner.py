@@ -42,6 +42,7 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.cpu_kernels = cpu_kernels
         self.kv_shape = (arch.num_kv_heads, arch.head_dim)
+        self.windows = arch.windows  # its layers' sliding windows, for each step's metadata
         self.model = model
         self.kv = kv
         self.sampler = sampler
@@ -124,7 +125,7 @@ class ModelRunner:
             self.cpu_kernels,
             self.kv_dtype,
             self.invariant,
-            self.model.arch.windows,
+            self.windows,
         )
         lora = None
         if self.lora is not None:

@@ -27,9 +27,7 @@ class TorchOps:
         """(norm(x + residual) * weight, x + residual); a residual of None is taken as 0. A float32
         weight on narrower activations (Gemma's norms) is applied in float32, then rounded."""
         residual = x if residual is None else x + residual
-        if weight.dtype != residual.dtype:
-            return F.rms_norm(residual.float(), (residual.shape[-1],), weight.float(), eps).to(residual.dtype), residual
-        return F.rms_norm(residual, (residual.shape[-1],), weight, eps), residual
+        return _rms_norm(residual, weight, eps), residual
 
     def rope(
         self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor
@@ -49,10 +47,7 @@ class TorchOps:
         t = qkv.shape[0]
         for start, count, weight in ((0, heads, q_weight), (heads * dim, kv_heads, k_weight)):
             part = qkv[:, start : start + count * dim].view(t, count, dim)
-            if weight.dtype != part.dtype:
-                part.copy_(F.rms_norm(part.float(), (dim,), weight.float(), eps))
-            else:
-                part.copy_(F.rms_norm(part, (dim,), weight, eps))
+            part.copy_(_rms_norm(part, weight, eps))
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
@@ -62,6 +57,14 @@ class TorchOps:
         """Gemma's MLP: gelu (tanh approximation) of the gate, times up."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS norm over the last axis; a float32 weight on narrower x (Gemma's 1 + w) is applied in
+    float32 and the result rounded to x's dtype, as HF's Gemma does."""
+    if weight.dtype != x.dtype:
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
