@@ -175,7 +175,7 @@ def _blocks(data: np.memmap, info: TensorInfo) -> QuantWeight:
         from gguf import GGMLQuantizationType
 
         raise ValueError(
-            f"--quantization gguf keeps Q4_0, Q4_1 and Q8_0 blocks, and tensor {info.name} is "
+            f"--quantization gguf keeps {', '.join(gguf_blocks.NAMES.values())} blocks, and tensor {info.name} is "
             f"{GGMLQuantizationType(info.ggml_type).name}: use --quantization none (dequantized at load), int8 or int4"
         )
     k, n = info.dims

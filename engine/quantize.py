@@ -121,11 +121,16 @@ class QuantWeight:
 
 
 def concat(parts: list[QuantWeight]) -> QuantWeight:
-    """Row-wise concatenation (fused q/k/v, gate/up); all parts in one format and width."""
+    """Row-wise concatenation (fused q/k/v, gate/up) of parts of one width. Parts in different
+    formats (a GGUF file's q and k in Q4_K, its v in Q6_K, as llama.cpp's _M mixes write them)
+    are all made q8, the finest format: one kernel call needs one format."""
     first = parts[0]
-    if any(p.fmt != first.fmt or p.k != first.k for p in parts):
+    if any(p.k != first.k for p in parts):
         kinds = ", ".join(f"{p.fmt}[{p.n}x{p.k}]" for p in parts)
-        raise ValueError(f"a fused projection needs one format and width for its parts, got {kinds}")
+        raise ValueError(f"a fused projection needs one width for its parts, got {kinds}")
+    if any(p.fmt != first.fmt for p in parts):
+        parts = [p if p.fmt == "q8" else quantize_q8(p.dequantize()) for p in parts]
+        first = parts[0]
     mins = torch.cat([p.mins for p in parts]) if first.mins is not None else None
     return QuantWeight(
         first.fmt, torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]), mins, first.k

@@ -1,6 +1,6 @@
-"""--quantization gguf: Q4_0, Q4_1 and Q8_0 blocks repacked for the kernels give exactly what the
-gguf package's own dequantization gives, and an engine on a GGUF file's blocks generates what the
-same file dequantized to float32 generates."""
+"""--quantization gguf: Q4_0, Q4_1, Q5_0, Q8_0 and Q4_K blocks repacked for the kernels give exactly
+what the gguf package's own dequantization gives (Q5_K and Q6_K within half a q8 step of it), and
+an engine on a GGUF file's blocks generates what the same file dequantized to float32 generates."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from test_quantize import MAX_LOGIT_MOVE, kernel_bound
 
 from kvharbor.engine import SamplingParams
 from kvharbor.engine.cpu.cpu_kernels import load
-from kvharbor.engine.gguf_blocks import repack
+from kvharbor.engine.gguf_blocks import BLOCK_BYTES, repack
 from kvharbor.engine.hf_reference import hf_reference_model
 from kvharbor.engine.loader import load_model
-from kvharbor.engine.quantize import QuantLinear, QuantWeight
+from kvharbor.engine.quantize import QuantLinear, QuantWeight, concat, quantize_int4, quantize_q8
 
 GEMM = load(2)
 needs_kernels = pytest.mark.skipif(GEMM is None, reason="no AVX2+FMA kernels on this machine")
@@ -52,11 +52,70 @@ def test_repacked_blocks_multiply_like_their_dequantized_values(kind):
         assert torch.all((got - x.double() @ dense.T).abs() <= kernel_bound(x, dense))
 
 
+# Blocks gguf cannot write (it has no K-quant quantizer): random bytes, which reach every packing
+# of the 6-bit scales and high bits, with sane f16 scales so the values are finite.
+SUPER_KINDS = {"Q5_0": 6, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+SCALE_BYTES = {6: [(0, 2)], 12: [(0, 2), (2, 4)], 13: [(0, 2), (2, 4)], 14: [(208, 210)]}
+
+
+def random_blocks(ggml_type: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    per_block = 32 if ggml_type == 6 else 256
+    raw = g.integers(0, 256, (n, k // per_block, BLOCK_BYTES[ggml_type]), dtype=np.uint8)
+    for first, last in SCALE_BYTES[ggml_type]:
+        raw[..., first:last] = np.asarray(g.uniform(0.001, 0.02, raw.shape[:2]), np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", SUPER_KINDS)
+def test_k_quant_and_q5_blocks_hold_what_gguf_dequantizes(kind):
+    import gguf
+
+    qtype = SUPER_KINDS[kind]
+    raw = random_blocks(qtype, 6, 512)
+    want = gguf.quants.dequantize(raw, qtype)
+    qw = repack(raw, qtype, 512)
+    got = qw.dequantize().numpy()
+    assert qw.fmt == ("q4" if kind == "Q4_K" else "q8") and (qw.n, qw.k) == (6, 512)
+    if kind in ("Q4_K", "Q5_0"):  # kept exactly
+        assert np.array_equal(got, want)
+    else:  # made q8: each weight within half a step of its 32-group's max / 127
+        half_step = np.abs(want).reshape(6, -1, 32).max(-1, keepdims=True) / 254 * (1 + 1e-5)  # and float32 rounding
+        assert np.all(np.abs(got - want).reshape(6, -1, 32) <= half_step) and not np.array_equal(got, want)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", SUPER_KINDS)
+def test_k_quant_blocks_multiply_like_their_dequantized_values(kind):
+    qw = repack(random_blocks(SUPER_KINDS[kind], 20, 256, seed=1), SUPER_KINDS[kind], 256)
+    dense = qw.dequantize().double()
+    g = torch.Generator().manual_seed(2)
+    for rows in (1, 5, 40):
+        x = torch.randn(rows, 256, generator=g)
+        got = QuantLinear(GEMM, qw, max_rows=32)(x, None).double()
+        assert torch.all((got - x.double() @ dense.T).abs() <= kernel_bound(x, dense))
+
+
+def test_fused_parts_of_different_formats_become_q8():
+    """llama.cpp's _M mixes give a layer's v (or some down) projections a finer type than q and k."""
+    w = torch.randn(3, 8, 64)
+    parts = [quantize_int4(w[0]), quantize_int4(w[1]), quantize_q8(w[2])]
+    fused = concat(parts)
+    assert fused.fmt == "q8" and (fused.n, fused.k) == (24, 64)
+    want = torch.cat([p.dequantize() for p in parts])
+    assert torch.equal(fused.dequantize()[16:], want[16:])  # the q8 part unchanged
+    assert torch.allclose(fused.dequantize(), want, atol=want.abs().max().item() / 254 * 1.01, rtol=0)
+    with pytest.raises(ValueError, match="one width"):
+        concat([quantize_q8(w[0]), quantize_q8(torch.randn(8, 32))])
+
+
 def test_a_block_type_the_kernels_do_not_take_is_refused():
-    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q8_0"):
-        repack(np.zeros((2, 40), np.uint8), 12, 64)  # Q4_K
-    with pytest.raises(ValueError, match="whole 32-element blocks"):
+    with pytest.raises(ValueError, match="Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K"):
+        repack(np.zeros((2, 84), np.uint8), 10, 256)  # Q2_K
+    with pytest.raises(ValueError, match="whole 32-element Q4_1 blocks"):
         repack(np.zeros((2, 20), np.uint8), 3, 40)
+    with pytest.raises(ValueError, match="whole 256-element Q4_K blocks"):
+        repack(np.zeros((2, 144), np.uint8), 12, 288)
 
 
 @needs_kernels
