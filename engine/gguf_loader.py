@@ -104,13 +104,33 @@ def arch_from_metadata(meta: dict[str, Any]) -> ModelArch:
 
 
 def _rope_scaling(meta: dict[str, Any], name: str) -> tuple[tuple[str, Any], ...] | None:
-    """Linear RoPE scaling where the file gives it (Gemma 3 4B and up: factor 8); None otherwise."""
+    """RoPE scaling where the file gives it: linear (Gemma 3 4B and up: factor 8) or yarn (Qwen2.5's
+    long context, with its original context); None otherwise. Llama 3's per-frequency factors
+    come as a tensor instead (_with_freq_factors)."""
     kind, factor = meta.get(f"{name}.rope.scaling.type"), meta.get(f"{name}.rope.scaling.factor")
     if kind in (None, "none") or not factor or float(factor) == 1.0:
         return None
-    if kind != "linear":
-        raise ValueError(f"GGUF rope scaling {kind!r} is not supported (linear is); load the Hugging Face folder")
-    return (("factor", float(factor)), ("rope_type", "linear"))
+    if kind == "linear":
+        return (("factor", float(factor)), ("rope_type", "linear"))
+    original = meta.get(f"{name}.rope.scaling.original_context_length")
+    if kind == "yarn" and original:
+        return (("factor", float(factor)), ("original_max_position_embeddings", int(original)), ("rope_type", "yarn"))
+    raise ValueError(
+        f"GGUF rope scaling {kind!r} is not supported (linear, and yarn with its original context length, are); "
+        "load the Hugging Face folder"
+    )
+
+
+def _with_freq_factors(arch: ModelArch, factors: torch.Tensor, path: str | Path) -> ModelArch:
+    """llama.cpp writes Llama 3.1+'s RoPE scaling as rope_freqs.weight: one divisor per frequency
+    (1 for the fast ones, the factor for the slow ones, a blend between), which it divides each
+    inverse frequency by. Kept as the `freq_factors` scaling (engine/model.py)."""
+    if arch.rope_scaling is not None:
+        raise ValueError(f"{path} gives both rope_freqs.weight and a {arch.rope_scaling_dict} RoPE scaling")
+    if factors.numel() != arch.head_dim // 2:
+        need = arch.head_dim // 2
+        raise ValueError(f"{path}: rope_freqs.weight has {factors.numel()} factors, the heads need {need}")
+    return replace(arch, rope_scaling=(("factors", tuple(factors.tolist())), ("rope_type", "freq_factors")))
 
 
 def _gemma_fields(meta: dict[str, Any], name: str, layers: int, per_head: int, head_dim: int) -> dict[str, Any]:
@@ -208,10 +228,8 @@ def load_gguf(path: str | Path, keep_blocks: bool = False) -> GGUFModel:
     for tensor in header.tensors:
         name = tensor.name
         if name == "rope_freqs.weight":
-            raise ValueError(
-                f"{path} scales RoPE with per-frequency factors (Llama 3.1+), which the GGUF loader does not "
-                "read yet; load the model's Hugging Face folder instead"
-            )
+            arch = _with_freq_factors(arch, _dequantize(data, tensor), path)
+            continue
         m = _LAYER_RE.match(name)
         if m and m.group(2) in layer_names:
             hf_name = f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}"

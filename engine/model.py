@@ -62,7 +62,55 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
         return torch.where(is_mid, mid, scaled)
     if kind == "longrope":
         return _longrope(arch, inv_freq, "short_factor")
-    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope)")
+    if kind == "yarn":
+        return _yarn(arch, inv_freq)
+    if kind == "freq_factors":  # a GGUF's rope_freqs.weight (engine/gguf_loader.py)
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
+    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope, yarn)")
+
+
+def _yarn_factor(arch: ModelArch) -> tuple[float, int]:
+    """(YaRN's stretch factor, the original context): the factor as given, else the ratio of
+    max_position_embeddings to the original context (DeepSeek's configs leave it out)."""
+    scaling = arch.rope_scaling_dict
+    original = int(scaling.get("original_max_position_embeddings") or arch.max_position_embeddings)
+    return float(scaling.get("factor") or arch.max_position_embeddings / original), original
+
+
+def _yarn(arch: ModelArch, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN (Qwen2.5's long context): frequencies that turn fewer than beta_slow times over the
+    original context are interpolated (divided by the factor), those that turn more than
+    beta_fast times kept, a linear ramp between, over dimension indices (rounded out unless
+    `truncate` is false)."""
+    scaling = arch.rope_scaling_dict
+    factor, original = _yarn_factor(arch)
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+    d, base = arch.head_dim, arch.rope_theta
+
+    def dim_of(turns: float) -> float:  # the dimension index whose frequency turns `turns` times
+        return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def _yarn_attention_factor(arch: ModelArch) -> float:
+    """The cos/sin scale YaRN asks for: attention_factor, else 0.1 ln(factor) + 1 (with DeepSeek's
+    mscale / mscale_all_dim ratio where both are given)."""
+    scaling = arch.rope_scaling_dict
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, _ = _yarn_factor(arch)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(m) / mscale(m_all) if m and m_all else mscale()
 
 
 def _longrope(arch: ModelArch, inv_freq: torch.Tensor, which: str) -> torch.Tensor:
@@ -74,16 +122,20 @@ def _longrope(arch: ModelArch, inv_freq: torch.Tensor, which: str) -> torch.Tens
     return inv_freq / factors
 
 
-def longrope_extension(arch: ModelArch) -> tuple[torch.Tensor | None, int, float]:
-    """LongRoPE's other half: (the long-context inverse frequencies, the position from which they
-    apply, the cos/sin scale). (None, 0, 1.0) for every other RoPE.
+def rope_extension(arch: ModelArch) -> tuple[torch.Tensor | None, int, float]:
+    """LongRoPE's and YaRN's other half: (the long-context inverse frequencies, the position from
+    which they apply, the cos/sin scale). YaRN has one set of frequencies: (None, 0, its scale).
+    (None, 0, 1.0) for every other RoPE.
 
     NOTE: per position, as vLLM does: positions past original_max_position_embeddings take the
     long factors, earlier ones the short. transformers switches every position once a sequence
     passes that length, which a KV cache (its keys rotated already) cannot follow; the two agree
     on every sequence within the original context."""
     scaling = arch.rope_scaling_dict
-    if not scaling or scaling.get("rope_type", scaling.get("type")) != "longrope":
+    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    if kind == "yarn":
+        return None, 0, _yarn_attention_factor(arch)
+    if kind != "longrope":
         return None, 0, 1.0
     base = _base_inv_freq(arch.rope_theta, arch.head_dim)
     original = int(scaling["original_max_position_embeddings"])
@@ -182,7 +234,7 @@ class LlamaModel(nn.Module):
             else _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         )
         self.register_buffer("inv_freq", rope_inv_freq(arch).to(device), persistent=False)
-        long, self.rope_switch, self.rope_scale = longrope_extension(arch)
+        long, self.rope_switch, self.rope_scale = rope_extension(arch)
         self.register_buffer("inv_freq_long", None if long is None else long.to(device), persistent=False)
         local = None if arch.local_rope_theta is None else _base_inv_freq(arch.local_rope_theta, arch.head_dim)
         self.register_buffer("inv_freq_local", None if local is None else local.to(device), persistent=False)

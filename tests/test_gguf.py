@@ -77,7 +77,9 @@ _NAMES = {
 }
 
 
-def write_gguf(case, path, quant: str | None = None) -> None:
+def write_gguf(case, path, quant: str | None = None, rope: dict | None = None, rope_freqs=None) -> None:
+    """`case`'s model as llama.cpp would write it: `rope` is a rope.scaling.* metadata dict and
+    `rope_freqs` Llama 3's per-frequency divisors (the rope_freqs.weight tensor)."""
     import gguf
 
     a = case.loaded.arch
@@ -94,6 +96,12 @@ def write_gguf(case, path, quant: str | None = None) -> None:
     w.add_rope_freq_base(a.rope_theta)
     w.add_layer_norm_rms_eps(a.rms_norm_eps)
     w.add_eos_token_id(2)
+    for key, value in (rope or {}).items():
+        (w.add_string if isinstance(value, str) else w.add_float32 if isinstance(value, float) else w.add_uint32)(
+            f"{name}.rope.scaling.{key}", value
+        )
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
     for hf_name, tensor in case.loaded.state_dict.items():
         arr = tensor.numpy().astype(np.float32)

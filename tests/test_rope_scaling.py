@@ -1,8 +1,9 @@
-"""RoPE scaling (Llama 3.x "llama3" and "linear"): a tiny scaled model, saved as a HF folder,
+"""RoPE scaling (Llama 3.x "llama3", "linear", and Qwen2.5's "yarn"): a tiny scaled model, saved as a HF folder,
 generates what transformers generates past the original context length."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import hf_greedy
@@ -19,15 +20,25 @@ SCALINGS = {
         "original_max_position_embeddings": 32,
     },
     "linear": {"rope_type": "linear", "factor": 4.0},
+    # the cos/sin scale (0.1 ln 4 + 1) and the ramp both show in the logits
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn-deepseek": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 0.7,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 16,
+        "truncate": False,
+    },
 }
 
 
-@pytest.mark.parametrize("kind", sorted(SCALINGS))
-def test_scaled_rope_matches_transformers(kind, tmp_path, make_llm):
+def scaled_llama(kind: str):
     from tiny_models import hf_model
 
     torch.manual_seed(11)
-    hf = hf_model(
+    return hf_model(
         "llama",
         None,
         vocab_size=256,
@@ -43,13 +54,55 @@ def test_scaled_rope_matches_transformers(kind, tmp_path, make_llm):
         bos_token_id=1,
         eos_token_id=2,
     )
+
+
+PROMPT = torch.randint(3, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()  # > 32 positions
+
+
+@pytest.mark.parametrize("kind", sorted(SCALINGS))
+def test_scaled_rope_matches_transformers(kind, tmp_path, make_llm):
+    hf = scaled_llama(kind)
     hf.save_pretrained(tmp_path)
     loaded = load_model(str(tmp_path))
-    assert dict(loaded.arch.rope_scaling_dict)["rope_type"] == kind
-    prompt = torch.randint(3, 256, (90,), generator=torch.Generator().manual_seed(3)).tolist()  # > 32 positions
+    assert dict(loaded.arch.rope_scaling_dict)["rope_type"] == kind.split("-")[0]
     llm = make_llm(loaded, max_model_len=256)
-    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
-    assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)[0]
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPT, 12)[0]
+
+
+@pytest.mark.parametrize("kind", ["llama3", "yarn"])
+def test_gguf_rope_scaling_matches_transformers(kind, tmp_path, make_llm):
+    """As llama.cpp writes them: Llama 3's scaling as rope_freqs.weight (each frequency's divisor:
+    here transformers' own unscaled over scaled frequencies), yarn as rope.scaling.* metadata."""
+    from types import SimpleNamespace
+
+    from test_gguf import write_gguf
+
+    hf = scaled_llama(kind)
+    hf.save_pretrained(tmp_path / "hf")
+    case = SimpleNamespace(loaded=load_model(str(tmp_path / "hf")))
+    path = tmp_path / f"{kind}.gguf"
+    if kind == "llama3":
+        plain = 1.0 / (500000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+        write_gguf(case, path, rope_freqs=plain / hf.model.rotary_emb.inv_freq)
+    else:
+        write_gguf(case, path, rope={"type": "yarn", "factor": 4.0, "original_context_length": 32})
+    loaded = load_model(str(path))
+    assert loaded.arch.rope_scaling_dict["rope_type"] == {"llama3": "freq_factors", "yarn": "yarn"}[kind]
+    out = make_llm(loaded, max_model_len=256).generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.0,
+                                                                                 ignore_eos=True))  # fmt: skip
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPT, 12)[0]
+
+
+def test_gguf_rope_scaling_it_cannot_honour_is_refused(tiny_llama, tmp_path):
+    from test_gguf import write_gguf
+
+    write_gguf(tiny_llama, tmp_path / "longrope.gguf", rope={"type": "longrope", "factor": 4.0})
+    with pytest.raises(ValueError, match="rope scaling 'longrope' is not supported"):
+        load_model(str(tmp_path / "longrope.gguf"))
+    write_gguf(tiny_llama, tmp_path / "short.gguf", rope_freqs=np.ones(3))
+    with pytest.raises(ValueError, match=r"rope_freqs\.weight has 3 factors, the heads need 8"):
+        load_model(str(tmp_path / "short.gguf"))
 
 
 def test_longrope_takes_the_long_factors_past_the_original_context(tiny_phi3):
