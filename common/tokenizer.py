@@ -129,8 +129,10 @@ class Tokenizer:
         return self.backend.decode([token_id], skip_special_tokens=False).encode()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; BOS is prepended when the model wants it and `add_special_tokens`."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; BOS is prepended when the model wants it and `add_special_tokens`:
+        by tokenizer.json's post-processor where it has one (Llama 3's and Gemma's add BOS there,
+        as transformers applies it), else by `add_bos`."""
+        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids

@@ -112,3 +112,31 @@ def test_the_tokenizer_loads_without_weights_or_torch(smollm):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split(" ", 1)
     assert out[0] == smollm.name == "SmolLM2-135M-Instruct"
     assert out[1].strip() == f"{smollm.tokenizer.encode('The year 2026, twice: 2026!')} False"
+
+
+@pytest.mark.parametrize("post_processor", [True, False])
+def test_an_hf_folder_adds_bos_as_transformers_does(tok, tmp_path, post_processor):
+    """Llama 3's and Gemma's tokenizer.json add BOS in their post-processor: a plain prompt to
+    /v1/completions must get it, as transformers' tokenizer gives it; a chat prompt must not get a
+    second one (its template writes BOS)."""
+    import json
+
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from kvharbor.common.tokenizer import Tokenizer
+
+    backend = tok.backend.__class__.from_str(tok.backend.to_str())
+    if post_processor:
+        backend.post_processor = processors.TemplateProcessing(
+            single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+        )
+    backend.save(str(tmp_path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+              "chat_template": "<|im_start|>{% for m in messages %}{{ m['content'] }}{% endfor %}"}  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = Tokenizer.from_hf_dir(tmp_path, (2,), 1)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "The capital of France is"
+    assert ours.encode(text) == theirs(text).input_ids == ([1] if post_processor else []) + tok.encode(text)
+    assert ours.encode_chat([{"role": "user", "content": text}]) == [1, *tok.encode(text)]  # one BOS
