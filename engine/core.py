@@ -377,7 +377,7 @@ class EngineCore:
             waiting=len(waiting),
             waiting_prefill_tokens=prefill,
             context_tokens=sum(r.num_tokens for r in running),
-            kv_blocks_total=self.pool.num_blocks,
+            kv_blocks_total=self.kv.num_usable_blocks,
             kv_blocks_free=self.pool.num_free,
             kv_blocks_cached=self.pool.num_cached,
             prefill_tokens_per_s=round(stats.prefill_tokens_per_s, 1),

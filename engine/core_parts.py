@@ -117,7 +117,7 @@ class CoreParts:
         shadow = draft_kv_bytes_per_token(self.draft_model, self.dtype) if self.draft_model is not None else 0
         self.capacity: KVCapacity = plan_capacity(
             self.arch, config.cache, self.dtype, self.device, config.model.max_model_len, shadow_bytes_per_token=shadow,
-            reserved_bytes=reserved,
+            reserved_bytes=reserved, step_tokens=config.scheduler.max_num_batched_tokens,
         )  # fmt: skip
         self.max_model_len = self.capacity.max_model_len
         say(
@@ -133,7 +133,7 @@ class CoreParts:
             enable_caching=config.cache.enable_prefix_caching,
             enable_events=config.cache.kv_events,
         )
-        self.kv = KVCacheManager(self.pool)
+        self.kv = KVCacheManager(self.pool, window=self.arch.kv_window)
 
     def _build_step(self, threads: int, fingerprint: str, say: Progress) -> None:
         """The scheduler, the sampler, the attention path, the runner, its KV I/O and the

@@ -91,6 +91,14 @@ class ModelArch:
         return (self.sliding_window,) if any(self.is_sliding(i) for i in range(self.num_layers)) else ()
 
     @property
+    def kv_window(self) -> int | None:
+        """The window every layer slides within (Mistral, Phi-3): KV blocks wholly before it are
+        never read again. None when any layer attends to the whole context (Gemma's global
+        layers; freeing for those needs a pool per layer kind, as vLLM's hybrid allocator has)."""
+        sliding = all(self.is_sliding(i) for i in range(self.num_layers))
+        return self.sliding_window if sliding and self.sliding_window else None
+
+    @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling else None
 

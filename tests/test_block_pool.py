@@ -176,3 +176,47 @@ def test_stored_events_are_unbroken_chains_when_a_middle_hash_is_already_cached(
         BlockStored(hashes=(h2,), parent=h1, block_size=BS),
     ]
     assert blocks[1].block_hash is None and pool.get_cached_block(h1) is other
+
+
+def test_a_sliding_window_releases_the_blocks_it_has_passed():
+    """window 6, blocks of 4: the token at position p sees keys from p - 5, so block j goes once
+    every one of its tokens is below that. Released blocks stay cached (a later hit finds them);
+    their table slots hold the null block, which no table counts and no one caches."""
+    kv = KVCacheManager(BlockPool(8, BS), window=6)
+    null = kv.null_block.block_id
+    a = make_request("a", list(range(10)), n=2)
+    kv.allocate_slots(a, 10)  # blocks 1, 2, 3 (0 is the null block)
+    a.num_computed_tokens = 10
+    child = a.fork(1, "a\x1f1")  # shares every block, one more reference each
+    kv.fork(a, child)
+    a.append_output(99)
+    # position 10 sees 5..10: block 0 (tokens 0-3) is passed; the shared partial block is copied
+    assert kv.allocate_slots(a, 1) == [(3, 4)]
+    assert kv.block_ids(a) == [null, 2, 4] and kv.block_ids(child) == [1, 2, 3] and kv.window_released == 1
+    assert kv.pool.blocks[1].ref_cnt == 1  # the child's reference only
+    kv.check_integrity()
+    child.append_output(98)
+    kv.allocate_slots(child, 1)
+    assert kv.block_ids(child) == [null, 2, 3] and kv.pool.num_free == 8 - 4  # null, 2, 3, 4 held
+    assert kv.pool.num_cached == 2  # tokens 0-7 still cached after both released block 0
+    kv.free(child)
+    a.num_computed_tokens = 11
+    for token in range(100, 106):
+        a.append_output(token)
+        kv.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    assert kv.block_ids(a)[:2] == [null, null] and len(kv.block_ids(a)) == 5  # 17 tokens, 3 blocks held
+    kv.check_integrity()
+    kv.free(a)
+    kv.check_integrity()
+    assert kv.pool.num_free == kv.num_usable_blocks == 7
+
+
+def test_without_a_window_nothing_is_released_and_no_block_is_reserved():
+    kv = KVCacheManager(BlockPool(8, BS))
+    a = make_request("a", list(range(30)))
+    kv.allocate_slots(a, 30)
+    a.num_computed_tokens = 30
+    a.append_output(1)
+    kv.allocate_slots(a, 1)
+    assert kv.block_ids(a) == list(range(8)) and kv.null_block is None and kv.num_usable_blocks == 8

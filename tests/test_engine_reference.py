@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ModelCase, hf_next_tokens
+from conftest import ModelCase, hf_greedy, hf_next_tokens
 
 from kvharbor.engine import SamplingParams
 
@@ -114,7 +114,8 @@ def test_greedy_with_a_tiny_token_budget_chunks_prefill(model_case, make_llm):
 def test_greedy_with_a_pool_small_enough_to_preempt(model_case, make_llm):
     longest = max(len(p) for p in model_case.prompts) + STEPS
     blocks = -(-longest // 16) + 2
-    llm = make_llm(model_case.loaded, num_kv_blocks=blocks, max_model_len=blocks * 16)
+    # (blocks - 1) * 16: a sliding-window model keeps one block back as the null block
+    llm = make_llm(model_case.loaded, num_kv_blocks=blocks, max_model_len=(blocks - 1) * 16)
     outs = llm.generate(model_case.prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert_greedy(model_case, model_case.prompts, tokens_of(outs))
@@ -153,3 +154,29 @@ def test_windowed_models_match_on_the_batched_paths(case, cpu_kernels, request, 
     prompts = model_case.prompts + model_case.shared_prompts[:4]
     assert_greedy(model_case, prompts, tokens_of(llm.generate(prompts, GREEDY)))
     assert llm.engine.kv.prefix_hits > 0
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["decode-kernel", "torch-only"])
+def test_a_sliding_window_model_runs_a_context_longer_than_its_pool(cpu_kernels, tiny_mistral_window, make_llm):
+    """Every Mistral layer slides (window 20): the KV manager releases blocks the window passed,
+    so 6 blocks of 16 tokens (one the null block) run two 110-token prompts and their 40-token
+    continuations, 10 blocks each without the release, exactly as transformers, preempting one
+    to make room for the other."""
+    case = tiny_mistral_window
+    llm = make_llm(case.loaded, num_kv_blocks=6, max_model_len=256, max_num_batched_tokens=24, cpu_kernels=cpu_kernels,
+                   kv_cache_memory=None)  # fmt: skip
+    assert llm.engine.max_model_len == 256 and llm.engine.load().kv_blocks_total == 5
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (110,), generator=g).tolist() for _ in range(2)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params)
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(case.hf, prompt, 40)[0]
+    assert llm.engine.kv.window_released >= 2 * (150 - 20 - 24) // 16  # most of each sequence released
+    assert llm.engine.scheduler.num_preemptions > 0  # two at once do not fit: one was preempted, and resumed
+
+
+def test_a_pool_too_small_even_for_the_window_is_refused(tiny_mistral_window, make_llm):
+    with pytest.raises(ValueError, match=r"one 256-token request needs 5"):
+        make_llm(tiny_mistral_window.loaded, num_kv_blocks=4, max_model_len=256, max_num_batched_tokens=24,
+                 kv_cache_memory=None)  # fmt: skip

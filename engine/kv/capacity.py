@@ -71,12 +71,16 @@ def plan_capacity(
     max_model_len: int | None,
     shadow_bytes_per_token: int = 0,
     reserved_bytes: int = 0,
+    step_tokens: int | None = None,
 ) -> KVCapacity:
     """Size the pool, and the context it serves. `max_model_len` None means the model's own limit,
     capped to what the pool holds; an explicit one that does not fit raises ValueError with the
     numbers. `shadow_bytes_per_token`: a draft model's KV per token; its pool holds as many tokens
     as this one and comes out of the same memory budget. `reserved_bytes` (LoRA adapters) come out of
-    a memory budget before the pool is cut from it; --num-kv-blocks is exact and takes no share."""
+    a memory budget before the pool is cut from it; --num-kv-blocks is exact and takes no share.
+    `step_tokens` (the scheduler's max_num_batched_tokens): with a model whose every layer slides
+    (ModelArch.kv_window) a request holds only its window's blocks and one step's (the KV cache
+    manager releases the rest), so a context longer than the pool still fits."""
     element = torch.empty((), dtype=dtype).element_size()
     row = row_bytes(arch.head_dim, cache.kv_cache_dtype, element)  # one token's K or V row of one head
     per_token = 2 * arch.num_layers * arch.num_kv_heads * row
@@ -104,11 +108,23 @@ def plan_capacity(
     if tokens < 2:
         raise ValueError(f"{held}, too few for any request: give it more (--kv-cache-memory / --num-kv-blocks)")
     want = max_model_len or limit
-    needed = -(-want // cache.block_size)
+    needed = blocks_for_one_request(want, cache.block_size, arch.kv_window, step_tokens)
     if num_blocks < needed and max_model_len is not None:
         raise ValueError(
             f"{held} but one {want}-token request needs {needed}: "
             "lower --max-model-len or give the pool more memory (--kv-cache-memory / --num-kv-blocks)"
         )
-    capped = max_model_len is None and tokens < want
-    return KVCapacity(num_blocks, cache.block_size, per_token, min(want, tokens), limit, capped)
+    fits = num_blocks >= needed
+    served = want if fits else min(want, tokens - (cache.block_size if arch.kv_window else 0))
+    return KVCapacity(num_blocks, cache.block_size, per_token, served, limit, max_model_len is None and not fits)
+
+
+def blocks_for_one_request(tokens: int, block_size: int, window: int | None, step_tokens: int | None) -> int:
+    """The most blocks one request of `tokens` holds at once. Under a window every layer slides in,
+    a step of n new tokens from position p holds the blocks from (p - window + 1) / block_size to
+    (p + n - 1) / block_size, at most (window + n - 2) / block_size + 2, plus the null block in
+    the released slots (engine/kv/kv_cache_manager.py)."""
+    whole = -(-tokens // block_size)
+    if window is None or step_tokens is None:
+        return whole
+    return min(whole, (window + step_tokens - 2) // block_size + 2) + 1

@@ -29,11 +29,23 @@ class KVCacheManager:
 
     Tables are append-only while a request runs; `free` releases a whole table tail first, so a
     request's last blocks are evicted before its prefix (which other requests are likelier to share).
+
+    With `window` (every layer slides within it: ModelArch.kv_window), a block whose tokens all lie
+    before the window of the next token to compute is never read again: allocation releases it
+    to the pool (cached blocks stay cached, so a later prefix hit still finds them) and puts the
+    null block in its table slot. The null block is held for the manager's life and never
+    written (no token's slot is in it), so it stays the zeros the cache starts as: the torch
+    path gathers it and masks it out, the CPU kernel never reads before the window. A sequence
+    then holds about window / block_size + 1 blocks however long it grows.
     """
 
-    def __init__(self, pool: BlockPool) -> None:
+    def __init__(self, pool: BlockPool, window: int | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
+        self.window = window
+        self.null_block = pool.get_new_blocks(1)[0] if window else None
+        self.window_released = 0  # blocks released because the window passed them (a counter)
+        self._passed: dict[str, int] = {}  # table entries already replaced by the null block
         self.tables: dict[str, list[Block]] = {}
         self._num_hashed: dict[str, int] = {}  # table entries already offered to the hash map
         self.prefix_queries = 0  # tokens of admitted requests looked up in the prefix cache
@@ -46,6 +58,11 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """The pool's blocks less the null block: what requests can hold (the /load total)."""
+        return self.pool.num_blocks - (self.null_block is not None)
 
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """The longest cached prefix of `request`, capped so its last token is always computed
@@ -83,11 +100,13 @@ class KVCacheManager:
         the prefix `hit`, which it adopts). Registers the full blocks these tokens complete.
 
         Returns the (src, dst) block copies the runner must do first (copy-on-write), or None
-        when the pool is too short; then nothing was changed and the caller may preempt.
+        when the pool is too short; then nothing was changed (but blocks the sliding window has
+        passed, released first) and the caller may preempt.
         Passing `hit` (admission from the queue) counts the lookup in the hit-rate counters.
         """
         hit_blocks = hit.blocks if hit else []
         table = self.tables.get(request.request_id, [])
+        self._release_passed(request, table)
         if self.blocks_needed(request, num_new_tokens, hit) > self.pool.num_free:
             return None
         table = self.tables.setdefault(request.request_id, table)
@@ -113,6 +132,27 @@ class KVCacheManager:
         self._cache_full_blocks(request, table, total)
         return copies
 
+    def _release_passed(self, request: Request, table: list[Block]) -> None:
+        """Release the blocks wholly before the window of the next token to compute (position
+        p = num_computed_tokens sees keys from p - window + 1), leaving the null block in their
+        slots."""
+        if self.window is None or not table:
+            return
+        first_needed = request.num_computed_tokens - self.window + 1
+        upto = min(max(0, first_needed) // self.block_size, len(table))
+        done = self._passed.get(request.request_id, 0)
+        if upto <= done:
+            return
+        passed = [b for b in table[done:upto] if b is not self.null_block]
+        table[done:upto] = [self.null_block] * (upto - done)
+        self._passed[request.request_id] = upto
+        self.pool.free_blocks(reversed(passed))
+        self.window_released += len(passed)
+
+    def _held_blocks(self, table: Iterable[Block]) -> list[Block]:
+        """A table's entries that hold a reference (all but the null block)."""
+        return [b for b in table if b is not self.null_block]
+
     def _cache_full_blocks(self, request: Request, table: list[Block], num_tokens: int) -> None:
         if not self.pool.enable_caching:
             return
@@ -128,16 +168,18 @@ class KVCacheManager:
     def fork(self, parent: Request, child: Request) -> None:
         """Let `child` share every block of `parent` (one more reference each)."""
         table = self.tables[parent.request_id]
-        self.pool.touch(table)
+        self.pool.touch(self._held_blocks(table))
         self.tables[child.request_id] = list(table)
         self._num_hashed[child.request_id] = self._num_hashed.get(parent.request_id, 0)
+        self._passed[child.request_id] = self._passed.get(parent.request_id, 0)
 
     def free(self, request: Request) -> None:
         """Release the request's whole table, tail first. Safe to call twice."""
         table = self.tables.pop(request.request_id, None)
         self._num_hashed.pop(request.request_id, None)
+        self._passed.pop(request.request_id, None)
         if table:
-            self.pool.free_blocks(reversed(table))
+            self.pool.free_blocks(reversed(self._held_blocks(table)))
 
     def truncate(self, request: Request, num_tokens: int) -> None:
         """Keep only the blocks holding the first `num_tokens` tokens (after speculation: rejected
@@ -148,6 +190,7 @@ class KVCacheManager:
             return
         keep = -(-num_tokens // self.block_size)
         assert self._num_hashed.get(request.request_id, 0) <= keep, "a hashed block would be dropped"
+        assert self._passed.get(request.request_id, 0) <= keep, "a block the window passed would be dropped"
         if len(table) > keep:
             self.pool.free_blocks(reversed(table[keep:]))
             del table[keep:]
@@ -161,7 +204,7 @@ class KVCacheManager:
         Only for requests about to be finished: their tables' hash bookkeeping is reset.
         """
         for request in requests:
-            self.pool.uncache(self.tables.get(request.request_id, []))
+            self.pool.uncache(self._held_blocks(self.tables.get(request.request_id, [])))
             self._num_hashed[request.request_id] = 0
 
     # -- imports ----------------------------------------------------------------------------------
@@ -252,7 +295,10 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """The pool's own checks, plus: every refcount equals the number of tables holding it."""
         self.pool.check_integrity()
-        holders = Counter(b.block_id for table in self.tables.values() for b in table)
+        holders = Counter(b.block_id for table in self.tables.values() for b in self._held_blocks(table))
+        if self.null_block is not None:  # the manager's own reference
+            holders[self.null_block.block_id] += 1
+            assert self.null_block.block_hash is None, "the null block was cached: it would be written"
         holders.update(b.block_id for b in self._held)  # imports awaiting their write hold a reference
         holders.update(b.block_id for blocks in self._pins.values() for b in blocks)
         for block in self.pool.blocks:
