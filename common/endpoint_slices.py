@@ -14,6 +14,9 @@ SERVICE_NAME_LABEL = "kubernetes.io/service-name"  # set on every slice by the E
 DISCOVERY_LABEL = "kvharbor.io/discovery"  # = "engine" on every engine Service
 MODEL_LABEL = "kvharbor.io/model"  # the served model name made a label value (for selectors)
 MODEL_ANNOTATION = "kvharbor.io/model-name"  # the exact served model name (labels cannot hold "/")
+# = "vllm" on a Service of vLLM pods (absent: kvharbor engines): the gateway reads their load from
+# /metrics and names each by its pod (the instance id its kv-bridge publishes under).
+ENGINE_KIND_LABEL = "kvharbor.io/engine-kind"
 
 
 def service_model(service: Mapping[str, Any]) -> str | None:
@@ -25,8 +28,15 @@ def service_model(service: Mapping[str, Any]) -> str | None:
     return (meta.get("annotations") or {}).get(MODEL_ANNOTATION) or labels.get(MODEL_LABEL)
 
 
-def slice_urls(endpoint_slice: Mapping[str, Any], port_name: str = "http") -> list[str]:
-    """The ready endpoints of one slice as http://ADDRESS:PORT (IPv6 addresses in brackets)."""
+def service_engine_kind(service: Mapping[str, Any]) -> str:
+    """kvharbor or vllm: what the engines behind an engine Service are."""
+    return ((service.get("metadata") or {}).get("labels") or {}).get(ENGINE_KIND_LABEL, "kvharbor")
+
+
+def slice_urls(endpoint_slice: Mapping[str, Any], port_name: str = "http", kind: str = "kvharbor") -> list[str]:
+    """The ready endpoints of one slice as http://ADDRESS:PORT (IPv6 addresses in brackets); for
+    vLLM pods as vllm+http://ADDRESS:PORT#POD (the gateway's engine address, gateway/engines.py).
+    A vLLM endpoint without a pod reference has no instance id to route by, and is left out."""
     ports = endpoint_slice.get("ports") or []
     port = next((p.get("port") for p in ports if p.get("name") in (port_name, None)), None)
     if port is None:
@@ -35,16 +45,19 @@ def slice_urls(endpoint_slice: Mapping[str, Any], port_name: str = "http") -> li
     for endpoint in endpoint_slice.get("endpoints") or []:
         if (endpoint.get("conditions") or {}).get("ready") is False:
             continue
+        pod = (endpoint.get("targetRef") or {}).get("name")
+        if kind == "vllm" and not pod:
+            continue
         for address in endpoint.get("addresses") or []:
             host = f"[{address}]" if ":" in address else address
-            urls.append(f"http://{host}:{port}")
+            urls.append(f"vllm+http://{host}:{port}#{pod}" if kind == "vllm" else f"http://{host}:{port}")
     return urls
 
 
-def service_urls(slices: list[Mapping[str, Any]], port_name: str = "http") -> list[str]:
+def service_urls(slices: list[Mapping[str, Any]], port_name: str = "http", kind: str = "kvharbor") -> list[str]:
     """Ready engine URLs of one Service's slices. A dual-stack Service has an IPv4 and an IPv6
     slice for the same pods: only one family is used, or every engine would count twice."""
     families = {es.get("addressType") for es in slices}
     family = "IPv4" if "IPv4" in families else None
     chosen = [es for es in slices if family is None or es.get("addressType") == family]
-    return sorted({url for es in chosen for url in slice_urls(es, port_name)})
+    return sorted({url for es in chosen for url in slice_urls(es, port_name, kind)})

@@ -18,7 +18,13 @@ from urllib.parse import urlparse
 
 import yaml
 
-from kvharbor.common.endpoint_slices import DISCOVERY_LABEL, SERVICE_NAME_LABEL, service_model, service_urls
+from kvharbor.common.endpoint_slices import (
+    DISCOVERY_LABEL,
+    SERVICE_NAME_LABEL,
+    service_engine_kind,
+    service_model,
+    service_urls,
+)
 
 
 @dataclass(frozen=True)
@@ -106,15 +112,16 @@ class StaticDiscovery:
 # -- Kubernetes -----------------------------------------------------------------------------------
 
 
-
 def engines_from_slices(services: list[dict], slices: list[dict]) -> dict[str, list[str]]:
     """Ready engine URLs per model, from engine Services and their EndpointSlices (discovery.k8s.io/v1)."""
     models: dict[str, str] = {}
+    kinds: dict[str, str] = {}
     for svc in services:
         meta = svc.get("metadata", {})
         model = service_model(svc)
         if model:
             models[f"{meta.get('namespace')}/{meta.get('name')}"] = model
+            kinds[f"{meta.get('namespace')}/{meta.get('name')}"] = service_engine_kind(svc)
     by_service: dict[str, list[dict]] = {}
     for es in slices:
         meta = es.get("metadata", {})
@@ -123,7 +130,7 @@ def engines_from_slices(services: list[dict], slices: list[dict]) -> dict[str, l
             by_service.setdefault(owner, []).append(es)
     out: dict[str, set[str]] = {}
     for owner, owned in by_service.items():
-        out.setdefault(models[owner], set()).update(service_urls(owned))
+        out.setdefault(models[owner], set()).update(service_urls(owned, kind=kinds[owner]))
     return {m: sorted(urls) for m, urls in out.items()}
 
 

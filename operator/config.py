@@ -37,6 +37,9 @@ class EngineDefaults:
         "engine pods get KVHARBOR_REDIS_URL from it, and redis_url stays out of their ConfigMap",
     )  # fmt: skip
     engine_redis_secret_key: str = opt("url", "key of engine_redis_secret that holds the URL")
+    vllm_image: str = opt(
+        "vllm/vllm-openai:v0.32.0", "container image of vLLM pods (engine.kind: vllm) unless a spec names its own"
+    )
 
 
 @dataclass(frozen=True)

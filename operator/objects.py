@@ -23,6 +23,11 @@ engine on upgrade, and a Deployment's selector cannot change. Its Service says
 LoRA adapters (`spec.adapters`, operator/adapters.py) go to every role alike: the engine config's
 `lora` list and limits, and read-only mounts of the ConfigMaps and PVCs they come from.
 
+With `spec.engine.kind: vllm` (operator/vllm_pods.py) the same objects hold a vLLM server and its
+kv-bridge sidecar instead: the ConfigMap holds the bridge's config (bridge.yaml), the pod a
+`vllm` and a `kv-bridge` container and a memory-backed /dev/shm, and the Service says
+`kvharbor.io/engine-kind: vllm`, so the gateway reaches its pods as vLLM servers named by pod.
+
 Every engine serves /metrics (and the runtime adapter calls) on its admin port, ENGINE_ADMIN_PORT,
 a container port named `admin` that the Service leaves out; the pods carry prometheus.io scrape
 annotations for it. With `redis_secret` (NAME, KEY) the Redis URL, which may hold a password, stays
@@ -39,9 +44,11 @@ from typing import Any
 
 import yaml
 
-from kvharbor.common.endpoint_slices import DISCOVERY_LABEL, MODEL_ANNOTATION, MODEL_LABEL
+from kvharbor.common.endpoint_slices import DISCOVERY_LABEL, ENGINE_KIND_LABEL, MODEL_ANNOTATION, MODEL_LABEL
+from kvharbor.operator import vllm_pods
 from kvharbor.operator.adapters import LoraSpec, lora_spec
 from kvharbor.operator.placement import POOL_LABEL, PlacementPlan
+from kvharbor.operator.pod_env import pod_field, redis_secret_env
 from kvharbor.operator.roles import COLOCATED, RoleSpec, role_specs
 
 GROUP_VERSION = "kvharbor.io/v1alpha1"
@@ -134,17 +141,19 @@ def desired_objects(
     redis_url: str | None = None,
     pool_label: str = POOL_LABEL,
     redis_secret: tuple[str, str] | None = None,
+    vllm_image: str = vllm_pods.VLLM_IMAGE,
 ) -> list[dict[str, Any]]:
     """Every object of the roles `spec` runs (operator/roles.py): per role a ConfigMap and a
     Deployment, then the Service, then per role a PodDisruptionBudget. `placement` and
     `replicas` map each role to its own, or are one value for every role. The engines' Redis is
     `redis_secret` (Secret name, key: env KVHARBOR_REDIS_URL from it) when given, else `redis_url`
-    written into their ConfigMap."""
+    written into their ConfigMap. `image` runs kvharbor engines (and vLLM pods' kv-bridge),
+    `vllm_image` vLLM servers unless the spec names its own."""
     owner = [owner_reference(name, uid)]
     roles = role_specs(spec)
     per_role = [
         role_objects(name, namespace, owner, spec, role, _of(placement, role.role), _of(replicas, role.role),
-                     image, None if redis_secret else redis_url, pool_label, redis_secret)
+                     image, None if redis_secret else redis_url, pool_label, redis_secret, vllm_image)
         for role in roles
     ]  # fmt: skip
     service = engine_service(name, namespace, owner, spec, [role.role for role in roles])
@@ -173,26 +182,44 @@ def role_objects(
     redis_url: str | None,
     pool_label: str,
     redis_secret: tuple[str, str] | None = None,
+    vllm_image: str = vllm_pods.VLLM_IMAGE,
 ) -> list[dict[str, Any]]:
     """[ConfigMap, Deployment, PodDisruptionBudget] of one engine role."""
     labels = engine_labels(name, role.role)
     selector = engine_selector(name, role.role)
     names = object_names(name, role.role)
-    config = engine_config(spec, redis_url, role.role)
     lora = lora_spec(spec)
+    vllm = vllm_pods.engine_kind(spec) == "vllm"
+    if vllm:
+        config, config_file = vllm_pods.bridge_config(spec, redis_url), "bridge.yaml"
+        containers = [
+            vllm_pods.vllm_container(spec, vllm_image, ENGINE_PORT, placement.gpus_per_replica, lora),
+            vllm_pods.bridge_container(spec, image, redis_secret),
+        ]
+    else:
+        config, config_file = engine_config(spec, redis_url, role.role), "engine.yaml"
+        containers = [engine_container(image, placement, role.role, lora, redis_secret)]
     config_yaml = yaml.safe_dump(config, sort_keys=True)
     # NOTE: adapter_bytes stays out of the hash: adapters change the engine config already, and a
     # plan field that came with issue 18 must not roll every engine when the operator is upgraded.
     plan = {k: v for k, v in placement.__dict__.items() if k != "adapter_bytes"}
     rollout = hashlib.sha256(json.dumps([config_yaml, plan, role.placement], sort_keys=True).encode()).hexdigest()[:16]
-    drain = int(config["drain_timeout"])
+    drain = int((spec.get("engine") or {}).get("drainTimeoutSeconds", 30))
     meta = {"namespace": namespace, "labels": labels, "ownerReferences": owner}
     configmap = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": names["ConfigMap"][1], **meta},
-        "data": {"engine.yaml": config_yaml},
+        "data": {config_file: config_yaml},
     }
+    volumes = [{"name": "config", "configMap": {"name": configmap["metadata"]["name"]}}, *lora.volumes()]
+    # vLLM pods: tensor parallel workers share memory through /dev/shm (64 MiB by default); the
+    # image runs as root, so only the bridge sidecar is made non-root.
+    if vllm:
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
+        containers[0]["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
+    pod_security = {"fsGroup": 10001} if vllm else {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001}
+    scrape = {**SCRAPE, "prometheus.io/port": str(ENGINE_PORT)} if vllm else SCRAPE
     tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
                    *role.placement.get("tolerations", [])]  # fmt: skip
     deployment = {
@@ -204,17 +231,14 @@ def role_objects(
             "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": labels, "annotations": {"kvharbor.io/rollout-hash": rollout, **SCRAPE}},
+                "metadata": {"labels": labels, "annotations": {"kvharbor.io/rollout-hash": rollout, **scrape}},
                 "spec": {
                     "nodeSelector": {pool_label: placement.pool},
                     "tolerations": tolerations,
                     "terminationGracePeriodSeconds": drain + PRESTOP_PAUSE_S + 15,
-                    "containers": [engine_container(image, placement, role.role, lora, redis_secret)],
-                    "volumes": [
-                        {"name": "config", "configMap": {"name": configmap["metadata"]["name"]}},
-                        *lora.volumes(),
-                    ],
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001},
+                    "containers": containers,
+                    "volumes": volumes,
+                    "securityContext": pod_security,
                 },
             },
         },
@@ -236,10 +260,7 @@ def engine_container(
              {"name": "admin", "containerPort": ENGINE_ADMIN_PORT, "protocol": "TCP"}]  # fmt: skip
     if role == "prefill":
         ports.append({"name": "kv-transfer", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"})
-    env: list[dict[str, Any]] = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
-    if redis_secret:
-        secret, key = redis_secret
-        env.append({"name": "KVHARBOR_REDIS_URL", "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}})
+    env = [pod_field("POD_NAME", "metadata.name"), *redis_secret_env(redis_secret)]
     return {
         "name": "engine",
         "image": image,
@@ -272,6 +293,8 @@ def engine_service(name: str, namespace: str, owner: list[dict], spec: dict, rol
     the prefill pool and the decode engines alike (gateway/discovery.py) and reads each one's role in /load."""
     labels = {**engine_labels(name, COLOCATED), DISCOVERY_LABEL: "engine",
               MODEL_LABEL: _label_value(spec["model"]["name"]), ROLES_LABEL: "-".join(roles)}  # fmt: skip
+    if vllm_pods.engine_kind(spec) == "vllm":  # absent for kvharbor engines: their Services stay as they were
+        labels[ENGINE_KIND_LABEL] = "vllm"
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -48,6 +48,9 @@ class EngineShape:
     lora_slots: int = 0  # the engine's --max-loras (0: LoRA off)
     lora_rank: int = 0  # --max-lora-rank
     lora_loaded: int = 0  # --max-cpu-loras
+    # vLLM's --gpu-memory-utilization: the share of each GPU it takes for weights, activations and
+    # KV together (None: a kvharbor engine, sized by the headroom and kv_memory_fraction instead)
+    gpu_memory_utilization: float | None = None
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,11 @@ def _int(value: Any) -> int:
         return 0
 
 
-def usable_bytes(pool: Pool, gpus: int) -> int:
+def usable_bytes(pool: Pool, gpus: int, utilization: float | None = None) -> int:
+    """Weights + KV + adapters room on `gpus` GPUs: each GPU less the headroom, or (vLLM) its
+    `utilization` share less HEADROOM_MIN_BYTES of activations, which vLLM takes out of that share."""
+    if utilization is not None:
+        return gpus * (int(pool.gpu_memory_bytes * utilization) - HEADROOM_MIN_BYTES)
     headroom = max(HEADROOM_MIN_BYTES, int(pool.gpu_memory_bytes * HEADROOM_FRACTION))
     return gpus * (pool.gpu_memory_bytes - headroom)
 
@@ -121,16 +128,17 @@ def place(
         if gpus_per_replica is not None:
             counts = [g for g in counts if g == gpus_per_replica]
         plan = None
+        vllm = engine.gpu_memory_utilization
         for g in counts:
-            room = usable_bytes(pool, g)
-            if need <= room:
-                kv_tokens = int((room - weights - adapters) * engine.kv_memory_fraction) // per_token
+            room = usable_bytes(pool, g, vllm)
+            if need <= room:  # vLLM gives KV all of its share that weights and activations leave
+                kv_tokens = int((room - weights - adapters) * (1.0 if vllm else engine.kv_memory_fraction)) // per_token
                 plan = PlacementPlan(pool.name, g, kv_tokens, per_token, weights, pool.gpu_product, adapters)
                 fits.append((g * pool.gpu_memory_bytes, g, pool.name, plan))
                 break
         if plan is None:
             most = max(counts, default=0)
-            room = usable_bytes(pool, most) if most else 0
+            room = usable_bytes(pool, most, vllm) if most else 0
             lora = (
                 f" + LoRA {adapters / GiB:.1f} for {engine.lora_slots} slots and {engine.lora_loaded} adapters "
                 f"at rank {engine.lora_rank}"

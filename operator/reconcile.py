@@ -29,6 +29,7 @@ import httpx
 from kvharbor.common.endpoint_slices import SERVICE_NAME_LABEL, service_urls
 from kvharbor.common.kube import Kube, NotOwned, path
 from kvharbor.common.load_report import LoadReport
+from kvharbor.common.vllm_metrics import load_from_vllm_metrics
 from kvharbor.operator.adapters import adapters_status, lora_spec
 from kvharbor.operator.config import OperatorConfig
 from kvharbor.operator.model_profiles import profile_for
@@ -46,6 +47,7 @@ from kvharbor.operator.status import (
     set_condition,
     transition_events,
 )
+from kvharbor.operator.vllm_pods import engine_kind, gpu_memory_utilization
 
 
 class Pending(RuntimeError):
@@ -137,6 +139,7 @@ def engine_shape(res: Resource) -> EngineShape:
         quantization=res.spec.get("quantization", "none"),
         kv_cache_dtype=res.spec.get("kvCacheDtype", "auto"),
         gguf_bits=int(res.spec.get("ggufBits", 8)),
+        gpu_memory_utilization=gpu_memory_utilization(res.spec) if engine_kind(res.spec) == "vllm" else None,
         **lora.shape(),
     )
 
@@ -201,6 +204,7 @@ async def reconcile_service(ctx: OperatorContext, body: dict) -> Outcome:
         res.name, res.namespace, res.uid, res.spec, plans, replicas,
         engine.engine_image, engine.redis_url, ctx.config.watch.pool_label,
         (engine.engine_redis_secret, engine.engine_redis_secret_key) if engine.engine_redis_secret else None,
+        engine.vllm_image,
     )  # fmt: skip
     moved = [role for role, plan in plans.items() if placement_changed(res, role, plan)]
     events = [Event("Normal", "Placed", placement_message(role, plans[role])) for role in moved]
@@ -299,11 +303,18 @@ async def engine_urls(ctx: OperatorContext, res: Resource) -> list[str]:
     return service_urls(slices)
 
 
-async def engine_loads(ctx: OperatorContext, urls: list[str]) -> tuple[list[LoadReport], list[str]]:
-    """/load of every engine: the answers, and the URLs that did not answer (or not a report)."""
+async def engine_loads(
+    ctx: OperatorContext, urls: list[str], kind: str = "kvharbor"
+) -> tuple[list[LoadReport], list[str]]:
+    """/load of every engine (vLLM pods: their /metrics, as the gateway reads them): the
+    answers, and the URLs that did not answer (or not a report)."""
 
     async def one(url: str) -> LoadReport | None:
         try:
+            if kind == "vllm":
+                response = await ctx.http.get(f"{url}/metrics", timeout=ctx.config.watch.load_timeout)
+                response.raise_for_status()
+                return load_from_vllm_metrics(response.text, url)
             response = await ctx.http.get(f"{url}/load", timeout=ctx.config.watch.load_timeout)
             response.raise_for_status()
             return LoadReport.from_json(response.json())
@@ -328,7 +339,7 @@ async def observe_service(ctx: OperatorContext, body: dict, now: float | None = 
         return await reconcile_service(ctx, body)  # unplaced (nodes may have come), or an object was removed
     now = time.time() if now is None else now
     urls = await engine_urls(ctx, res)
-    loads, silent = await engine_loads(ctx, urls)
+    loads, silent = await engine_loads(ctx, urls, engine_kind(res.spec))
     outcome, wanted, per_role = Outcome(), {}, {}
     for role in roles:
         deployment = deployments[role.role]

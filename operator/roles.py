@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvharbor.operator.spec_fields import known_fields, whole_number
+from kvharbor.operator.vllm_pods import engine_kind
 
 COLOCATED = "both"
 ROLES = ("prefill", "decode")
@@ -57,7 +58,9 @@ class RoleSpec:
 
 
 def role_specs(spec: Mapping[str, Any]) -> tuple[RoleSpec, ...]:
-    """The roles `spec` runs: (both,) or (prefill, decode). Raises ValueError on a bad spec."""
+    """The roles `spec` runs: (both,) or (prefill, decode). Raises ValueError on a bad spec,
+    including one whose engine kind cannot run it (vLLM pods and disaggregation)."""
+    engine_kind(spec)
     disaggregation = spec.get("disaggregation")
     if disaggregation is None:
         return (colocated_role(spec),)
@@ -125,7 +128,6 @@ def _target(spec: Mapping[str, Any], where: str, metric: str, given: Any) -> flo
 
 def _count(value: Any, where: str, lowest: int) -> int:
     return whole_number(value, where, lowest, MAX_REPLICAS)
-
 
 
 def _section(spec: Mapping[str, Any], key: str) -> dict:

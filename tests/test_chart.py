@@ -124,6 +124,7 @@ def test_the_chart_passes_options_its_commands_accept(tmp_path):
     assert operator.tenants.tenants_secret == "kvh-tenants" and operator.tenants.tenants_namespace == "inference"
     assert operator.engine.redis_url == url["KVHARBOR_REDIS_URL"] and operator.server.host == "0.0.0.0"
     assert (operator.engine.engine_redis_secret, operator.engine.engine_redis_secret_key) == ("kvh-redis", "url")
+    assert operator.engine.vllm_image == "vllm/vllm-openai:v0.32.0"
     gateway = _config_of(_container(docs, "gateway"), GatewayConfig, url)
     assert gateway.serving.discovery == "kubernetes" and gateway.serving.discovery_namespace == "inference"
     assert (gateway.server.port, gateway.server.admin_port) == (8000, 9090)

@@ -58,17 +58,20 @@ def inference_service(name: str, **spec) -> dict:
 
 
 class LoadStandIn:
-    """/load answers standing in for engine pods; `load` is what every engine reports."""
+    """/load answers standing in for engine pods; `load` is what every engine reports, and
+    `metrics` (when set) what a vLLM pod's /metrics says."""
 
     def __init__(self) -> None:
         self.load = {"running": 0, "waiting": 0, "kv_blocks_free": 100, "kv_blocks_total": 100}
+        self.metrics: str | None = None
         stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
-                body = json.dumps(stand_in.load).encode()
-                self.send_response(200 if self.path == "/load" else 404)
-                self.send_header("Content-Type", "application/json")
+                metrics = self.path == "/metrics" and stand_in.metrics is not None
+                body = stand_in.metrics.encode() if metrics else json.dumps(stand_in.load).encode()
+                self.send_response(200 if self.path == "/load" or metrics else 404)
+                self.send_header("Content-Type", "text/plain" if metrics else "application/json")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -230,6 +233,40 @@ def _endpoint_slice(service: str, name: str, port: int) -> dict:
         "addressType": "IPv4", "ports": [{"name": "http", "port": port}],
         "endpoints": [{"addresses": ["127.0.0.1"], "conditions": {"ready": True}}],
     }  # fmt: skip
+
+
+def test_a_vllm_service_runs_vllm_pods_scaled_on_their_metrics_and_refuses_disaggregation(cluster):
+    """engine.kind vllm: a vLLM server and its kv-bridge per pod; the operator reads the pods'
+    load from vLLM's /metrics (its /load is not kvharbor's) and scales on it."""
+    api, _, _, _ = cluster
+    smol = {"source": "/models/smol", "name": "SmolLM2-135M-Instruct", "maxModelLen": 2048}
+    api.create(inference_service("vl", model=smol, engine={"kind": "vllm", "maxNumSeqs": 16}))
+    wait_for(lambda: condition(api, "vl", "Placed").get("status") == "True", 30, "Placed=True")
+    pod = api.get("apps/v1", "Deployment", "vl-engine", NS)["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["vllm", "kv-bridge"]
+    assert "bridge.yaml" in api.get("v1", "ConfigMap", "vl-engine-config", NS)["data"]
+    assert api.get("v1", "Service", "vl", NS)["metadata"]["labels"]["kvharbor.io/engine-kind"] == "vllm"
+    engine = LoadStandIn()
+    try:
+        fixture = (Path(__file__).parent / "fixtures" / "vllm_metrics_0_32.txt").read_text()
+        engine.metrics = fixture.replace(
+            'vllm:num_requests_waiting{engine="0",model_name="SmolLM2-135M-Instruct"} 0.0',
+            'vllm:num_requests_waiting{engine="0",model_name="SmolLM2-135M-Instruct"} 12.0',
+        )  # 12 queued against a target of 4 a replica
+        assert "} 12.0" in engine.metrics
+        api.create(_endpoint_slice("vl", "vl-abcde", engine.port))
+        api.patch_status("apps/v1", "Deployment", "vl-engine", NS, {"readyReplicas": 1, "updatedReplicas": 1})
+        replicas = lambda: api.get("apps/v1", "Deployment", "vl-engine", NS)["spec"]["replicas"]  # noqa: E731
+        wait_for(lambda: replicas() == 3, 30, "3 replicas from vLLM's queue")
+        assert condition(api, "vl", "Degraded").get("reason") == "Healthy"  # /metrics answered
+        svc = api.get(API, "InferenceService", "vl", NS)
+        svc["spec"]["disaggregation"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+        api.apply(svc)
+        wait_for(lambda: condition(api, "vl", "Placed").get("reason") == "InvalidSpec", 30, "Placed=InvalidSpec")
+        assert "disaggregation is a kvharbor-engine feature" in condition(api, "vl", "Placed")["message"]
+        assert api.get("apps/v1", "Deployment", "vl-engine-prefill", NS) is None  # nothing deployed for it
+    finally:
+        engine.close()
 
 
 def test_disaggregation_runs_a_deployment_per_role_each_scaled_on_its_own_load(cluster):

@@ -22,8 +22,8 @@ VERSIONS = ("1.30", "1.37")
 L4 = Pool("l4", "NVIDIA-L4", 23034 << 20, 4, 3)
 H100 = Pool("h100", "NVIDIA-H100-80GB-HBM3", 81559 << 20, 8, 2)
 EXAMPLES = [
-    "inferenceservice", "inferenceservice-disaggregated", "inferenceservice-lora", "inferenceservice-gemma3", "tenant",
-    "tenant-lora",
+    "inferenceservice", "inferenceservice-disaggregated", "inferenceservice-lora", "inferenceservice-gemma3",
+    "inferenceservice-vllm", "tenant", "tenant-lora",
 ]  # fmt: skip
 
 
