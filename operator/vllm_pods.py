@@ -6,7 +6,8 @@ sidecar that files its KV events in kvharbor's KV index (issue 25).
   prefix caching; `--gpu-memory-utilization` (vLLM's budget for weights, activations and KV
   together, which placement sizes by: operator/placement.py); tensor parallel over the
   replica's GPUs; `--scheduling-policy priority`; LoRA adapters as `--lora-modules NAME=PATH`
-  (the same mounts as a kvharbor engine's); `--kv-events-config` publishing on KV_EVENTS_PORT
+  (the same mounts as a kvharbor engine's); `--enable-prompt-tokens-details`, so responses
+  report `cached_tokens` as kvharbor engines do; `--kv-events-config` publishing on KV_EVENTS_PORT
   with replay on KV_REPLAY_PORT, under the topic `kv@<pod IP>@<model>`, so events from two pods
   never pass for one another. Probes on /health (vLLM has no /ready); Prometheus scrapes its
   /metrics on the same port, and the operator reads its load there too.
@@ -90,7 +91,8 @@ def vllm_args(spec: Mapping[str, Any], port: int, gpus: int, lora: LoraSpec) -> 
         "--block-size", str(engine.get("blockSize", 16)), "--max-num-seqs", str(engine.get("maxNumSeqs", 64)),
         "--gpu-memory-utilization", str(gpu_memory_utilization(spec)), "--tensor-parallel-size", str(gpus),
         "--enable-prefix-caching" if engine.get("prefixCaching", True) else "--no-enable-prefix-caching",
-        "--scheduling-policy", "priority", "--kv-events-config", json.dumps(events, sort_keys=True),
+        "--scheduling-policy", "priority", "--enable-prompt-tokens-details",
+        "--kv-events-config", json.dumps(events, sort_keys=True),
     ]  # fmt: skip
     if lora.adapters:
         args += ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank),

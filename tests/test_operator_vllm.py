@@ -57,6 +57,7 @@ def test_the_vllm_container_runs_the_spec_with_kv_events_per_pod():
     assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5557",
                       "replay_endpoint": "tcp://*:5558", "topic": "kv@$(POD_IP)@Qwen2.5-7B-Instruct"}  # fmt: skip
     assert "--enable-prefix-caching" in args and args[-1] == "--enable-chunked-prefill"  # extraArgs last
+    assert "--enable-prompt-tokens-details" in args  # cached_tokens in usage, as kvharbor engines report
     assert args[args.index("--lora-modules") + 1] == "sql=/models/adapters/sql" and "--enable-lora" in args
     assert {e["name"] for e in vllm["env"]} == {"POD_IP"}  # the kubelet expands $(POD_IP) in args
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
