@@ -27,6 +27,10 @@ class ServingConfig:
     )
     discovery_namespace: str | None = opt(None, "namespace of the engine Services (default: the gateway pod's own)")
     discovery_interval: float = opt(5.0, "seconds between reads of the engine Services and EndpointSlices")
+    vllm_priority: bool = opt(
+        False, "vLLM engines run --scheduling-policy priority (the operator's do): send them each tenant's priority "
+        "(negated: vLLM runs lower values first); off: none (vLLM refuses one under its default fcfs)",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.slo_ttft_ms <= 0 or self.slo_itl_ms <= 0:

@@ -63,15 +63,18 @@ def engine_body(call: Call, route: Route, engine: Engine, migratable: bool) -> d
         body["stream_options"] = {"include_usage": True}  # the gateway counts tokens
         if migratable:
             body["return_token_ids"] = True
-    return vllm_body(call, body) if engine.kind == "vllm" else body
+    return vllm_body(call, body, engine.priority_scheduling) if engine.kind == "vllm" else body
 
 
-def vllm_body(call: Call, body: dict) -> dict:
+def vllm_body(call: Call, body: dict, priority_scheduling: bool = False) -> dict:
     """`body` as a vLLM server takes it: it ignores prompt_token_ids, so a completion's prompt goes
     as the ids themselves and a chat as its messages (vLLM renders the same template); the tenant's
-    salt as vLLM's cache_salt (hashed when vLLM would refuse its characters); no priority (vLLM's
-    is lower-first and needs --scheduling-policy priority); none of kvharbor's own fields."""
+    salt as vLLM's cache_salt (hashed when vLLM would refuse its characters); the tenant's priority
+    negated when the server runs --scheduling-policy priority (vLLM runs lower values first,
+    kvharbor higher), else none (vLLM refuses one under fcfs); none of kvharbor's own fields."""
     out = {k: v for k, v in body.items() if k not in KVHARBOR_ONLY and k != "priority"}
+    if priority_scheduling and body.get("priority"):
+        out["priority"] = -int(body["priority"])
     ids = out.pop("prompt_token_ids", None)
     if call.kind == "completion":
         out["prompt"] = ids if ids is not None else out.get("prompt")

@@ -57,6 +57,7 @@ class Engine:
     polled_at: float = 0.0  # when the poll that brought `load` was sent
     sent: set[Sent] = field(default_factory=set)  # requests this gateway has open on it
     kind: str = "kvharbor"  # kvharbor | vllm: how its load is read and what its requests carry
+    priority_scheduling: bool = False  # a vLLM engine run with --scheduling-policy priority (--vllm-priority)
 
     @property
     def routable(self) -> bool:
@@ -134,10 +135,12 @@ class EnginePool:
         eject_after: int = 3,
         interval: float = 0.5,
         on_change: Callable[[], None] = lambda: None,
+        vllm_priority: bool = False,
     ) -> None:
         self.client = client
         self.eject_after = eject_after
         self.interval = interval
+        self.vllm_priority = vllm_priority  # vLLM engines take a priority (gateway/config.py vllm_priority)
         self.on_change = on_change  # wakes the admission queue when capacity may have appeared
         self._engines: dict[str, Engine] = {}
         self.ejections = 0
@@ -148,7 +151,9 @@ class EnginePool:
         kv-bridge publishes under)."""
         specs = [parse_engine(u) for u in urls]
         for url, kind, instance in specs:
-            self._engines.setdefault(url, Engine(url, model, instance_id=instance, kind=kind))
+            priority = kind == "vllm" and self.vllm_priority
+            engine = Engine(url, model, instance_id=instance, kind=kind, priority_scheduling=priority)
+            self._engines.setdefault(url, engine)
         keep = {url for url, _, _ in specs}
         for url in [u for u, e in self._engines.items() if e.model == model and u not in keep]:
             del self._engines[url]

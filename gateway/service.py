@@ -97,8 +97,9 @@ def build_state(config: Any, tracer: Any = None):
     http = httpx.AsyncClient(limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
     admission = AdmissionQueue(config.admission.max_queue, config.admission.queue_timeout)
     pool = EnginePool(
-        http, config.resilience.eject_after_failures, config.routing.load_interval, on_change=admission.wake
-    )
+        http, config.resilience.eject_after_failures, config.routing.load_interval, on_change=admission.wake,
+        vllm_priority=config.serving.vllm_priority,
+    )  # fmt: skip
     models, specs = {}, {}
     for spec in discovery.models():
         print(

@@ -277,7 +277,7 @@ class Platform:
              "--admin-port", str(admin_port), "--tenants-file", self._tenants(), "--routing", c.routing,
              "--slo-ttft-ms", str(c.slo_ttft_ms), "--slo-itl-ms", str(c.slo_itl_ms), *traced]
             + (["--model", str(model_files)] if model_files else [])
-            + (["--served-model-name", name] if name else []),
+            + (["--served-model-name", name, "--vllm-priority"] if name else []),  # its vLLM servers rank by it
             f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}", "/ready",
             self.log_dir / "gateway.log", "the engines",
         )  # fmt: skip

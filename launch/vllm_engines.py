@@ -98,7 +98,7 @@ def vllm_command(python: str, folder: Path, name: str, port: int, dtype: str, ma
               "topic": topic}  # fmt: skip
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", name,
            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(VLLM_BLOCK_SIZE), "--dtype", dtype,
-           "-O0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+           "-O0", "--enable-prefix-caching", "--enable-prompt-tokens-details", "--scheduling-policy", "priority",
            "--kv-events-config", json.dumps(config)]  # fmt: skip
     return cmd + (["--max-model-len", str(max_model_len)] if max_model_len else [])
 

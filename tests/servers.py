@@ -218,6 +218,7 @@ class VllmProcess(EngineServerProcess):
             python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", name,
             "--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(block_size), "--dtype", "float32",
             "--max-model-len", "1024", "-O0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--scheduling-policy", "priority",
             "--kv-events-config", json.dumps(events),
         ]  # fmt: skip
         self.log_path = log_dir / f"vllm-{self.port}-{time.monotonic_ns()}.log"

@@ -127,6 +127,7 @@ def test_the_chart_passes_options_its_commands_accept(tmp_path):
     assert operator.engine.vllm_image == "vllm/vllm-openai:v0.32.0"
     gateway = _config_of(_container(docs, "gateway"), GatewayConfig, url)
     assert gateway.serving.discovery == "kubernetes" and gateway.serving.discovery_namespace == "inference"
+    assert gateway.serving.vllm_priority  # the operator's vLLM pods run --scheduling-policy priority
     assert (gateway.server.port, gateway.server.admin_port) == (8000, 9090)
     assert gateway.tenancy.redis_url == url["KVHARBOR_REDIS_URL"]
     kvcache = _config_of(_container(docs, "kvcache"), KVCacheServiceConfig, url)

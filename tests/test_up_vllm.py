@@ -61,6 +61,7 @@ def test_each_vllm_server_gets_a_bridge_on_its_events_and_the_gateway_both(tiny_
             assert engines[i] == f"vllm+{children[f'vllm-{i}'].url}#{bridge[bridge.index('--instance-id') + 1]}"
             assert children[f"vllm-{i}"].env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
         assert gateway[gateway.index("--served-model-name") + 1] == tiny_chat_model.name
+        assert "--vllm-priority" in gateway and "priority" in children["vllm-0"].cmd  # tenants rank on vLLM too
     finally:
         shutil.rmtree(built.tmp, ignore_errors=True)
 

@@ -90,7 +90,7 @@ ROUTE = SimpleNamespace(kv_prefix_source=lambda engine: "shared")
 
 
 def test_a_vllm_engine_gets_a_body_it_reads_as_meant():
-    vllm = SimpleNamespace(kind="vllm")
+    vllm = SimpleNamespace(kind="vllm", priority_scheduling=False)
     chat = engine_body(_call("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                       "speculative": False}, [[1, 2, 3]]), ROUTE, vllm, False)  # fmt: skip
     assert chat["messages"] and "prompt_token_ids" not in chat  # vLLM renders the same template itself
@@ -103,6 +103,10 @@ def test_a_vllm_engine_gets_a_body_it_reads_as_meant():
     odd.tenant.cache_salt = "team@corp/" + "x" * 200
     salt = engine_body(odd, ROUTE, vllm, False)["cache_salt"]
     assert salt.startswith("h-") and len(salt) <= 128  # one vLLM takes, still one per tenant
+    # A server run with --scheduling-policy priority (--vllm-priority): the tenant's 5, lower-first
+    ranked = SimpleNamespace(kind="vllm", priority_scheduling=True)
+    ranked_body = engine_body(_call("completion", {"model": "m", "prompt": "x"}, [[1]]), ROUTE, ranked, False)
+    assert ranked_body["priority"] == -5
     kvharbor = engine_body(_call("completion", {"model": "m", "prompt": "x"}, [[1]]), ROUTE,
                            SimpleNamespace(kind="kvharbor"), False)  # fmt: skip
     assert kvharbor["prompt_token_ids"] == [1] and kvharbor["priority"] == 5

@@ -56,7 +56,7 @@ def platform(python, tmp_path_factory, smollm):
     tmp = tmp_path_factory.mktemp("vllm-real")
     shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
     model = make_tiny_chat_model(tmp / MODEL, smollm.tokenizer, max_position_embeddings=2048, **shape)
-    tenants = [{"name": "acme", "key": "sk-acme"}, {"name": "globex", "key": "sk-globex"}]
+    tenants = [{"name": "acme", "key": "sk-acme", "priority": 3}, {"name": "globex", "key": "sk-globex"}]
     keys = write_tenants(tmp / "tenants.yaml", tenants)
     servers = [VllmProcess(tmp, python, model, MODEL, f"kv@{name}") for name in INSTANCES]
     with RedisProcess(tmp / "redis") as rds:
@@ -69,7 +69,7 @@ def platform(python, tmp_path_factory, smollm):
         ]  # fmt: skip
         engines = ",".join(f"vllm+{v.url}#{name}" for v, name in zip(servers, INSTANCES, strict=True))
         gateway = GatewayProcess(tmp, "--engines", engines, "--model", str(model), "--served-model-name", MODEL,
-                                 "--tenants-file", str(tmp / "tenants.yaml"), "--routing", "prefix",
+                                 "--tenants-file", str(tmp / "tenants.yaml"), "--routing", "prefix", "--vllm-priority",
                                  env={"KVHARBOR_REDIS_URL": rds.url})  # fmt: skip
         parts = [*servers, kvcache, *bridges, gateway]
         try:
