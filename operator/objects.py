@@ -220,6 +220,9 @@ def role_objects(
         containers[0]["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
     pod_security = {"fsGroup": 10001} if vllm else {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001}
     scrape = {**SCRAPE, "prometheus.io/port": str(ENGINE_PORT)} if vllm else SCRAPE
+    # vLLM pods say so (not in the selector): the chart lets metrics scrapers reach their API port,
+    # where vLLM serves /metrics, and only theirs.
+    pod_labels = {**labels, ENGINE_KIND_LABEL: "vllm"} if vllm else labels
     tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
                    *role.placement.get("tolerations", [])]  # fmt: skip
     deployment = {
@@ -231,7 +234,7 @@ def role_objects(
             "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "template": {
-                "metadata": {"labels": labels, "annotations": {"kvharbor.io/rollout-hash": rollout, **scrape}},
+                "metadata": {"labels": pod_labels, "annotations": {"kvharbor.io/rollout-hash": rollout, **scrape}},
                 "spec": {
                     "nodeSelector": {pool_label: placement.pool},
                     "tolerations": tolerations,

@@ -293,6 +293,7 @@ def _pods(docs: list[dict], engines: str = "inference") -> dict[str, tuple[str, 
             for d in docs if d["kind"] in ("Deployment", "StatefulSet")}  # fmt: skip
     return pods | {
         "engine": (engines, engine_labels("llama-8b", "prefill")),
+        "vllm-engine": (engines, {**engine_labels("qwen-vllm", "both"), "kvharbor.io/engine-kind": "vllm"}),
         "tenant": ("tenants", {"app": "client"}),
         "stranger": ("inference", {"app": "other"}),  # some other pod of the release namespace
         "prometheus": ("monitoring", {"app.kubernetes.io/name": "prometheus"}),
@@ -301,11 +302,13 @@ def _pods(docs: list[dict], engines: str = "inference") -> dict[str, tuple[str, 
 
 
 # target: port -> the sources allowed there (every other source is refused)
-KVHARBOR = {"gateway", "operator", "kvcache", "engine"}
-EVERYONE = {"gateway", "operator", "kvcache", "redis", "engine", "tenant", "stranger", "prometheus", "other-monitoring"}
+KVHARBOR = {"gateway", "operator", "kvcache", "engine", "vllm-engine"}
+EVERYONE = KVHARBOR | {"redis", "tenant", "stranger", "prometheus", "other-monitoring"}
+ENGINES = {"engine", "vllm-engine"}  # engine pods of either kind: their policy selects both
 POLICY = {
     "gateway": {"http": EVERYONE, "admin": set()},
-    "engine": {"http": {"gateway", "operator", "engine"}, "kv-transfer": {"engine"}, "admin": {"operator"}},
+    "engine": {"http": {"gateway", "operator", *ENGINES}, "kv-transfer": ENGINES, "admin": {"operator"}},
+    "vllm-engine": {"http": {"gateway", "operator", *ENGINES}},  # and metrics scrapers: vLLM's /metrics is there
     "kvcache": {"http": KVHARBOR, "admin": {"operator"}},
     "redis": {"redis": KVHARBOR},
     "operator": {"health": set()},
@@ -329,7 +332,7 @@ def test_network_policies_let_in_only_what_each_part_needs(values):
     monitored = "networkPolicy" in values
     for target, ports in POLICY.items():
         for port, sources in ports.items():
-            if monitored and port == "admin":
+            if monitored and (port == "admin" or (target, port) == ("vllm-engine", "http")):
                 sources = sources | {"prometheus"}
             for source in EVERYONE:
                 expected = source in sources

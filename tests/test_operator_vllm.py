@@ -63,6 +63,9 @@ def test_the_vllm_container_runs_the_spec_with_kv_events_per_pod():
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert vllm[probe]["httpGet"]["path"] == "/health"  # vLLM has no /ready
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8000"  # vLLM's /metrics
+    deployment = vllm_objects()["Deployment", "qwen-vllm-engine"]
+    assert pod["metadata"]["labels"][ENGINE_KIND_LABEL] == "vllm"  # the chart's scrape policy selects it
+    assert ENGINE_KIND_LABEL not in deployment["spec"]["selector"]["matchLabels"]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in vllm["volumeMounts"]
 
 
