@@ -162,72 +162,22 @@ def served_gemma(args: argparse.Namespace, logs: Path) -> dict[str, dict]:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         if label == "llama-server":
-            cmd = [
-                args.llama_server,
-                "-m",
-                str(path),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "-t",
-                "2",
-                "-tb",
-                "2",
-                "-np",
-                str(slots),
-                "-c",
-                str(1024 * slots),
-                "--alias",
-                "gemma-3-270m",
-                "-ngl",
-                "0",
-            ]
+            cmd = [args.llama_server, "-m", str(path), "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb",
+                   "2", "-np", str(slots), "-c", str(1024 * slots), "--alias", "gemma-3-270m", "-ngl", "0"]  # fmt: skip
             ready = "/health"
         else:
-            cmd = [
-                sys.executable,
-                "-m",
-                "kvharbor.launch.cli",
-                "serve",
-                "--port",
-                str(port),
-                "--log-level",
-                "warning",
-                "--model",
-                str(path),
-                "--served-model-name",
-                "gemma-3-270m",
-                "--dtype",
-                "float32",
-                "--quantization",
-                "gguf",
-                "--max-model-len",
-                "1024",
-            ]
+            cmd = [sys.executable, "-m", "kvharbor.launch.cli", "serve", "--port", str(port), "--log-level", "warning",
+                   "--model", str(path), "--served-model-name", "gemma-3-270m", "--dtype", "float32",
+                   "--quantization", "gguf", "--max-model-len", "1024"]  # fmt: skip
             ready = "/ready"
         print(f"{label} (served) ...", file=sys.stderr)
+        log = f"families-{label.replace(' ', '-')}"
         bench_args = serve_bench.parse_args(
-            [
-                "--url",
-                url,
-                "--model",
-                "gemma-3-270m",
-                "--label",
-                label,
-                "--num-requests",
-                str(args.served_requests),
-                "--concurrency",
-                ",".join(map(str, LEVELS)),
-                "--prompt-len",
-                str(args.prompt_len),
-                "--output-len",
-                str(args.output_len),
-                "--out",
-                str(logs / f"families-{label.replace(' ', '-')}.json"),
-            ]
-        )
-        with compare_peers.server(cmd, url, ready, logs / f"families-{label.replace(' ', '-')}.log", {}, 600):
+            ["--url", url, "--model", "gemma-3-270m", "--label", label, "--num-requests", str(args.served_requests),
+             "--concurrency", ",".join(map(str, LEVELS)), "--prompt-len", str(args.prompt_len),
+             "--output-len", str(args.output_len), "--out", str(logs / f"{log}.json")]
+        )  # fmt: skip
+        with compare_peers.server(cmd, url, ready, logs / f"{log}.log", {}, 600):
             result = asyncio.run(serve_bench.bench(bench_args))
         out[label] = {f"c{r['concurrency']}": r["summary"] for r in result["runs"]}
     return out
