@@ -220,3 +220,30 @@ def test_without_a_window_nothing_is_released_and_no_block_is_reserved():
     a.append_output(1)
     kv.allocate_slots(a, 1)
     assert kv.block_ids(a) == list(range(8)) and kv.null_block is None and kv.num_usable_blocks == 8
+
+
+def test_a_prefix_hit_under_a_window_adopts_only_the_blocks_its_window_reads():
+    """A multi-turn chat under a window: the next turn hits 8 cached blocks, of which only those
+    its first new token's window reads are adopted (the rest stay cached and free, their slots the
+    null block), so it fits the pool sized for one windowed request instead of waiting forever."""
+    from kvharbor.engine.kv.capacity import blocks_for_one_request
+
+    kv = KVCacheManager(BlockPool(9, BS), window=6)
+    first = make_request("a", list(range(32)))
+    for _ in range(4):  # 8-token steps
+        assert kv.allocate_slots(first, 8) is not None
+        first.num_computed_tokens += 8
+    kv.free(first)  # its 8 full blocks stay cached
+    follow_up = make_request("b", list(range(40)))
+    assert blocks_for_one_request(40, BS, 6, 8) <= 9  # the pool was sized for this request
+    hit = kv.get_computed_blocks(follow_up)
+    assert len(hit.blocks) == 8 and kv.blocks_needed(follow_up, 8, hit) <= kv.num_free_blocks
+    assert kv.allocate_slots(follow_up, 8, hit) == []
+    null = kv.null_block.block_id
+    # position 32 sees keys from 27: blocks 0-5 (tokens 0-23) are passed, 6 and 7 adopted
+    assert kv.block_ids(follow_up)[:6] == [null] * 6 and null not in kv.block_ids(follow_up)[6:]
+    assert kv.prefix_hits == 32 and kv.pool.num_cached == 8  # 2 passed blocks evicted for the 2 new ones
+    kv.check_integrity()
+    kv.free(follow_up)
+    kv.check_integrity()
+    assert kv.pool.num_free == kv.num_usable_blocks

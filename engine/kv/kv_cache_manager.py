@@ -86,8 +86,18 @@ class KVCacheManager:
         hit_blocks = hit.blocks if hit else []
         total = request.num_computed_tokens + len(hit_blocks) * self.block_size + num_new_tokens
         needed = max(0, -(-total // self.block_size) - len(table) - len(hit_blocks))
-        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        revived = sum(1 for b in hit_blocks[self._passed_in_hit(request, hit) :] if b.ref_cnt == 0)
         return needed + revived + int(self._needs_copy(request, table))
+
+    def _passed_in_hit(self, request: Request, hit: PrefixHit | None) -> int:
+        """How many of a prefix hit's blocks lie wholly before the window of its first new token:
+        they are not adopted (nor revived from the free list); the null block takes their slots.
+        Without this a hit could need more blocks than a windowed request ever holds, and a
+        request the pool was sized for would wait forever."""
+        if self.window is None or not hit or not hit.blocks:
+            return 0
+        first_needed = request.num_computed_tokens + hit.num_tokens - self.window + 1
+        return min(max(0, first_needed) // self.block_size, len(hit.blocks))
 
     def _needs_copy(self, request: Request, table: list[Block]) -> bool:
         # Writing into a partially filled last block that a sibling sample also uses.
@@ -114,10 +124,14 @@ class KVCacheManager:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += hit.num_tokens
         if hit_blocks:
-            self.pool.reused(hit_blocks)
-            self.pool.touch(hit_blocks)
-            table.extend(hit_blocks)
+            passed = self._passed_in_hit(request, hit)
+            kept = hit_blocks[passed:]
+            self.pool.reused(kept)
+            self.pool.touch(kept)
+            table.extend([self.null_block] * passed + kept)
             self._num_hashed[request.request_id] = len(table)
+            if passed:
+                self._passed[request.request_id] = len(table) - len(kept)
         copies = []
         if self._needs_copy(request, table):
             shared = table[-1]
