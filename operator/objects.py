@@ -55,7 +55,7 @@ GROUP_VERSION = "kvharbor.io/v1alpha1"
 ENGINE_PORT = 8000
 ENGINE_ADMIN_PORT = 9090  # /metrics and operator-facing endpoints (--admin-port); not in the Service
 KV_TRANSFER_PORT = 8200  # prefill engines serve KV hand-offs here; decode engines dial the pod IP
-PRESTOP_PAUSE_S = 5
+PRESTOP_PAUSE_S = vllm_pods.PRESTOP_PAUSE_S  # seconds endpoints take to drop a pod before its SIGTERM
 ROLE_LABEL = "kvharbor.io/role"  # on a role's pods, Deployment, ConfigMap and PDB
 ROLES_LABEL = "kvharbor.io/roles"  # on the Service: both, or prefill-decode
 # on the engine pods: where Prometheus scrapes them (the admin port)

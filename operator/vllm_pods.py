@@ -37,6 +37,7 @@ KV_EVENTS_PORT = 5557
 KV_REPLAY_PORT = 5558
 BRIDGE_PORT = 8590
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # vLLM's own default
+PRESTOP_PAUSE_S = 5  # operator/objects.py's, for kvharbor engines (it imports this module)
 
 
 def engine_kind(spec: Mapping[str, Any]) -> str:
@@ -47,10 +48,29 @@ def engine_kind(spec: Mapping[str, Any]) -> str:
         raise ValueError(f"engine.kind {kind!r} is not one of {', '.join(ENGINE_KINDS)}")
     if kind == "vllm":
         check_vllm_spec(spec)
+    elif vllm_section(spec):
+        raise ValueError("engine.vllm applies to engine.kind vllm only: set engine.kind: vllm, or remove engine.vllm")
     return kind
 
 
+# vLLM flags the operator sets and the kv-bridge, gateway and probes rely on: extraArgs may not move them.
+MANAGED_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--block-size", "--kv-events-config",
+                 "--scheduling-policy", "--tensor-parallel-size", "--max-model-len")  # fmt: skip
+
+
 def check_vllm_spec(spec: Mapping[str, Any]) -> None:
+    metric = (spec.get("autoscaling") or {}).get("metric", "queue")
+    if metric not in ("queue", "kv"):
+        raise ValueError(
+            f"autoscaling.metric {metric!r} needs kvharbor engines' SLO figures, which vLLM's /metrics lacks: "
+            "use queue or kv for vLLM pods"
+        )
+    extra = [str(a).split("=", 1)[0] for a in vllm_section(spec).get("extraArgs") or []]
+    managed = sorted(set(extra) & set(MANAGED_FLAGS))
+    if managed:
+        raise ValueError(
+            f"engine.vllm.extraArgs sets {', '.join(managed)}, which the operator sets: use the spec's fields"
+        )
     if spec.get("disaggregation") is not None:
         raise ValueError(
             "disaggregation is a kvharbor-engine feature (KV hand-offs between prefill and decode engines): "
@@ -116,6 +136,8 @@ def vllm_container(spec: Mapping[str, Any], image: str, port: int, gpus: int, lo
         "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
         "startupProbe": {**health, "periodSeconds": 5, "failureThreshold": 360},  # weights load, graphs compile
+        # endpoints drop the pod before SIGTERM, as for kvharbor engines (the gateway re-reads them every few s)
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_PAUSE_S}}},
         "volumeMounts": lora.volume_mounts(),
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }

@@ -62,6 +62,7 @@ def test_the_vllm_container_runs_the_spec_with_kv_events_per_pod():
     assert {e["name"] for e in vllm["env"]} == {"POD_IP"}  # the kubelet expands $(POD_IP) in args
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert vllm[probe]["httpGet"]["path"] == "/health"  # vLLM has no /ready
+    assert vllm["lifecycle"]["preStop"]["sleep"]["seconds"] > 0  # endpoints drop it before its SIGTERM
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8000"  # vLLM's /metrics
     deployment = vllm_objects()["Deployment", "qwen-vllm-engine"]
     assert pod["metadata"]["labels"][ENGINE_KIND_LABEL] == "vllm"  # the chart's scrape policy selects it
@@ -132,6 +133,9 @@ def test_placement_follows_vllms_gpu_memory_utilization():
         ({"kvCacheDtype": "int8"}, "kvCacheDtype 'int8' is a kvharbor engine mode"),
         ({"engine": {**SPEC["engine"], "vllm": {"gpuMemoryUtilization": 1.5}}}, "gpuMemoryUtilization must be a share"),
         ({"engine": {**SPEC["engine"], "kind": "sglang"}}, "engine.kind 'sglang' is not one of kvharbor, vllm"),
+        ({"autoscaling": {"metric": "slo"}}, "needs kvharbor engines' SLO figures"),
+        ({"engine": {**SPEC["engine"], "vllm": {"extraArgs": ["--block-size=64"]}}}, "sets --block-size"),
+        ({"engine": {**SPEC["engine"], "kind": "kvharbor"}}, "engine.vllm applies to engine.kind vllm only"),
     ],
 )  # fmt: skip
 def test_what_vllm_pods_cannot_run_is_refused_by_field(change, match):
