@@ -89,3 +89,18 @@ def test_a_draft_models_pool_comes_out_of_the_same_budget():
     alone = plan_capacity(a, cache, torch.float32, torch.device("cpu"), 128)
     shared = plan_capacity(a, cache, torch.float32, torch.device("cpu"), 128, shadow_bytes_per_token=2048)
     assert alone.num_blocks == 32 and shared.num_blocks == 16  # same tokens in both pools, same bytes in all
+
+
+def test_a_windowed_model_sizes_its_context_by_the_window_and_keeps_the_null_block_out():
+    """Every layer slides (window 64): a request holds its window's blocks and one step's, plus the
+    null block, so 16 blocks serve the model's whole 8,192 tokens; one block is the null block alone."""
+    from dataclasses import replace
+
+    windowed = replace(arch(2, 2, 8), architecture="mistral", sliding_window=64)
+    cpu = torch.device("cpu")
+    cap = plan_capacity(windowed, CacheConfig(num_kv_blocks=16), torch.float32, cpu, None, step_tokens=128)
+    assert (cap.max_model_len, cap.capped) == (8192, False)  # (64 + 128 - 2) // 16 + 2 + 1 = 14 blocks
+    with pytest.raises(ValueError, match=r"one 8192-token request needs 14"):
+        plan_capacity(windowed, CacheConfig(num_kv_blocks=13), torch.float32, cpu, 8192, step_tokens=128)
+    with pytest.raises(ValueError, match=r"holds 1 blocks.*too few for any request"):
+        plan_capacity(windowed, CacheConfig(num_kv_blocks=1), torch.float32, cpu, None, step_tokens=128)

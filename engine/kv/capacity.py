@@ -115,7 +115,9 @@ def plan_capacity(
             "lower --max-model-len or give the pool more memory (--kv-cache-memory / --num-kv-blocks)"
         )
     fits = num_blocks >= needed
-    served = want if fits else min(want, tokens - (cache.block_size if arch.kv_window else 0))
+    served = want if fits else min(want, tokens - (cache.block_size if arch.kv_window else 0))  # less the null block
+    if served < 2:
+        raise ValueError(f"{held}, too few for any request: give it more (--kv-cache-memory / --num-kv-blocks)")
     return KVCapacity(num_blocks, cache.block_size, per_token, served, limit, max_model_len is None and not fits)
 
 
