@@ -99,7 +99,7 @@ class CoreParts:
         self.model_name = loaded.name
         self.arch = loaded.arch
         self.tokenizer: Tokenizer | None = loaded.tokenizer
-        check_max_model_len(config.model.max_model_len, self.arch.max_position_embeddings, self.model_name)
+        check_max_model_len(config.model.max_model_len, self.arch.context_limit, self.model_name)
         say(
             f"building {self.arch.architecture} ({self.arch.num_parameters / 1e6:.1f}M parameters) "
             f"in {str(self.dtype).removeprefix('torch.')} on {self.device} ..."

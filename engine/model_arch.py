@@ -91,6 +91,17 @@ class ModelArch:
         return (self.sliding_window,) if any(self.is_sliding(i) for i in range(self.num_layers)) else ()
 
     @property
+    def context_limit(self) -> int:
+        """The longest context the model serves: max_position_embeddings, or under yarn the original
+        context times the factor, as vLLM reads it (Qwen2.5's yarn configs keep 32,768 with factor
+        4: 131,072 tokens)."""
+        scaling = self.rope_scaling_dict or {}
+        if scaling.get("rope_type", scaling.get("type")) != "yarn" or not scaling.get("factor"):
+            return self.max_position_embeddings
+        original = int(scaling.get("original_max_position_embeddings") or self.max_position_embeddings)
+        return max(self.max_position_embeddings, int(original * float(scaling["factor"])))
+
+    @property
     def kv_window(self) -> int | None:
         """The window every layer slides within (Mistral, Phi-3): KV blocks wholly before it are
         never read again. None when any layer attends to the whole context (Gemma's global

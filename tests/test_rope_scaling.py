@@ -127,3 +127,17 @@ def test_longrope_takes_the_long_factors_past_the_original_context(tiny_phi3):
         # transformers' cos/sin are float32 of float32 angles, ours float64 rounded: ulps apart
         torch.testing.assert_close(cos[:, 0], want_cos[0, positions, :half], rtol=0, atol=1e-5)
         torch.testing.assert_close(sin[:, 0], want_sin[0, positions, :half], rtol=0, atol=1e-5)
+
+
+def test_yarn_serves_the_original_context_times_its_factor():
+    """Qwen2.5's yarn configs keep max_position_embeddings at the original 32,768 with factor 4: the
+    engine serves 131,072 tokens, as vLLM does, not the unscaled length."""
+    from dataclasses import replace
+
+    from kvharbor.engine.model_arch import ModelArch
+
+    base = ModelArch.from_hf_config(scaled_llama("linear").config.to_dict())
+    yarn = (("factor", 4.0), ("original_max_position_embeddings", 32768), ("rope_type", "yarn"))
+    qwen = replace(base, max_position_embeddings=32768, rope_scaling=yarn)
+    assert qwen.context_limit == 131072
+    assert replace(base, max_position_embeddings=32768).context_limit == 32768  # no yarn: the config's own

@@ -24,7 +24,7 @@ class KVCapacity:
     block_size: int
     bytes_per_token: int  # 2 x layers x kv_heads x (head_dim x dtype bytes, or head_dim + 2 in 8 bits)
     max_model_len: int  # the context the engine serves: asked for, or the model's, capped to the pool
-    model_limit: int  # the model's own context (max_position_embeddings)
+    model_limit: int  # the model's own context (ModelArch.context_limit)
     capped: bool = False  # max_model_len was not asked for, and the pool holds less than model_limit
 
     @property
@@ -102,7 +102,7 @@ def plan_capacity(
             )
         budget -= reserved_bytes
         num_blocks = budget // per_block
-    limit = arch.max_position_embeddings
+    limit = arch.context_limit
     tokens = num_blocks * cache.block_size
     held = f"the KV pool holds {num_blocks} blocks ({tokens} tokens, {budget / GiB:.2f} GiB at {per_token} bytes/token)"
     if tokens < 2:
