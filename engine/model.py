@@ -47,7 +47,7 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     scaling = arch.rope_scaling_dict
     if not scaling:
         return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = arch.rope_kind
     if kind == "linear":
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
@@ -69,21 +69,13 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
     raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope, yarn)")
 
 
-def _yarn_factor(arch: ModelArch) -> tuple[float, int]:
-    """(YaRN's stretch factor, the original context): the factor as given, else the ratio of
-    max_position_embeddings to the original context (DeepSeek's configs leave it out)."""
-    scaling = arch.rope_scaling_dict
-    original = int(scaling.get("original_max_position_embeddings") or arch.max_position_embeddings)
-    return float(scaling.get("factor") or arch.max_position_embeddings / original), original
-
-
 def _yarn(arch: ModelArch, inv_freq: torch.Tensor) -> torch.Tensor:
     """YaRN (Qwen2.5's long context): frequencies that turn fewer than beta_slow times over the
     original context are interpolated (divided by the factor), those that turn more than
     beta_fast times kept, a linear ramp between, over dimension indices (rounded out unless
     `truncate` is false)."""
     scaling = arch.rope_scaling_dict
-    factor, original = _yarn_factor(arch)
+    factor, original = arch.yarn_stretch()
     fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
     d, base = arch.head_dim, arch.rope_theta
 
@@ -104,7 +96,7 @@ def _yarn_attention_factor(arch: ModelArch) -> float:
     scaling = arch.rope_scaling_dict
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
-    factor, _ = _yarn_factor(arch)
+    factor, _ = arch.yarn_stretch()
 
     def mscale(m: float = 1.0) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
@@ -132,7 +124,7 @@ def rope_extension(arch: ModelArch) -> tuple[torch.Tensor | None, int, float]:
     passes that length, which a KV cache (its keys rotated already) cannot follow; the two agree
     on every sequence within the original context."""
     scaling = arch.rope_scaling_dict
-    kind = scaling.get("rope_type", scaling.get("type")) if scaling else None
+    kind = arch.rope_kind
     if kind == "yarn":
         return None, 0, _yarn_attention_factor(arch)
     if kind != "longrope":

@@ -91,15 +91,27 @@ class ModelArch:
         return (self.sliding_window,) if any(self.is_sliding(i) for i in range(self.num_layers)) else ()
 
     @property
+    def rope_kind(self) -> str | None:
+        """The RoPE scaling's type (linear, llama3, longrope, yarn, freq_factors), None unscaled."""
+        scaling = self.rope_scaling_dict
+        return scaling.get("rope_type", scaling.get("type")) if scaling else None
+
+    def yarn_stretch(self) -> tuple[float, int]:
+        """(YaRN's stretch factor, the original context): the factor as given, else the ratio of
+        max_position_embeddings to the original context (DeepSeek's configs leave it out)."""
+        scaling = self.rope_scaling_dict or {}
+        original = int(scaling.get("original_max_position_embeddings") or self.max_position_embeddings)
+        return float(scaling.get("factor") or self.max_position_embeddings / original), original
+
+    @property
     def context_limit(self) -> int:
         """The longest context the model serves: max_position_embeddings, or under yarn the original
         context times the factor, as vLLM reads it (Qwen2.5's yarn configs keep 32,768 with factor
         4: 131,072 tokens)."""
-        scaling = self.rope_scaling_dict or {}
-        if scaling.get("rope_type", scaling.get("type")) != "yarn" or not scaling.get("factor"):
+        if self.rope_kind != "yarn":
             return self.max_position_embeddings
-        original = int(scaling.get("original_max_position_embeddings") or self.max_position_embeddings)
-        return max(self.max_position_embeddings, int(original * float(scaling["factor"])))
+        factor, original = self.yarn_stretch()
+        return max(self.max_position_embeddings, int(original * factor))
 
     @property
     def kv_window(self) -> int | None:
