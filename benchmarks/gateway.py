@@ -94,16 +94,14 @@ def start_vllm(
     env = vllm_engines.vllm_env(parse_bytes(args.kv_cache_memory))
     addresses = []
     for i, url in enumerate(engines):
-        events, replay, topic = f"ipc://{tmp}/vllm-{i}-events", f"tcp://127.0.0.1:{free_port()}", f"kv@vllm-{i}"
+        wiring = vllm_engines.EventWiring.numbered(i, tmp, free_port())
         cmd = vllm_engines.vllm_command(args.vllm_python, folder, MODEL, int(url.rsplit(":", 1)[1]), "float32",
-                                        args.max_model_len, events, replay, topic)  # fmt: skip
+                                        args.max_model_len, wiring)  # fmt: skip
         stack.enter_context(server(cmd, url, "/health", logs / f"gw-vllm-{i}.log", env, 600))
         bridge = f"http://127.0.0.1:{free_port()}"
-        bridge_cmd = [*CLI, "kv-bridge", "--port", bridge.rsplit(":", 1)[1], "--vllm-events", events, "--vllm-replay",
-                      replay, "--vllm-topic", topic, "--model", MODEL, "--instance-id", f"vllm-{i}", "--block-size",
-                      str(vllm_engines.VLLM_BLOCK_SIZE), "--redis-url", redis_url]  # fmt: skip
+        bridge_cmd = [*CLI, *wiring.bridge_args(MODEL), "--port", bridge.rsplit(":", 1)[1], "--redis-url", redis_url]
         stack.enter_context(server(bridge_cmd, bridge, "/health", logs / f"gw-bridge-{i}.log", {}, 60))
-        addresses.append(f"vllm+{url}#vllm-{i}")
+        addresses.append(wiring.address(url))
     return addresses, ["--model", str(folder), "--served-model-name", MODEL]
 
 

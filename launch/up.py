@@ -331,24 +331,19 @@ class Platform:
         dtype = "float32" if c.dtype == "auto" else c.dtype
         servers, bridges, addresses = [], [], []
         for i in range(c.engines):
-            port, replay, instance = free_port(), f"tcp://127.0.0.1:{free_port()}", f"vllm-{i}"
-            events, topic = f"ipc://{self.tmp}/vllm-{i}-events", f"kv@{instance}"
-            cmd = vllm_engines.vllm_command(c.vllm_python, folder, name, port, dtype, c.max_model_len, events, replay,
-                                            topic)  # fmt: skip
-            server = Child(instance, cmd, f"http://127.0.0.1:{port}", "/health", self.log_dir / f"{instance}.log",
-                           "vLLM start-up: imports, model load")  # fmt: skip
+            port, wiring = free_port(), vllm_engines.EventWiring.numbered(i, self.tmp, free_port())
+            cmd = vllm_engines.vllm_command(c.vllm_python, folder, name, port, dtype, c.max_model_len, wiring)
+            server = Child(wiring.instance, cmd, f"http://127.0.0.1:{port}", "/health",
+                           self.log_dir / f"{wiring.instance}.log", "vLLM start-up: imports, model load")  # fmt: skip
             server.env.update(vllm_engines.vllm_env(parse_bytes(c.kv_cache_memory)))
             bridge_port = free_port()
             bridge = Child(
-                f"kv-bridge-{i}",
-                [*cli, "kv-bridge", "--port", str(bridge_port), "--vllm-events", events, "--vllm-replay", replay,
-                 "--vllm-topic", topic, "--model", name, "--instance-id", instance,
-                 "--block-size", str(vllm_engines.VLLM_BLOCK_SIZE), *shared[:3]],  # its log options
+                f"kv-bridge-{i}", [*cli, *wiring.bridge_args(name), "--port", str(bridge_port), *shared[:3]],
                 f"http://127.0.0.1:{bridge_port}", "/health", self.log_dir / f"kv-bridge-{i}.log", "Redis",
             )  # fmt: skip
             servers.append(server)
             bridges.append(bridge)
-            addresses.append(f"vllm+{server.url}#{instance}")
+            addresses.append(wiring.address(server.url))
         return servers, bridges, addresses, folder, name
 
     def _wait_ready(self, group: list[Child]) -> None:

@@ -15,6 +15,7 @@ event socket only for `*`, ipc:// and inproc:// endpoints, so events go over ipc
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -91,11 +92,39 @@ def _tokenizer_config(tok: Any) -> dict[str, Any]:
     return config
 
 
+@dataclass(frozen=True)
+class EventWiring:
+    """How one local vLLM server and its kv-bridge meet: the server's instance id (what the gateway
+    routes to and the index files its blocks under), its KV event socket (ipc://, which vLLM binds)
+    and its replay endpoint."""
+
+    instance: str
+    events: str
+    replay: str
+
+    @classmethod
+    def numbered(cls, i: int, folder: Path, replay_port: int) -> EventWiring:
+        return cls(f"vllm-{i}", f"ipc://{folder}/vllm-{i}-events", f"tcp://127.0.0.1:{replay_port}")
+
+    @property
+    def topic(self) -> str:
+        return f"kv@{self.instance}"
+
+    def address(self, url: str) -> str:
+        """The gateway's engine address of the server at `url`."""
+        return f"vllm+{url}#{self.instance}"
+
+    def bridge_args(self, model: str) -> list[str]:
+        """`kvharbor kv-bridge`'s sub-command and options for this server (add --port and Redis)."""
+        return ["kv-bridge", "--vllm-events", self.events, "--vllm-replay", self.replay, "--vllm-topic", self.topic,
+                "--model", model, "--instance-id", self.instance, "--block-size", str(VLLM_BLOCK_SIZE)]  # fmt: skip
+
+
 def vllm_command(python: str, folder: Path, name: str, port: int, dtype: str, max_model_len: int | None,
-                 events: str, replay: str, topic: str) -> list[str]:  # fmt: skip
+                 wiring: EventWiring) -> list[str]:  # fmt: skip
     """One vLLM OpenAI server on 127.0.0.1:`port`, publishing its KV events for its bridge."""
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events, "replay_endpoint": replay,
-              "topic": topic}  # fmt: skip
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": wiring.events,
+              "replay_endpoint": wiring.replay, "topic": wiring.topic}  # fmt: skip
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", name,
            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(VLLM_BLOCK_SIZE), "--dtype", dtype,
            "-O0", "--enable-prefix-caching", "--enable-prompt-tokens-details", "--scheduling-policy", "priority",
