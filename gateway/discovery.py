@@ -118,10 +118,9 @@ def engines_from_slices(services: list[dict], slices: list[dict]) -> dict[str, l
     kinds: dict[str, str] = {}
     for svc in services:
         meta = svc.get("metadata", {})
-        model = service_model(svc)
+        model, key = service_model(svc), f"{meta.get('namespace')}/{meta.get('name')}"
         if model:
-            models[f"{meta.get('namespace')}/{meta.get('name')}"] = model
-            kinds[f"{meta.get('namespace')}/{meta.get('name')}"] = service_engine_kind(svc)
+            models[key], kinds[key] = model, service_engine_kind(svc)
     by_service: dict[str, list[dict]] = {}
     for es in slices:
         meta = es.get("metadata", {})
