@@ -33,6 +33,7 @@ class BridgeCounts:
     malformed: int = 0
     unknown_events: int = 0
     replays: int = 0
+    connects: int = 0  # connections made to the PUB socket (each replays from 0)
 
 
 class KVBridge:
@@ -66,30 +67,62 @@ class KVBridge:
         if step.clear:
             self.translator.clear()
             self.publisher.sink([AllCleared()])
-            log.warning("vLLM KV events: restart or unfillable gap; the pod's index entries are rebuilt")
+            log.warning("vLLM KV events: restart, lost socket or unfillable gap; the pod's index entries are rebuilt")
         if step.apply and payload is not None:
             self.apply(payload)
 
     async def run(self, ctx) -> None:
-        """Subscribe until cancelled. Raises BlockSizeMismatch (the pod is refused)."""
+        """Subscribe until cancelled. Raises BlockSizeMismatch (the pod is refused).
+
+        The SUB socket's monitor says when the connection is made and lost. Each new connection
+        replays from 0, not just the first: batches a restarted server published before the SUB
+        reconnected reach the bridge only through that replay, and a server that published once
+        and then went quiet would otherwise never be seen again. A lost connection clears at once.
+        """
         import zmq
+        import zmq.asyncio
 
         sub = ctx.socket(zmq.SUB)
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.options.vllm_events)
         sub.setsockopt(zmq.SUBSCRIBE, self.options.vllm_topic.encode())
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
-            await self.replay(ctx, self.sequencer.start())
             while True:
-                _topic, seq, payload = split_frames(await sub.recv_multipart())
-                step = self.sequencer.live(seq)
-                self.take(step, payload)
-                if step.replay_from is not None:
-                    await self.replay(ctx, step.replay_from)
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    await self.connection(ctx, await monitor.recv_multipart())
+                if sub in ready:
+                    await self.live(ctx, await sub.recv_multipart())
         except BlockSizeMismatch as exc:
             self.refused = str(exc)
             raise
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def connection(self, ctx, frames: list[bytes]) -> None:
+        """A monitor event: connected (replay from 0) or disconnected (clear)."""
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        event = parse_monitor_message(frames)["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self.counts.connects += 1
+            await self.replay(ctx, self.sequencer.start())
+        elif event == zmq.EVENT_DISCONNECTED:
+            log.warning("lost vLLM's KV event socket; the pod's index entries are cleared until it is back")
+            self.take(self.sequencer.lost(), None)
+
+    async def live(self, ctx, frames: list[bytes]) -> None:
+        _topic, seq, payload = split_frames(frames)
+        step = self.sequencer.live(seq, payload)
+        self.take(step, payload)
+        if step.replay_from is not None:
+            await self.replay(ctx, step.replay_from)
 
     async def replay(self, ctx, start: int) -> None:
         """Ask the replay socket for batches from `start`; apply what fills the stream. Without a
@@ -109,7 +142,7 @@ class KVBridge:
                 _topic, seq, payload = split_frames(frames[1:])  # the DEALER's empty delimiter first
                 if seq == END_SEQ:
                     return
-                self.take(self.sequencer.replayed(seq), payload)
+                self.take(self.sequencer.replayed(seq, payload), payload)
         except TimeoutError:
             log.warning("vLLM's replay socket did not answer; going on without the replay")
         finally:

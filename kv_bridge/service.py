@@ -1,9 +1,9 @@
 """`kvharbor kv-bridge`: a vLLM pod's KV events into kvharbor's KV index (a sidecar per pod).
 
-It subscribes to the pod's ZMQ KV events (replaying from 0 at start and on a gap), recomputes
+It subscribes to the pod's ZMQ KV events (replaying from 0 on each connection and on a gap), recomputes
 kvharbor's block hashes from the token ids, and publishes them to the pod's Redis Stream under a
 lease, as a kvharbor engine does. /health answers 200 while it runs; /metrics counts batches,
-malformed ones, unknown events, orphan blocks, gaps, replays and rebuilds.
+malformed ones, unknown events, orphan blocks, gaps, connections, replays and rebuilds.
 
 Options are flags, KVHARBOR_* variables or a YAML file (--config), with the same names.
 """
@@ -94,8 +94,8 @@ def _metrics(bridge: Any) -> str:
     rows = {
         "batches": counts.batches, "malformed_batches": counts.malformed, "unknown_events": counts.unknown_events,
         "orphan_blocks": tr.orphans, "unknown_removed_blocks": tr.unknown_removed, "gaps": seq.gaps,
-        "replays": counts.replays, "rebuilds": seq.rebuilds, "events_published": pub.published,
-        "events_dropped": pub.dropped,
+        "connects": counts.connects, "replays": counts.replays, "rebuilds": seq.rebuilds,
+        "events_published": pub.published, "events_dropped": pub.dropped,
     }  # fmt: skip
     labels = f'model="{bridge.options.model}",instance="{bridge.options.instance_id}"'
     lines = []

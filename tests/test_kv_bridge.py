@@ -142,3 +142,18 @@ def test_a_replay_that_cannot_fill_the_gap_and_a_restart_both_clear_and_rebuild(
     back.live(1), back.live(2), back.live(3)
     resumed = back.live(2)  # went back, but not to 0: what came before it must be replayed
     assert resumed.clear and resumed.replay_from == 0 and back.rebuilds == 1
+
+
+def test_the_last_number_again_with_other_bytes_is_a_restart_and_a_lost_connection_clears():
+    """A server killed after its first batch sends a new batch 0: the number alone cannot tell it
+    from a repeat, its bytes can."""
+    seq = Sequencer()
+    assert seq.replayed(0, b"old") == APPLY
+    assert seq.live(0, b"old") == SKIP  # the live copy of what the replay brought
+    restart = seq.live(0, b"new")
+    assert restart.apply and restart.clear and seq.rebuilds == 1
+    lost = seq.lost()
+    assert not lost.apply and lost.clear and seq.last is None and seq.rebuilds == 2
+    assert seq.lost() == SKIP and seq.rebuilds == 2  # nothing held since: nothing to clear
+    assert seq.replayed(0, b"next") == APPLY  # a new stream starts at 0, without another clear
+    assert seq.live(3, b"later").replay_from == 1

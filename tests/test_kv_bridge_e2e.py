@@ -36,9 +36,28 @@ class FakeVllm:
         self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.buffered = buffered
         self.replays: list[int] = []
+        self._start()
+
+    def _start(self) -> None:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
+
+    def down(self) -> None:
+        """The server's process died: both sockets close."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+
+    def up(self, buffered: list[list[bytes]]) -> None:
+        """A new process on the same ports, with what it published before anyone reconnected."""
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(f"tcp://127.0.0.1:{self.events_port}")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind(f"tcp://127.0.0.1:{self.replay_port}")
+        self.buffered = buffered
+        self._start()
 
     def _serve(self) -> None:
         while not self._stop.is_set():
@@ -55,10 +74,7 @@ class FakeVllm:
         self.pub.send_multipart(frames)
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.pub.close(linger=0)
-        self.router.close(linger=0)
+        self.down()
         self.ctx.term()
 
 
@@ -108,3 +124,20 @@ def test_a_vllm_restart_clears_the_pods_entries_and_rebuilds_from_what_follows(p
     assert lookup(svc, "tenant-a") == {"vllm-a": 2}
     metrics = httpx.get(platform["bridge"].url + "/metrics", timeout=5).text
     assert 'kvharbor_kv_bridge_rebuilds_total{model="SmolLM2-135M-Instruct",instance="vllm-a"} 1' in metrics
+
+
+def test_a_dead_server_is_cleared_at_once_and_its_successors_first_batch_comes_by_replay(platform):
+    """The server dies (its sockets close): the pod's entries go at once. Its successor published
+    its first batch before the bridge reconnected, and then nothing: only the replay that each new
+    connection asks for brings it."""
+    svc, vllm, bridge = platform["svc"], platform["vllm"], platform["bridge"]
+    wait_for(lambda: lookup(svc) or None, what="the replayed blocks in the index")
+    vllm.down()
+    wait_for(lambda: lookup(svc) == {} and lookup(svc, "tenant-a") == {}, what="the dead pod's entries cleared")
+    topic, _, salted = FRAMES[1]
+    vllm.up([[topic, (0).to_bytes(8, "big"), salted]])
+    wait_for(lambda: lookup(svc, "tenant-a") == {"vllm-a": 2}, what="the successor's batch, replayed")
+    assert lookup(svc) == {} and vllm.replays == [0, 0]
+    metrics = httpx.get(bridge.url + "/metrics", timeout=5).text
+    for name, value in (("connects", 2), ("rebuilds", 1), ("gaps", 0)):
+        assert f'kvharbor_kv_bridge_{name}_total{{model="{MODEL}",instance="vllm-a"}} {value}' in metrics

@@ -145,10 +145,11 @@ def test_tenant_salts_do_not_share_blocks(platform):
 
 
 def test_a_vllm_restart_clears_and_rebuilds_that_servers_entries(platform):
-    """A vLLM server killed and restarted by `up` numbers its events from 0 again: its first batch
-    makes the bridge clear the pod's entries and rebuild from what follows. Its first request goes
-    to it directly: the gateway may keep a server it saw die out of rotation for a while (routing
-    is tested above)."""
+    """A vLLM server killed and restarted by `up`: the bridge clears the pod's entries when the
+    event socket drops, and rebuilds from what the new server publishes (numbered from 0 again,
+    reached live or by the replay each new connection asks for). Its first request goes to it
+    directly: the gateway may keep a server it saw die out of rotation for a while (routing is
+    tested above)."""
     servers, bridges = platform["servers"], platform["bridges"]
     complete(platform, SYSTEM + " Question: list every rule about citations, in order, please.")
     owner = max(range(2), key=lambda i: index_blocks(platform["redis"]).get(INSTANCES[i], 0))
@@ -164,6 +165,7 @@ def test_a_vllm_restart_clears_and_rebuilds_that_servers_entries(platform):
     httpx.post(servers[owner] + "/v1/completions", json=body, timeout=60).raise_for_status()
     text = lambda: httpx.get(bridges[owner] + "/metrics", timeout=5).text  # noqa: E731
     wait_for(lambda: metric(text(), "kvharbor_kv_bridge_rebuilds_total") >= 1, 60, "the bridge's rebuild")
+    assert metric(text(), "kvharbor_kv_bridge_connects_total") >= 2  # it saw the socket go and come back
     wait_for(lambda: index_blocks(platform["redis"]).get(name, 0) == 2, 30, f"{name}: only its new blocks")
 
 
