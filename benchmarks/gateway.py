@@ -99,7 +99,8 @@ def start_vllm(
                                         args.max_model_len, wiring)  # fmt: skip
         stack.enter_context(server(cmd, url, "/health", logs / f"gw-vllm-{i}.log", env, 600))
         bridge = f"http://127.0.0.1:{free_port()}"
-        bridge_cmd = [*CLI, *wiring.bridge_args(MODEL), "--port", bridge.rsplit(":", 1)[1], "--redis-url", redis_url]
+        bridge_port = bridge.rsplit(":", 1)[1]
+        bridge_cmd = [*CLI, *wiring.bridge_args(MODEL, url), "--port", bridge_port, "--redis-url", redis_url]
         stack.enter_context(server(bridge_cmd, bridge, "/health", logs / f"gw-bridge-{i}.log", {}, 60))
         addresses.append(wiring.address(url))
     return addresses, ["--model", str(folder), "--served-model-name", MODEL]

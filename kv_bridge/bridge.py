@@ -44,6 +44,11 @@ class KVBridge:
         self.counts = BridgeCounts()
         self.refused: str | None = None  # why the pod is refused (a block size mismatch): /health says it
 
+    @property
+    def labels(self) -> str:
+        """Its metrics' labels."""
+        return f'model="{self.options.model}",instance="{self.options.instance_id}"'
+
     async def snapshot(self) -> list[BlockHash]:
         """Every block the pod holds as far as its events said (the publisher's re-sync)."""
         self.publisher.begin_snapshot()

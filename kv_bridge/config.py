@@ -22,6 +22,9 @@ class BridgeOptions:
         "tcp://127.0.0.1:5558", "its replay ROUTER endpoint (replay_endpoint); none: gaps clear and rebuild"
     )
     vllm_topic: str = opt("", "the topic its events are published under ('' takes every topic)")
+    vllm_metrics_url: str | None = opt(
+        None, "the vLLM server's /metrics; the bridge's /metrics serves it after its own, so one scrape gets both"
+    )
     model: str = opt("", "the served model name, as the gateway routes it (required)")
     instance_id: str = opt("", "this vLLM pod's instance id in the KV index (required; the pod name)")
     block_size: int = opt(DEFAULT_BLOCK_SIZE, "tokens per KV block: the gateway's, and vLLM's --block-size")
@@ -37,6 +40,8 @@ class BridgeOptions:
             value = getattr(self, name)
             if value is not None and not value.startswith(("tcp://", "ipc://")):
                 raise ValueError(f"{name} must be a ZMQ endpoint (tcp://host:port or ipc://path), got {value!r}")
+        if self.vllm_metrics_url is not None and not self.vllm_metrics_url.startswith(("http://", "https://")):
+            raise ValueError(f"vllm_metrics_url must be http(s)://host:port/metrics, got {self.vllm_metrics_url!r}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.lease_ttl <= 1:

@@ -5,6 +5,10 @@ kvharbor's block hashes from the token ids, and publishes them to the pod's Redi
 lease, as a kvharbor engine does. /health answers 200 while it runs; /metrics counts batches,
 malformed ones, unknown events, orphan blocks, gaps, connections, replays and rebuilds.
 
+With --vllm-metrics-url, /metrics serves the vLLM server's own exposition after the bridge's (as
+Istio's sidecars merge an app's metrics): a pod's scrape annotation names one port, and this one
+then carries both. `kvharbor_kv_bridge_vllm_metrics_up` says whether the server answered.
+
 Options are flags, KVHARBOR_* variables or a YAML file (--config), with the same names.
 """
 
@@ -21,6 +25,7 @@ from kvharbor.common.logs import setup_logging
 from kvharbor.common.redis_client import credentials_refused
 
 log = logging.getLogger("kvharbor.kv_bridge")
+VLLM_METRICS_TIMEOUT_S = 5.0  # under Prometheus' default scrape timeout (10 s)
 
 
 def main(argv: list[str], prog: str = "kvharbor kv-bridge", command: str = "kv-bridge") -> int:
@@ -34,6 +39,7 @@ def main(argv: list[str], prog: str = "kvharbor kv-bridge", command: str = "kv-b
 
 
 async def serve(config: Any) -> int:
+    import httpx
     import uvicorn
     import zmq.asyncio
 
@@ -45,7 +51,8 @@ async def serve(config: Any) -> int:
     publisher = KVEventPublisher(opts.redis_url, opts.model, opts.instance_id, opts.kv_events_stream_prefix,
                                  opts.lease_ttl)  # fmt: skip
     bridge = KVBridge(opts, publisher)
-    server = uvicorn.Server(uvicorn.Config(_app(bridge), host=config.server.host, port=config.server.port,
+    client = httpx.AsyncClient(timeout=VLLM_METRICS_TIMEOUT_S)
+    server = uvicorn.Server(uvicorn.Config(_app(bridge, client), host=config.server.host, port=config.server.port,
                                            log_config=None, lifespan="off"))  # fmt: skip
     ctx = zmq.asyncio.Context()
     log.info("bridging vLLM KV events", extra={"events": opts.vllm_events, "replay": opts.vllm_replay,
@@ -67,10 +74,11 @@ async def serve(config: Any) -> int:
         with contextlib.suppress(BaseException):
             await asyncio.gather(*tasks, return_exceptions=True)
         await publisher.stop()
+        await client.aclose()
         ctx.term()
 
 
-def _app(bridge: Any) -> Any:
+def _app(bridge: Any, client: Any) -> Any:
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse, PlainTextResponse
 
@@ -84,7 +92,10 @@ def _app(bridge: Any) -> Any:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(_metrics(bridge))
+        own = _metrics(bridge)
+        if bridge.options.vllm_metrics_url is None:
+            return PlainTextResponse(own)
+        return PlainTextResponse(own + await _vllm_metrics(client, bridge.options.vllm_metrics_url, bridge.labels))
 
     return app
 
@@ -97,10 +108,27 @@ def _metrics(bridge: Any) -> str:
         "connects": counts.connects, "replays": counts.replays, "rebuilds": seq.rebuilds,
         "events_published": pub.published, "events_dropped": pub.dropped,
     }  # fmt: skip
-    labels = f'model="{bridge.options.model}",instance="{bridge.options.instance_id}"'
+    labels = bridge.labels
     lines = []
     for name, value in rows.items():
         metric = f"kvharbor_kv_bridge_{name}_total"
         lines += [f"# TYPE {metric} counter", f"{metric}{{{labels}}} {value}"]
     lines += ["# TYPE kvharbor_kv_bridge_blocks gauge", f"kvharbor_kv_bridge_blocks{{{labels}}} {tr.size}"]
     return "\n".join(lines) + "\n"
+
+
+async def _vllm_metrics(client: Any, url: str, labels: str) -> str:
+    """A gauge saying whether the vLLM server answered, then its exposition (asked without an
+    Accept header, so in the Prometheus text format the bridge's own is in, not OpenMetrics)."""
+    import httpx
+
+    try:
+        resp = await client.get(url)
+        resp.raise_for_status()
+        text, up = resp.text, 1
+    except httpx.HTTPError as exc:
+        log.warning("vLLM's /metrics did not answer; serving the bridge's own", extra={"error": type(exc).__name__})
+        text, up = "", 0
+    gauge = "kvharbor_kv_bridge_vllm_metrics_up"
+    text = text if not text or text.endswith("\n") else text + "\n"
+    return f"# TYPE {gauge} gauge\n{gauge}{{{labels}}} {up}\n{text}"

@@ -336,9 +336,9 @@ class Platform:
             server = Child(wiring.instance, cmd, f"http://127.0.0.1:{port}", "/health",
                            self.log_dir / f"{wiring.instance}.log", "vLLM start-up: imports, model load")  # fmt: skip
             server.env.update(vllm_engines.vllm_env(parse_bytes(c.kv_cache_memory)))
-            bridge_port = free_port()
+            bridge_port, bridge_args = free_port(), wiring.bridge_args(name, server.url)
             bridge = Child(
-                f"kv-bridge-{i}", [*cli, *wiring.bridge_args(name), "--port", str(bridge_port), *shared[:3]],
+                f"kv-bridge-{i}", [*cli, *bridge_args, "--port", str(bridge_port), *shared[:3]],
                 f"http://127.0.0.1:{bridge_port}", "/health", self.log_dir / f"kv-bridge-{i}.log", "Redis",
             )  # fmt: skip
             servers.append(server)

@@ -114,10 +114,12 @@ class EventWiring:
         """The gateway's engine address of the server at `url`."""
         return f"vllm+{url}#{self.instance}"
 
-    def bridge_args(self, model: str) -> list[str]:
-        """`kvharbor kv-bridge`'s sub-command and options for this server (add --port and Redis)."""
+    def bridge_args(self, model: str, url: str) -> list[str]:
+        """`kvharbor kv-bridge`'s sub-command and options for the server at `url` (add --port and
+        Redis); its /metrics carries the server's too."""
         return ["kv-bridge", "--vllm-events", self.events, "--vllm-replay", self.replay, "--vllm-topic", self.topic,
-                "--model", model, "--instance-id", self.instance, "--block-size", str(VLLM_BLOCK_SIZE)]  # fmt: skip
+                "--model", model, "--instance-id", self.instance, "--block-size", str(VLLM_BLOCK_SIZE),
+                "--vllm-metrics-url", f"{url}/metrics"]  # fmt: skip
 
 
 def vllm_command(python: str, folder: Path, name: str, port: int, dtype: str, max_model_len: int | None,

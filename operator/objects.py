@@ -191,7 +191,7 @@ def role_objects(
     lora = lora_spec(spec)
     vllm = vllm_pods.engine_kind(spec) == "vllm"
     if vllm:
-        config, config_file = vllm_pods.bridge_config(spec, redis_url), "bridge.yaml"
+        config, config_file = vllm_pods.bridge_config(spec, redis_url, ENGINE_PORT), "bridge.yaml"
         containers = [
             vllm_pods.vllm_container(spec, vllm_image, ENGINE_PORT, placement.gpus_per_replica, lora),
             vllm_pods.bridge_container(spec, image, redis_secret),
@@ -219,9 +219,10 @@ def role_objects(
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}})
         containers[0]["volumeMounts"].append({"name": "dshm", "mountPath": "/dev/shm"})
     pod_security = {"fsGroup": 10001} if vllm else {"runAsNonRoot": True, "runAsUser": 10001, "fsGroup": 10001}
-    scrape = {**SCRAPE, "prometheus.io/port": str(ENGINE_PORT)} if vllm else SCRAPE
-    # vLLM pods say so (not in the selector): the chart lets metrics scrapers reach their API port,
-    # where vLLM serves /metrics, and only theirs.
+    # A vLLM pod is scraped at its kv-bridge, whose /metrics carries vLLM's after its own (one port
+    # per pod in the annotations). The pods say so (not in the selector): the chart lets metrics
+    # scrapers reach that port.
+    scrape = {**SCRAPE, "prometheus.io/port": str(vllm_pods.BRIDGE_PORT)} if vllm else SCRAPE
     pod_labels = {**labels, ENGINE_KIND_LABEL: "vllm"} if vllm else labels
     tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
                    *role.placement.get("tolerations", [])]  # fmt: skip

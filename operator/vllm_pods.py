@@ -9,12 +9,15 @@ sidecar that files its KV events in kvharbor's KV index (issue 25).
   (the same mounts as a kvharbor engine's); `--enable-prompt-tokens-details`, so responses
   report `cached_tokens` as kvharbor engines do; `--kv-events-config` publishing on KV_EVENTS_PORT
   with replay on KV_REPLAY_PORT, under the topic `kv@<pod IP>@<model>`, so events from two pods
-  never pass for one another. Probes on /health (vLLM has no /ready); Prometheus scrapes its
-  /metrics on the same port, and the operator reads its load there too.
+  never pass for one another. vLLM binds those two on every interface (it binds only `tcp://*`
+  endpoints, and the bridge must reach them); no container port names them, so the chart's engine
+  NetworkPolicy admits no other pod to them. Probes on /health (vLLM has no /ready); the gateway
+  and the operator read its load from its /metrics.
 - **kv-bridge** (the kvharbor engine image): `kvharbor kv-bridge` on the pod's loopback
   endpoints, as the pod's name (its instance id in the index, what the gateway routes to), with
   the gateway's block size and the engines' Redis (the Secret when the operator has one);
-  liveness on its /health.
+  liveness on its /health. Prometheus scrapes the pod here: the bridge's /metrics serves vLLM's
+  after its own, as the pod's scrape annotation can name one port only.
 
 What vLLM pods cannot do is refused with the field that asks for it (`check_vllm_spec`):
 prefill/decode disaggregation and mid-stream migration are kvharbor-engine features, and
@@ -143,7 +146,7 @@ def vllm_container(spec: Mapping[str, Any], image: str, port: int, gpus: int, lo
     }
 
 
-def bridge_config(spec: Mapping[str, Any], redis_url: str | None) -> dict[str, Any]:
+def bridge_config(spec: Mapping[str, Any], redis_url: str | None, vllm_port: int) -> dict[str, Any]:
     """`kvharbor kv-bridge`'s YAML (the same names as its flags); the instance id and topic come
     from the pod as flags."""
     config = {
@@ -151,6 +154,7 @@ def bridge_config(spec: Mapping[str, Any], redis_url: str | None) -> dict[str, A
         "block_size": (spec.get("engine") or {}).get("blockSize", 16),
         "vllm_events": f"tcp://127.0.0.1:{KV_EVENTS_PORT}",
         "vllm_replay": f"tcp://127.0.0.1:{KV_REPLAY_PORT}",
+        "vllm_metrics_url": f"http://127.0.0.1:{vllm_port}/metrics",
         "host": "0.0.0.0",
         "port": BRIDGE_PORT,
     }

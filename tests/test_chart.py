@@ -308,7 +308,8 @@ ENGINES = {"engine", "vllm-engine"}  # engine pods of either kind: their policy 
 POLICY = {
     "gateway": {"http": EVERYONE, "admin": set()},
     "engine": {"http": {"gateway", "operator", *ENGINES}, "kv-transfer": ENGINES, "admin": {"operator"}},
-    "vllm-engine": {"http": {"gateway", "operator", *ENGINES}},  # and metrics scrapers: vLLM's /metrics is there
+    # and metrics scrapers on the bridge: its /metrics carries vLLM's
+    "vllm-engine": {"http": {"gateway", "operator", *ENGINES}, "bridge": set()},
     "kvcache": {"http": KVHARBOR, "admin": {"operator"}},
     "redis": {"redis": KVHARBOR},
     "operator": {"health": set()},
@@ -332,7 +333,7 @@ def test_network_policies_let_in_only_what_each_part_needs(values):
     monitored = "networkPolicy" in values
     for target, ports in POLICY.items():
         for port, sources in ports.items():
-            if monitored and (port == "admin" or (target, port) == ("vllm-engine", "http")):
+            if monitored and (port == "admin" or (target, port) == ("vllm-engine", "bridge")):
                 sources = sources | {"prometheus"}
             for source in EVERYONE:
                 expected = source in sources

@@ -15,7 +15,7 @@ import httpx
 import msgpack
 import pytest
 import zmq
-from servers import BridgeProcess, KVCacheServiceProcess, RedisProcess, wait_for
+from servers import BridgeProcess, KVCacheServiceProcess, RedisProcess, free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +92,7 @@ def platform(tmp_path):
             tmp_path, "--vllm-events", f"tcp://127.0.0.1:{vllm.events_port}",
             "--vllm-replay", f"tcp://127.0.0.1:{vllm.replay_port}", "--model", MODEL, "--instance-id", "vllm-a",
             "--block-size", "32", "--redis-url", rds.url, "--lease-ttl", "3",
+            "--vllm-metrics-url", f"http://127.0.0.1:{free_port()}/metrics",  # nobody there
         )  # fmt: skip
         try:
             svc.start()
@@ -111,6 +112,8 @@ def test_the_index_names_the_vllm_pod_for_its_prompts_under_kvharbors_hashes(pla
     assert lookup(svc, "tenant-b") == {}  # another tenant's salt matches nothing
     metrics = httpx.get(platform["bridge"].url + "/metrics", timeout=5).text
     assert 'kvharbor_kv_bridge_batches_total{model="SmolLM2-135M-Instruct",instance="vllm-a"} 2' in metrics
+    # vLLM's /metrics does not answer: the bridge still serves its own, and says so
+    assert 'kvharbor_kv_bridge_vllm_metrics_up{model="SmolLM2-135M-Instruct",instance="vllm-a"} 0' in metrics
 
 
 def test_a_vllm_restart_clears_the_pods_entries_and_rebuilds_from_what_follows(platform):

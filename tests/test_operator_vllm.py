@@ -63,7 +63,7 @@ def test_the_vllm_container_runs_the_spec_with_kv_events_per_pod():
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert vllm[probe]["httpGet"]["path"] == "/health"  # vLLM has no /ready
     assert vllm["lifecycle"]["preStop"]["sleep"]["seconds"] > 0  # endpoints drop it before its SIGTERM
-    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8000"  # vLLM's /metrics
+    assert pod["metadata"]["annotations"]["prometheus.io/port"] == "8590"  # the bridge's, carrying vLLM's
     deployment = vllm_objects()["Deployment", "qwen-vllm-engine"]
     assert pod["metadata"]["labels"][ENGINE_KIND_LABEL] == "vllm"  # the chart's scrape policy selects it
     assert ENGINE_KIND_LABEL not in deployment["spec"]["selector"]["matchLabels"]
@@ -89,6 +89,8 @@ def test_the_bridge_sidecar_takes_its_config_and_args_through_its_own_parser(tmp
     assert (opts.model, opts.instance_id, opts.block_size) == ("Qwen2.5-7B-Instruct", "qwen-vllm-engine-7d9f-abcde", 16)
     assert opts.vllm_events == "tcp://127.0.0.1:5557" and opts.vllm_topic == "kv@10.0.0.5@Qwen2.5-7B-Instruct"
     assert bridge["livenessProbe"]["httpGet"] == {"path": "/health", "port": "bridge"}
+    assert opts.vllm_metrics_url == "http://127.0.0.1:8000/metrics"  # what its /metrics carries after its own
+    assert {"name": "bridge", "containerPort": 8590, "protocol": "TCP"} in bridge["ports"]  # the scrape annotation's
 
 
 def test_the_service_tells_discovery_its_pods_are_vllm_servers():

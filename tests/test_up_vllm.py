@@ -53,6 +53,7 @@ def test_each_vllm_server_gets_a_bridge_on_its_events_and_the_gateway_both(tiny_
             assert bridge[bridge.index("--vllm-events") + 1] == events["endpoint"]
             assert bridge[bridge.index("--vllm-replay") + 1] == events["replay_endpoint"]
             assert bridge[bridge.index("--vllm-topic") + 1] == events["topic"]
+            assert bridge[bridge.index("--vllm-metrics-url") + 1] == children[f"vllm-{i}"].url + "/metrics"
             assert engines[i] == f"vllm+{children[f'vllm-{i}'].url}#{bridge[bridge.index('--instance-id') + 1]}"
             assert children[f"vllm-{i}"].env["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
         assert gateway[gateway.index("--served-model-name") + 1] == tiny_chat_model.name
