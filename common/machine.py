@@ -1,9 +1,9 @@
 """What CPU this process runs on: model, ISA flags and cores, read from /proc/cpuinfo (no torch).
 
 The engine's `dtype=auto` decides on it, and every benchmark records it, because the machines
-this project runs on differ: an Intel Xeon with AVX-512 and AMX runs bfloat16 matmuls about twice
-as fast as float32 once requests are batched, while an AMD EPYC with AVX2 only has no fast
-bfloat16 at all and runs float32. Figures from the two must never be compared by mistake.
+this project runs on differ: an Intel Xeon with AMX and an AMD EPYC Zen 4 (AVX512-BF16) run
+bfloat16, while an AMD EPYC with AVX2 only has no fast bfloat16 at all and runs float32.
+Figures from different kinds must never be compared by mistake.
 """
 
 from __future__ import annotations
@@ -23,20 +23,24 @@ class CpuInfo:
     flags: frozenset[str]
     cores: int  # CPUs this process may run on
 
-    @property
-    def fast_bf16(self) -> bool:
-        """Whether the engine runs bfloat16 faster than float32 here: on x86, where the CPU has AMX.
-        NOTE: AVX512-BF16 alone is not enough. On a 2-core AMD EPYC Zen 4 (avx512_bf16, no AMX;
-        2026-12-04, benchmarks/profile_step.py, SmolLM2, 128-token prompts) the float32 decode
-        step with the engine's C kernels took 29 / 50 ms at 1 / 8 sequences against bfloat16's
-        46 / 64 ms (torch ops; the quantized modes' kernels are float32 only too); bfloat16 won
-        only from ~32 sequences (102 against 115 ms) and in prefill (1.2-1.6x). AVX-512 without
-        BF16, and AVX2, emulate bfloat16. aarch64 is not assumed fast: no machine of this project
-        has measured it, so `auto` keeps float32 there and a user who has measured passes
-        --dtype bfloat16."""
-        if self.arch in ("x86_64", "AMD64", "i686"):
-            return "amx_bf16" in self.flags
-        return False
+    def fast_bf16(self, quantized: bool = False) -> bool:
+        """Whether the engine runs bfloat16 faster than float32 here: on x86 with AMX, and with
+        AVX512-BF16 for weights that are not quantized.
+        NOTE: measured 2026-12-06 on a 2-core AMD EPYC Zen 4 (avx512_bf16, no AMX), SmolLM2, with
+        the kernels of that day (benchmarks/dtype_auto.py, results/dtype_auto.json): bfloat16
+        decoded 2.07x / 1.32x float32's output tok/s at 1 / 8 sequences (72.3 / 254.7 against
+        34.9 / 193.1: the C kernel widens bfloat16 weights exactly, and a step reads half the
+        bytes), its cold prefill took the same time (213 against 207 ms for 128 tokens, 1.14 s
+        for 512 in both), and the quality ledger put it at KL 0.0001 from float32. Quantized
+        weights are the exception: their kernels take float32 rows, and bfloat16 ran gguf / int8
+        at 0.28x / 0.30x float32 at 1 sequence and 0.52x / 0.50x at 8. AMX machines keep
+        bfloat16 whatever the weights: the rule there is issue 22's, unmeasured with today's
+        kernels. AVX-512 without BF16, and AVX2, emulate bfloat16. aarch64 is not assumed fast:
+        no machine of this project has measured it, so `auto` keeps float32 there and a user who
+        has measured passes --dtype bfloat16."""
+        if self.arch not in ("x86_64", "AMD64", "i686"):
+            return False
+        return "amx_bf16" in self.flags or ("avx512_bf16" in self.flags and not quantized)
 
     def isa(self) -> dict[str, bool]:
         return {flag: flag in self.flags for flag in ISA_FLAGS}
@@ -77,9 +81,10 @@ def cpu_info() -> CpuInfo:
     return parse_cpuinfo(text, platform.machine(), len(os.sched_getaffinity(0)))
 
 
-def auto_cpu_dtype(cpu: CpuInfo | None = None) -> str:
-    """What the engine's dtype=auto runs on this CPU (or `cpu`): bfloat16 where it is fast, else float32."""
-    return "bfloat16" if (cpu or cpu_info()).fast_bf16 else "float32"
+def auto_cpu_dtype(cpu: CpuInfo | None = None, quantized: bool = False) -> str:
+    """What the engine's dtype=auto runs on this CPU (or `cpu`), for quantized weights or not:
+    bfloat16 where it is fast, else float32."""
+    return "bfloat16" if (cpu or cpu_info()).fast_bf16(quantized) else "float32"
 
 
 def machine_record(dtype: str | None = None) -> dict:

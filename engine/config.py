@@ -26,7 +26,9 @@ class ModelConfig:
     )
     served_model_name: str | None = opt(None, "model id in the API and in block hashes (default: file stem)")
     dtype: Dtype = opt(
-        "auto", "weights/activations dtype; auto = bfloat16 on CUDA and on CPUs with AMX, else float32"
+        "auto",
+        "weights/activations dtype; auto = bfloat16 on CUDA, on CPUs with AMX, and on CPUs with "
+        "AVX512-BF16 unless --quantization is set; else float32",
     )
     max_model_len: int | None = opt(
         None, "longest prompt + output in tokens (default: the model's limit, capped to what the KV pool holds)"

