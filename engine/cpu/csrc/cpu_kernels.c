@@ -921,7 +921,22 @@ static inline __attribute__((always_inline)) void attention_units(const int KV, 
                 l[h] = l[h] * corr + hsum(_mm256_add_ps(p0, p1));
                 m[h] = top;
                 const __m256 cv = _mm256_set1_ps(corr);
-                for (int64_t d = 0; d < D; d += 8) {
+                // acc = acc * corr + sum_i p_i v_i, each 8-float chunk a chain over i in order (the
+                // same bits as one chunk at a time); 64 floats at a time keep 8 such chains in
+                // registers, interleaved, so the FMAs do not wait on each other. Measured on the
+                // 2-core Zen 4 (2026-12-06, medians of 15, bfloat16 KV): 1.13x / 1.17x on a 512-token
+                // prefill's attention at head_dim 64 / 256, 1.08x / 1.20x on 8 decode rows at 2,000.
+                int64_t d = 0;
+                for (; d + 64 <= D; d += 64) {
+                    __m256 a[8];
+                    for (int c = 0; c < 8; c++) a[c] = _mm256_mul_ps(_mm256_load_ps(acc[h] + d + 8 * c), cv);
+                    for (int64_t i = 0; i < nb; i++) {
+                        const __m256 p = _mm256_set1_ps(Q8 ? s[i] * vscale[i] : s[i]);
+                        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(p, load_row(KV, vrow[i], d + 8 * c), a[c]);
+                    }
+                    for (int c = 0; c < 8; c++) _mm256_store_ps(acc[h] + d + 8 * c, a[c]);
+                }
+                for (; d < D; d += 8) {
                     __m256 a = _mm256_mul_ps(_mm256_load_ps(acc[h] + d), cv);
                     for (int64_t i = 0; i < nb; i++)
                         a = _mm256_fmadd_ps(_mm256_set1_ps(Q8 ? s[i] * vscale[i] : s[i]), load_row(KV, vrow[i], d), a);
