@@ -98,7 +98,7 @@ class KVBridge:
             while True:
                 ready = dict(await poller.poll())
                 if monitor in ready:
-                    await self.connection(ctx, await monitor.recv_multipart())
+                    await self.connection(ctx, sub, await monitor.recv_multipart())
                 if sub in ready:
                     await self.live(ctx, await sub.recv_multipart())
         except BlockSizeMismatch as exc:
@@ -109,8 +109,11 @@ class KVBridge:
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    async def connection(self, ctx, frames: list[bytes]) -> None:
-        """A monitor event: connected (replay from 0) or disconnected (clear)."""
+    async def connection(self, ctx, sub, frames: list[bytes]) -> None:
+        """A monitor event: connected (replay from 0) or disconnected (clear). On a disconnect the
+        batches still queued are the dead server's: they are dropped, not read as a gap each (a
+        replay the dead server cannot answer, REPLAY_TIMEOUT_S apiece); the next connection's
+        replay from 0 brings back any of the new server's that were among them."""
         import zmq
         from zmq.utils.monitor import parse_monitor_message
 
@@ -120,6 +123,8 @@ class KVBridge:
             await self.replay(ctx, self.sequencer.start())
         elif event == zmq.EVENT_DISCONNECTED:
             log.warning("lost vLLM's KV event socket; the pod's index entries are cleared until it is back")
+            while await sub.poll(0):
+                await sub.recv_multipart()
             self.take(self.sequencer.lost(), None)
 
     async def live(self, ctx, frames: list[bytes]) -> None:
