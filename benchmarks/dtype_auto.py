@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_invariant import prompts, run
 
-from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
+from kvharbor.common.machine import CpuInfo, auto_cpu_dtype, machine_record, machine_title
 from kvharbor.engine import LLM, SamplingParams
 from kvharbor.engine.loader import load_model
 
@@ -66,13 +66,19 @@ def measure_weights(quantization: str, args: argparse.Namespace) -> dict:
                 better = max if key.startswith("decode") else min
                 best[dtype][key] = better(value, best[dtype].get(key, value))
             print(f"  {quantization} {dtype}: " + ", ".join(f"{k} {v:.1f}" for k, v in got.items()), flush=True)
-    f32, bf16 = best["float32"], best["bfloat16"]
-    ratios = {k: (bf16[k] / f32[k] if k.startswith("decode") else f32[k] / bf16[k]) for k in f32}  # >1: bf16 wins
+    return verdict(quantization, best["float32"], best["bfloat16"])
+
+
+def verdict(quantization: str, f32: dict, bf16: dict, cpu: CpuInfo | None = None) -> dict:
+    """The row of one weight kind: bfloat16's speed as a multiple of float32's for each figure (>1:
+    bfloat16 wins), which dtype is faster by the module's criterion, and whether `auto` (on `cpu`,
+    default this machine) picks it."""
+    ratios = {k: (bf16[k] / f32[k] if k.startswith("decode") else f32[k] / bf16[k]) for k in f32}
     faster = all(ratios[f"decode_c{c}"] > 1 for c in (1, 8)) and all(
         ratios[f"prefill_{n}_ms"] >= 1 / PREFILL_SLACK for n in PREFILLS
     )
     measured = "bfloat16" if faster else "float32"
-    auto = auto_cpu_dtype(quantized=quantization != "none")
+    auto = auto_cpu_dtype(cpu, quantized=quantization != "none")
     return {"weights": quantization, "float32": f32, "bfloat16": bf16, "bf16_over_f32": ratios,
             "faster": measured, "auto_picks": auto, "rule_holds": measured == auto}  # fmt: skip
 
