@@ -165,10 +165,10 @@ def test_a_vllm_restart_clears_and_rebuilds_that_servers_entries(platform):
     httpx.post(servers[owner] + "/v1/completions", json=body, timeout=60).raise_for_status()
     text = lambda: httpx.get(bridges[owner] + "/metrics", timeout=5).text  # noqa: E731
     wait_for(lambda: metric(text(), "kvharbor_kv_bridge_rebuilds_total") >= 1, 60, "the bridge's rebuild")
+    wait_for(lambda: index_blocks(platform["redis"]).get(name, 0) == 2, 30, f"{name}: only its new blocks")
     assert metric(text(), "kvharbor_kv_bridge_connects_total") >= 2  # it saw the socket go and come back
     # what Prometheus scrapes in a pod: the bridge's counters, then the server's own
     assert metric(text(), "kvharbor_kv_bridge_vllm_metrics_up") == 1 and "vllm:num_requests_running" in text()
-    wait_for(lambda: index_blocks(platform["redis"]).get(name, 0) == 2, 30, f"{name}: only its new blocks")
 
 
 def _quietly(check) -> bool:
