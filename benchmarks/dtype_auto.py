@@ -38,6 +38,7 @@ DTYPES = ("float32", "bfloat16")
 WEIGHTS = ("none", "gguf", "int8", "int4")
 PREFILLS = (128, 512)
 PREFILL_SLACK = 1.10  # bfloat16's cold prefill may be this much slower and still win
+FIGURES = ("decode_c1", "decode_c8", *(f"prefill_{n}_ms" for n in PREFILLS))  # what each (weights, dtype) gets
 
 
 def cold_prefill_ms(llm: LLM, length: int, vocab: int, rng: random.Random) -> float:
@@ -84,10 +85,9 @@ def verdict(quantization: str, f32: dict, bf16: dict, cpu: CpuInfo | None = None
 
 
 def table(rows: list[dict]) -> str:
-    keys = ["decode_c1", "decode_c8", *(f"prefill_{n}_ms" for n in PREFILLS)]
     lines = [f"{'weights':<8}{'measure':<15}{'float32':>9}{'bfloat16':>10}{'bf16 x':>8}", "-" * 50]
     for r in rows:
-        for k in keys:
+        for k in FIGURES:
             lines.append(f"{r['weights']:<8}{k:<15}{r['float32'][k]:>9.1f}{r['bfloat16'][k]:>10.1f}"
                          f"{r['bf16_over_f32'][k]:>8.2f}")  # fmt: skip
         holds = "holds" if r["rule_holds"] else "DOES NOT HOLD"
@@ -101,11 +101,10 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["decode_c1", "decode_c8", *(f"prefill_{n}_ms" for n in PREFILLS)]
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.8 / len(keys)
-    for i, k in enumerate(keys):
-        xs = [j + (i - (len(keys) - 1) / 2) * width for j in range(len(rows))]
+    width = 0.8 / len(FIGURES)
+    for i, k in enumerate(FIGURES):
+        xs = [j + (i - (len(FIGURES) - 1) / 2) * width for j in range(len(rows))]
         ax.bar(xs, [r["bf16_over_f32"][k] for r in rows], width=width, label=k.replace("_ms", ""))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(rows)), [f"{r['weights']}\nauto: {r['auto_picks']}" for r in rows])
