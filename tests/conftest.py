@@ -36,6 +36,12 @@ def pytest_sessionstart(session):
     from kvharbor.engine.device import physical_cores
 
     cpu_kernels.load(physical_cores())
+    # matplotlib builds its font cache on first import, running fc-list: on a fresh machine (CI's)
+    # that would fail whichever fast-tier test plots first. Built here, before any test.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.font_manager  # noqa: F401
 
 
 def pytest_sessionfinish(session):
