@@ -137,7 +137,7 @@ class SamplingFields(StructuredFields):
     temperature: Annotated[float, Field(**lim.TEMPERATURE.field())] | None = None
     top_p: Annotated[float, Field(**lim.TOP_P.field())] | None = None
     stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=int(lim.SEED.low), le=int(lim.SEED.high))] | None = None
     presence_penalty: Annotated[float, Field(**lim.PRESENCE_PENALTY.field())] | None = None
     frequency_penalty: Annotated[float, Field(**lim.FREQUENCY_PENALTY.field())] | None = None
     logit_bias: dict[str, Annotated[float, Field(**lim.LOGIT_BIAS.field())]] | None = None

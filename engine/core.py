@@ -22,7 +22,15 @@ from dataclasses import dataclass, field
 from kvharbor.common.block_hash import BlockHash, namespace_hash
 from kvharbor.common.load_report import LoadReport
 from kvharbor.engine.config import EngineConfig
-from kvharbor.engine.core_io import CoreOutput, EngineRequest, SampleDelta
+from kvharbor.engine.core_io import (
+    ENGINE_FAULT,
+    REQUEST_FAULT,
+    CoreOutput,
+    EngineRequest,
+    Failure,
+    SampleDelta,
+    fault_message,
+)
 from kvharbor.engine.core_parts import CoreParts, Progress
 from kvharbor.engine.engine_stats import EngineStats
 from kvharbor.engine.loader import LoadedModel
@@ -45,7 +53,7 @@ class _Group:
     samples: dict[int, Request] = field(default_factory=dict)
     reported: dict[int, int] = field(default_factory=dict)  # tokens already in a delta
     reported_finish: set[int] = field(default_factory=set)  # samples whose end was reported
-    error: str | None = None
+    error: Failure | None = None
     hand_off: str | None = None  # a prefill for a decode engine: pin its prompt's KV under this key when it ends
 
     @property
@@ -80,6 +88,13 @@ class EngineCore:
         """Guesses for the running requests that decode this step and have not opted out."""
         if self.proposer is None:
             return {}
+        try:
+            return self._proposals()
+        except Exception:  # guesses are optional: a failed proposer costs speed, never a request
+            log.exception("the speculative proposer failed; this step runs without guesses")
+            return {}
+
+    def _proposals(self) -> dict[str, Proposal]:
         decoding = [
             r for r in self.scheduler.running
             if r.forked and r.params.speculative and r.guide is None and r.num_tokens - r.num_computed_tokens == 1
@@ -314,6 +329,13 @@ class EngineCore:
             self._register(self._groups[child.group_id], child)
         for request in [c.request for c in plan.chunks] + forked:
             self._touched.add(request.group_id)
+        by_id = {c.request.request_id: c for c in plan.chunks}
+        for rid, message in out.faults.items():  # failed by its own options: it ends alone
+            chunk = by_id[rid]
+            log.warning("a request failed on its own; the rest of its step goes on",
+                        extra={"request_id": chunk.request.group_id, "error": message})  # fmt: skip
+            self.kv.uncache_blocks([chunk.request], chunk.start)  # its forward may have failed half-way
+            self._end_group(self._groups[chunk.request.group_id], Failure(message, REQUEST_FAULT))
 
     def _record_speculation(self, plan: SchedulerPlan, out: StepOutput) -> None:
         for chunk in plan.chunks:
@@ -326,15 +348,24 @@ class EngineCore:
 
     def _fail(self, plan: SchedulerPlan, exc: Exception) -> None:
         log.exception("engine step failed; failing its %d requests", len(plan.chunks))
-        self.kv.uncache_blocks([c.request for c in plan.chunks])  # half-written KV: nobody may hit it
-        # A user request fails whole: its samples that were not in this step fail with it.
-        for group in {
-            self._groups[c.request.group_id].request_id: self._groups[c.request.group_id] for c in plan.chunks
-        }.values():
-            group.error = f"{type(exc).__name__}: {exc}"
-            for request in group.samples.values():
-                self.scheduler.finish(request, FinishReason.ERROR)
-            self._touched.add(group.request_id)
+        for chunk in plan.chunks:  # half-written KV: nobody may hit it
+            self.kv.uncache_blocks([chunk.request], chunk.start)
+        failure = Failure(fault_message(exc), ENGINE_FAULT)
+        for group_id in {c.request.group_id for c in plan.chunks}:
+            self._end_group(self._groups[group_id], failure)
+
+    def _end_group(self, group: _Group, failure: Failure) -> None:
+        """End a user request whole with `failure`: its samples that were not in the step too."""
+        if group.error is not None:
+            return
+        group.error = failure
+        # Siblings a failed fork made before it raised are the scheduler's but not yet the group's.
+        for request in [r for r in self.scheduler.requests.values() if r.group_id == group.request_id]:
+            if group.samples.get(request.index) is not request:
+                self._register(group, request)
+        for request in group.samples.values():
+            self.scheduler.finish(request, FinishReason.ERROR)
+        self._touched.add(group.request_id)
 
     def _output(self, group: _Group) -> CoreOutput:
         """The group's samples that moved since their last report: new tokens only."""

@@ -118,6 +118,40 @@ def error_kind(exc: BaseException) -> str:
     return next((kind for kind, cls in ERROR_KINDS.items() if isinstance(exc, cls)), "invalid")
 
 
+REQUEST_FAULT, ENGINE_FAULT = "request", "engine"
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why a request ended with finish reason "error", and whose fault it was (DESIGN.md,
+    failure attribution): the request's (REQUEST_FAULT: its own options, grammar or adapter failed
+    it while the rest of its step went on; the API's 400, never retried elsewhere) or the
+    engine's (ENGINE_FAULT: the step failed whatever ran in it; a 500, retried before the first
+    token)."""
+
+    message: str
+    fault: str = ENGINE_FAULT
+
+    def __str__(self) -> str:
+        return self.message
+
+    @property
+    def requests_fault(self) -> bool:
+        return self.fault == REQUEST_FAULT
+
+    def to_wire(self) -> list:
+        return [self.message, self.fault]
+
+    @classmethod
+    def from_wire(cls, data: list | None) -> Failure | None:
+        return None if data is None else cls(*data)
+
+
+def fault_message(exc: BaseException) -> str:
+    """An exception as a request's error message: its type and text, bounded."""
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
 @dataclass
 class SampleDelta:
     """One sample's progress since its last report."""
@@ -137,14 +171,15 @@ class CoreOutput:
     samples: list[SampleDelta]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: str | None = None
+    error: Failure | None = None
 
     def to_wire(self) -> list:
         samples = [
             [s.index, s.new_token_ids, [_logprob_wire(lp) for lp in s.new_logprobs], s.finish_reason, s.stop_reason]
             for s in self.samples
         ]
-        return [self.request_id, samples, self.finished, self.num_cached_tokens, self.error]
+        error = self.error.to_wire() if self.error is not None else None
+        return [self.request_id, samples, self.finished, self.num_cached_tokens, error]
 
     @classmethod
     def from_wire(cls, data: list) -> CoreOutput:
@@ -153,7 +188,7 @@ class CoreOutput:
             SampleDelta(index, list(ids), [_logprob_from_wire(lp) for lp in lps], reason, stop)
             for index, ids, lps, reason, stop in samples
         ]
-        return cls(request_id, deltas, finished, cached, error)
+        return cls(request_id, deltas, finished, cached, Failure.from_wire(error))
 
 
 def _logprob_wire(lp: Logprob) -> list:

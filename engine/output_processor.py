@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvharbor.common.tokenizer import Tokenizer
-from kvharbor.engine.core_io import CoreOutput, SampleDelta
+from kvharbor.engine.core_io import CoreOutput, Failure, SampleDelta
 from kvharbor.engine.detokenizer import Detokenizer
 from kvharbor.engine.outputs import CompletionOutput, RequestOutput
 from kvharbor.engine.request import Logprob
@@ -47,7 +47,7 @@ class _Tracked:
     params: SamplingParams
     samples: dict[int, _Sample] = field(default_factory=dict)
     num_cached_tokens: int = 0
-    error: str | None = None
+    error: Failure | None = None
 
 
 class OutputProcessor:

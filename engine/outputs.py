@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvharbor.engine.core_io import Failure
 from kvharbor.engine.request import Logprob
 
 
@@ -33,4 +34,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
-    error: str | None = None  # set when finish_reason is "error"
+    error: Failure | None = None  # set when finish_reason is "error": why, and whose fault

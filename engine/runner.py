@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from kvharbor.engine.attention import build_metadata
+from kvharbor.engine.core_io import fault_message
 from kvharbor.engine.kv.block_pool import Save
 from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv.kv_quant import SCALE_BYTES
@@ -16,6 +18,7 @@ from kvharbor.engine.model import LlamaModel
 from kvharbor.engine.sampler import Sampler, SampleRow
 from kvharbor.engine.scheduler import ScheduledChunk, SchedulerPlan, StepOutput
 
+log = logging.getLogger("kvharbor.engine.runner")
 SaveSink = Callable[[Sequence[Save]], None]
 
 
@@ -77,10 +80,41 @@ class ModelRunner:
         self._copy_blocks(plan.block_copies)
         out = StepOutput()
         if plan.chunks:
-            chunks, hidden = self._forward(plan.chunks)
-            out = self._sample(chunks, hidden)
-        if plan.saves_after and self.save is not None:
-            self.save(plan.saves_after)
+            out = self._run_chunks(plan.chunks)
+        saves = plan.saves_after
+        if out.faults and saves:  # a failed request's blocks hold no KV to share
+            bad = {b for c in plan.chunks if c.request.request_id in out.faults for b in self.kv.block_ids(c.request)}
+            saves = [s for s in saves if s[0] not in bad]
+        if saves and self.save is not None:
+            self.save(saves)
+        return out
+
+    def _run_chunks(self, chunks: list[ScheduledChunk]) -> StepOutput:
+        """The forward and the sampling of `chunks`. When the batch fails, each chunk runs again
+        alone: one that fails alone is its request's fault (StepOutput.faults), the others'
+        tokens stand. Raises when every chunk fails alone too (the engine's fault)."""
+        try:
+            return self._sample(*self._forward(chunks))
+        except Exception:
+            if len(chunks) == 1:
+                raise
+            log.exception("a step of %d chunks failed; running each alone to find the cause", len(chunks))
+        # NOTE: re-running a chunk rewrites the same KV slots from the same tokens, and nothing was
+        # drawn (Sampler.sample keeps each row's failure its own): in batch-invariant mode each
+        # survivor's tokens are the bits it would have had without the failed request.
+        out, failure = StepOutput(), None
+        for chunk in chunks:
+            try:
+                alone = self._sample(*self._forward([chunk]))
+            except Exception as exc:
+                failure = exc
+                out.faults[chunk.request.request_id] = fault_message(exc)
+                continue
+            out.tokens.update(alone.tokens)
+            out.logprobs.update(alone.logprobs)
+            out.faults.update(alone.faults)
+        if len(out.faults) == len(chunks) and failure is not None:
+            raise failure
         return out
 
     def _move_kv_in(self, plan: SchedulerPlan) -> None:
@@ -147,13 +181,19 @@ class ModelRunner:
         if last:
             logits = self.model.logits(hidden[torch.tensor(last, device=self.device)]).cpu()
             if rows:
-                out.tokens, out.logprobs = self.sampler.sample(logits, rows)
+                sampled = self.sampler.sample(logits, rows)
+                out.tokens, out.logprobs, out.faults = sampled.tokens, sampled.logprobs, sampled.faults
             for chunk, first in spec:
+                rid = chunk.request.request_id
                 scored = logits[first : first + len(chunk.draft) + 1]
-                tokens, logprobs = self.sampler.verify(scored, chunk.request, chunk.draft, chunk.draft_probs)
-                out.tokens[chunk.request.request_id] = tokens
+                try:
+                    tokens, logprobs = self.sampler.verify(scored, chunk.request, chunk.draft, chunk.draft_probs)
+                except Exception as exc:  # its own options failed it, as in Sampler.sample
+                    out.faults[rid] = fault_message(exc)
+                    continue
+                out.tokens[rid] = tokens
                 if logprobs is not None:
-                    out.logprobs[chunk.request.request_id] = logprobs
+                    out.logprobs[rid] = logprobs
         return out
 
     def _inputs(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:

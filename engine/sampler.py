@@ -11,12 +11,23 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from kvharbor.engine.core_io import fault_message
 from kvharbor.engine.request import Logprob, Request, sample_id
 from kvharbor.engine.spec.rejection import accept_greedy, accept_sampled
+
+
+@dataclass
+class Sampled:
+    """A step's draws, keyed by request id: tokens, logprobs (where asked for), and the rows
+    whose own options failed them (a message each; no tokens)."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    faults: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -51,40 +62,50 @@ class Sampler:
             base = request.params.seed
             if base is None:
                 base = self._group_seeds.setdefault(request.group_id, self._rng.getrandbits(62))
-            gen = torch.Generator().manual_seed(base + index)
+            # Seeds are int64 (common/sampling_limits.SEED); sample i's wraps into manual_seed's
+            # unsigned 64-bit range rather than overflow it.
+            gen = torch.Generator().manual_seed((base + index) % 2**64)
             self._generators[key] = gen
         return gen
 
     @torch.no_grad()
-    def sample(
-        self, logits: torch.Tensor, rows: list[SampleRow]
-    ) -> tuple[dict[str, list[int]], dict[str, list[Logprob]]]:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> Sampled:
         """Draw tokens for every row. `logits` is float32 [len(rows), vocab]. Mutates only the
-        generators. Returns (tokens, logprobs) keyed by request id."""
-        tokens: dict[str, list[int]] = {}
-        logprobs: dict[str, list[Logprob]] = {}
+        generators. A row whose own options make it fail (its seed, bias, grammar) gets no
+        tokens and a fault: the other rows are drawn as if it had not been there."""
+        out = Sampled()
         need_lp = [r for r in rows if r.request.params.logprobs is not None]
         raw_lp = torch.log_softmax(logits[[r.row for r in need_lp]], dim=-1) if need_lp else None
         lp_row = {id(r): i for i, r in enumerate(need_lp)}
         argmax = logits.argmax(dim=-1).tolist()
         for r in rows:
-            params = r.request.params
-            processed = self.adjust(logits[r.row], r.request)
-            if r.request.guide is not None:
-                processed = self._constrain(logits[r.row] if processed is None else processed, r.request)
-            picked = []
-            for i in range(r.num_samples):
-                if params.greedy:
-                    picked.append(argmax[r.row] if processed is None else int(processed.argmax()))
-                else:
-                    base = logits[r.row] if processed is None else processed
-                    picked.append(self._draw(base, r.request, r.request.index + i))
-            tokens[r.request.request_id] = picked
-            if raw_lp is not None and id(r) in lp_row:
-                logprobs[r.request.request_id] = [
-                    _logprob(raw_lp[lp_row[id(r)]], t, params.logprobs or 0) for t in picked
-                ]
-        return tokens, logprobs
+            rid = r.request.request_id
+            try:
+                picked = self._pick(logits[r.row], argmax[r.row], r)
+                if raw_lp is not None and id(r) in lp_row:
+                    k = r.request.params.logprobs or 0
+                    out.logprobs[rid] = [_logprob(raw_lp[lp_row[id(r)]], t, k) for t in picked]
+            except Exception as exc:  # NOTE: one request's failure is its own (DESIGN.md: failure attribution)
+                out.logprobs.pop(rid, None)
+                out.faults[rid] = fault_message(exc)
+                continue
+            out.tokens[rid] = picked
+        return out
+
+    def _pick(self, row: torch.Tensor, argmax: int, r: SampleRow) -> list[int]:
+        """The row's `num_samples` tokens under its request's options."""
+        params = r.request.params
+        processed = self.adjust(row, r.request)
+        if r.request.guide is not None:
+            processed = self._constrain(row, processed, r.request)
+        picked = []
+        for i in range(r.num_samples):
+            if params.greedy:
+                picked.append(argmax if processed is None else int(processed.argmax()))
+            else:
+                base = row if processed is None else processed
+                picked.append(self._draw(base, r.request, r.request.index + i))
+        return picked
 
     @torch.no_grad()
     def verify(
@@ -138,16 +159,22 @@ class Sampler:
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
         return row
 
-    def _constrain(self, row: torch.Tensor, request: Request) -> torch.Tensor:
-        """A copy of `row` with every token the request's grammar does not take next at -inf
-        (the logits the step shares stay as they were)."""
+    def _constrain(self, row: torch.Tensor, processed: torch.Tensor | None, request: Request) -> torch.Tensor:
+        """A copy of the row (`processed`, else the raw `row`) with every token the request's
+        grammar does not take next at -inf (the logits the step shares stay as they were)."""
         t0 = time.perf_counter()
         allowed = request.guide.allowed()
         if not allowed.any():  # a grammar in error: end the sample rather than draw from nothing
             allowed[sorted(self.eos_token_ids)] = True
-        row = row.masked_fill(~allowed[: row.shape[0]], float("-inf"))
+        allowed = ~allowed[: row.shape[0]]
+        out = (row if processed is None else processed).masked_fill(allowed, float("-inf"))
+        if processed is not None and bool(torch.isneginf(out).all()):
+            # NOTE: min_tokens (or a banned stop token) masked every token the grammar takes: a
+            # complete structure allows only EOS. The grammar decides: its tokens come back, so the
+            # answer ends valid instead of drawing from an all -inf row (token 0, or noise).
+            out = row.masked_fill(allowed, float("-inf"))
         self.mask_seconds += time.perf_counter() - t0
-        return row
+        return out
 
     def _draw(self, row: torch.Tensor, request: Request, index: int) -> int:
         probs = filtered_probs(

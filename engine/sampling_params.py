@@ -133,8 +133,10 @@ class SamplingParams:
                     raise bad(f"logit_bias values must be numbers {limit}, got {bias!r} for token {tok}")
         if not isinstance(self.speculative, bool):
             raise bad(f"speculative must be true or false, got {self.speculative!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not lim.SEED.allows(self.seed)
+        ):
+            raise bad(f"seed must be a signed 64-bit integer, {lim.SEED.describe()}, got {self.seed!r}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError if a token id named by these params is outside the vocabulary."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvharbor.engine.config import SchedulerConfig
+from kvharbor.engine.core_io import fault_message
 from kvharbor.engine.kv.block_pool import Save
 from kvharbor.engine.kv.kv_cache_manager import KVCacheManager, Load
 from kvharbor.engine.request import FinishReason, Logprob, Request, RequestStatus, sample_id
@@ -75,6 +76,9 @@ class StepOutput:
 
     tokens: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[Logprob]] = field(default_factory=dict)
+    # Requests whose own options failed them this step (a message each): they get no tokens, and
+    # the core ends them alone (engine/core.py), the rest of the step going on.
+    faults: dict[str, str] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -315,20 +319,27 @@ class Scheduler:
         forked: list[Request] = []
         for chunk in plan.chunks:
             request = chunk.request
-            if request.is_finished:
-                continue  # aborted while its step ran
-            tokens = output.tokens.get(request.request_id)
-            if chunk.draft:
-                self._accept(chunk, tokens or [], output.logprobs.get(request.request_id))
-                continue
-            request.num_computed_tokens = chunk.end
-            if not tokens:
-                continue
-            logprobs = output.logprobs.get(request.request_id) or [None] * len(tokens)
-            if not request.forked:
-                forked += self._fork(request, tokens[1:], logprobs[1:])
-            request.append_output(tokens[0], logprobs[0])
-            self.check_stop(request)
+            if request.is_finished or request.request_id in output.faults:
+                continue  # aborted while its step ran, or failed by its own options (the core ends it)
+            try:
+                forked += self._advance(chunk, output)
+            except Exception as exc:  # its grammar or a stop check: its own failure (DESIGN.md)
+                output.faults[request.request_id] = fault_message(exc)
+        return forked
+
+    def _advance(self, chunk: ScheduledChunk, output: StepOutput) -> list[Request]:
+        request = chunk.request
+        tokens = output.tokens.get(request.request_id)
+        if chunk.draft:
+            self._accept(chunk, tokens or [], output.logprobs.get(request.request_id))
+            return []
+        request.num_computed_tokens = chunk.end
+        if not tokens:
+            return []
+        logprobs = output.logprobs.get(request.request_id) or [None] * len(tokens)
+        forked = [] if request.forked else self._fork(request, tokens[1:], logprobs[1:])
+        request.append_output(tokens[0], logprobs[0])
+        self.check_stop(request)
         return forked
 
     def _accept(self, chunk: ScheduledChunk, tokens: list[int], logprobs: list | None = None) -> None:

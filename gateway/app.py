@@ -36,7 +36,7 @@ from kvharbor.gateway.engines import Engine, EnginePool
 from kvharbor.gateway.flow import RequestFlow
 from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
 from kvharbor.gateway.metrics import GatewayMetrics
-from kvharbor.gateway.proxy import EngineCaller
+from kvharbor.gateway.proxy import EngineCaller, EngineRefused
 from kvharbor.gateway.router import Router
 from kvharbor.gateway.tenants import Tenant, TenantRegistry, over_cap
 
@@ -256,6 +256,8 @@ class _Handler:
                         await state.limiter.release(call.tenant, call.slot)
                 return response
             except APIError as exc:
+                if isinstance(exc, EngineRefused):
+                    state.metrics.refused.labels(exc.reason).inc()
                 span.set_attribute("http.status_code", exc.status)
                 if exc.status >= 500:
                     span.set_status(trace.StatusCode.ERROR, exc.message)

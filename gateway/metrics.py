@@ -34,6 +34,13 @@ class GatewayMetrics:
         self.tokens = Counter(
             "kvharbor_gateway_tokens", "Tokens by tenant and kind (prompt, completion)", ["tenant", "kind"], registry=r
         )
+        self.refused = Counter(
+            "kvharbor_gateway_requests_refused",
+            "Requests an engine refused as their own fault (a 4xx: never retried elsewhere, never counted "
+            "against the engine), by the engine's reason",
+            ["reason"],
+            registry=r,
+        )
         self.rejections = Counter(
             "kvharbor_gateway_rejections", "Refused requests by tenant and reason", ["tenant", "reason"], registry=r
         )

@@ -25,7 +25,7 @@ from kvharbor.gateway.disagg import Request as PDRequest
 from kvharbor.gateway.engine_body import engine_body, prefill_body
 from kvharbor.gateway.engines import Engine
 from kvharbor.gateway.predict import uncached_tokens
-from kvharbor.gateway.proxy import EngineFailed
+from kvharbor.gateway.proxy import EngineFailed, EngineRefused
 from kvharbor.gateway.router import Route
 
 if TYPE_CHECKING:
@@ -132,6 +132,8 @@ async def _prefill(flow: RequestFlow, route: Route, engine: Engine, deadline: fl
                 "engine": engine.url, "deadline_s": round(deadline, 3)})  # fmt: skip
             span.set_status(trace.StatusCode.ERROR, "prefill deadline")
             stalled = True
+        except EngineRefused:
+            raise  # the request's own fault: the decode engine would refuse it too
         except (APIError, EngineFailed, ValueError, KeyError, TypeError) as exc:
             if isinstance(exc, EngineFailed) and exc.blame is not None:
                 exc.blame()  # the request goes on colocated: a prefill engine that fails it is at fault

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -39,10 +40,27 @@ class EngineFailed(Exception):
         self.blame = blame
 
 
-def _engine_error(resp_status: int, text: str) -> APIError:
+class EngineRefused(APIError):
+    """An engine refused the request as the request's own fault (a 4xx, or an error event of type
+    invalid_request_error before the first token): the client's answer as the engine gave it.
+    Never retried on another engine (it would refuse it too), never counted against the engine;
+    counted by `reason` (kvharbor_gateway_requests_refused_total)."""
+
+    @property
+    def reason(self) -> str:
+        code = self.code
+        if isinstance(code, str) and _REASON.fullmatch(code):
+            return code
+        return "not_found" if self.status == 404 else "too_many_requests" if self.status == 429 else "invalid_request"
+
+
+_REASON = re.compile(r"[a-z][a-z0-9_]{0,47}")
+
+
+def _engine_error(resp_status: int, text: str) -> EngineRefused:
     try:
         err = json.loads(text)["error"]
-        return APIError(
+        return EngineRefused(
             resp_status,
             err.get("message", text),
             type=err.get("type", "invalid_request_error"),
@@ -50,7 +68,7 @@ def _engine_error(resp_status: int, text: str) -> APIError:
             code=err.get("code"),
         )
     except (ValueError, KeyError, TypeError, AttributeError):
-        return APIError(resp_status, text[:500] or f"engine answered {resp_status}")
+        return EngineRefused(resp_status, text[:500] or f"engine answered {resp_status}")
 
 
 def _lost_model(engine: Engine, error: APIError) -> Exception:
@@ -162,6 +180,8 @@ class EngineCaller:
         head: list[sse.Event] = []
         async for line in lines:
             event = sse.parse(line)
+            if event.kind == sse.ERROR and _error_type(event) == "invalid_request_error":
+                raise _engine_error(400, json.dumps(event.chunk))  # the request's own fault: no retry
             if event.kind == sse.ERROR:
                 # The engine failed before any token reached the client: another may not.
                 blame = functools.partial(self.pool.failed, engine, "error before the first token")

@@ -41,7 +41,7 @@ def pytest_sessionstart(session):
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.font_manager  # noqa: F401
+    import matplotlib.font_manager
 
 
 def pytest_sessionfinish(session):

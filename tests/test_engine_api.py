@@ -298,7 +298,8 @@ def test_a_failed_step_fails_its_requests_frees_them_and_the_engine_goes_on(smol
     engine.add_request("doomed", "This prompt is long enough to fill one block of sixteen tokens easily.", GREEDY)
     outs = engine.step()
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "error"
-    assert "simulated kernel fault" in outs[0].error
+    assert "simulated kernel fault" in outs[0].error.message
+    assert outs[0].error.fault == "engine"  # alone in its step: nothing to tell it from the engine
     assert engine.pool.num_cached == 0  # half-written KV must never be hit
     assert engine.pool.num_free == engine.pool.num_blocks
     out = smol.generate("This prompt is long enough to fill one block of sixteen tokens easily.", GREEDY)

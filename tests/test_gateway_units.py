@@ -443,6 +443,46 @@ def test_an_error_before_the_first_token_moves_the_request():
     asyncio.run(main())
 
 
+def test_a_request_an_engine_refuses_as_its_own_fault_is_not_retried_nor_blamed():
+    """Issue 47: an engine's error event of type invalid_request_error before the first token (a
+    request its own options failed in the step) is the client's 400, as the engine's 4xx is: no
+    other engine is tried, none is blamed, and the refusal is counted by reason."""
+    import httpx
+
+    from kvharbor.gateway.proxy import EngineRefused, with_retries
+
+    sent: list[str] = []
+    failure = '{"error":{"message":"failed on its own","type":"invalid_request_error","code":"request_failed"}}'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent.append(request.url.host)
+        if request.url.host == "stream":
+            return httpx.Response(200, content=_sse('{"choices":[{"delta":{"role":"assistant"}}]}', failure))
+        return httpx.Response(400, content=failure)
+
+    async def main():
+        caller, _pool = _caller(handler)
+        for host in ("stream", "unary"):
+            engine = Engine(f"http://{host}", "m")
+
+            async def run(e, host=host):
+                if host == "stream":
+                    return await caller.open_stream(e, "/v1/chat/completions", {}, {})
+                return await caller.call(e, "/v1/chat/completions", {}, {})
+
+            async def pick_next(tried):
+                raise AssertionError("a refused request was retried")
+
+            with pytest.raises(EngineRefused) as err:
+                await with_retries(3, engine, pick_next, run)
+            assert err.value.status == 400 and err.value.reason == "request_failed"
+            assert engine.failures == 0 and not engine.ejected
+        assert sent == ["stream", "unary"]
+        await caller.http.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_request_that_fails_on_every_engine_is_blamed_not_the_engines():
     """A poison request (500, or an error event before the first token, from each engine tried)
     ends in a 500 for the client and counts against no engine: sent a few times, it would

@@ -79,7 +79,7 @@ def test_same_seed_same_tokens_whatever_the_batch():
         seq = []
         for _ in range(20):
             rows = [SampleRow(i, reqs[f"r{i}"], 1) for i in batch_rows]
-            tokens, _ = sampler.sample(logits[batch_rows], [SampleRow(j, r.request, 1) for j, r in enumerate(rows)])
+            tokens = sampler.sample(logits[batch_rows], [SampleRow(j, r.request, 1) for j, r in enumerate(rows)]).tokens
             seq.append(tokens["r0"][0])
         return seq
 
@@ -93,7 +93,7 @@ def test_different_seeds_differ_and_unseeded_requests_differ_from_each_other():
     sampler = Sampler(V, frozenset(), seed=0)
 
     def draws(req):
-        return [sampler.sample(logits, [SampleRow(0, req, 1)])[0][req.request_id][0] for _ in range(16)]
+        return [sampler.sample(logits, [SampleRow(0, req, 1)]).tokens[req.request_id][0] for _ in range(16)]
 
     assert draws(make_request("a", seed=1, temperature=1.0)) != draws(make_request("b", seed=2, temperature=1.0))
     assert draws(make_request("c", temperature=1.0)) != draws(make_request("d", temperature=1.0))
@@ -103,7 +103,8 @@ def test_logprobs_are_the_raw_log_softmax_with_top_k():
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3)) * 2
     req = make_request(temperature=0.5, logprobs=3, repetition_penalty=1.5)
     sampler = Sampler(V, frozenset(), seed=0)
-    tokens, lps = sampler.sample(logits[1:], [SampleRow(0, req, 1)])
+    sampled = sampler.sample(logits[1:], [SampleRow(0, req, 1)])
+    tokens, lps = sampled.tokens, sampled.logprobs
     ref = torch.log_softmax(logits[1].double(), -1)
     (lp,) = lps["r"]
     assert lp.token_id == tokens["r"][0]
@@ -135,19 +136,19 @@ def test_greedy_with_logit_bias_and_min_tokens():
     logits[0, 2] = 5.0  # EOS is the argmax
     sampler = Sampler(V, frozenset({2}), seed=0)
     early = make_request(temperature=0, min_tokens=1, logit_bias={7: 1.0})
-    assert sampler.sample(logits, [SampleRow(0, early, 1)])[0]["r"] == [7]
+    assert sampler.sample(logits, [SampleRow(0, early, 1)]).tokens["r"] == [7]
     late = make_request(temperature=0, min_tokens=1, outputs=(4,))
-    assert sampler.sample(logits, [SampleRow(0, late, 1)])[0]["r"] == [2]
+    assert sampler.sample(logits, [SampleRow(0, late, 1)]).tokens["r"] == [2]
 
 
 def test_n_samples_from_one_row_use_distinct_seeded_streams():
     logits = torch.zeros(1, V)
     sampler = Sampler(V, frozenset(), seed=0)
     req = make_request(temperature=1.0, seed=5, n=4)
-    first = sampler.sample(logits, [SampleRow(0, req, 4)])[0]["r"]
+    first = sampler.sample(logits, [SampleRow(0, req, 4)]).tokens["r"]
     twin = make_request(temperature=1.0, seed=5, n=4)
     again = Sampler(V, frozenset(), seed=1).sample(logits, [SampleRow(0, twin, 4)])
-    assert first == again[0]["r"]
+    assert first == again.tokens["r"]
     assert len(set(first)) > 1
 
 
@@ -158,5 +159,5 @@ def test_a_vanishing_temperature_samples_the_argmax_instead_of_nan(temperature):
     sampler = Sampler(V, frozenset({2}), seed=0)
     request = make_request(temperature=temperature, seed=1)
     assert request.params.greedy
-    assert sampler.sample(logits, [SampleRow(0, request, 1)])[0]["r"] == [int(logits[0].argmax())]
+    assert sampler.sample(logits, [SampleRow(0, request, 1)]).tokens["r"] == [int(logits[0].argmax())]
     assert not make_request(temperature=1e-4).params.greedy  # a small but usable temperature still samples

@@ -212,14 +212,16 @@ class KVCacheManager:
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.tables.get(request.request_id, [])]
 
-    def uncache_blocks(self, requests: Iterable[Request]) -> None:
-        """Forget cached hashes of these requests' blocks (after a failed step wrote garbage).
+    def uncache_blocks(self, requests: Iterable[Request], start: int = 0) -> None:
+        """Forget cached hashes of these requests' blocks from token `start` on (a failed step
+        wrote garbage there; the blocks before it, a prefix other requests may share, stay).
 
         Only for requests about to be finished: their tables' hash bookkeeping is reset.
         """
+        first = start // self.block_size  # a block that held tokens before `start` was not full: not cached
         for request in requests:
-            self.pool.uncache(self._held_blocks(self.tables.get(request.request_id, [])))
-            self._num_hashed[request.request_id] = 0
+            self.pool.uncache(self._held_blocks(self.tables.get(request.request_id, [])[first:]))
+            self._num_hashed[request.request_id] = min(self._num_hashed.get(request.request_id, 0), first)
 
     # -- imports ----------------------------------------------------------------------------------
 

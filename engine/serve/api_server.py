@@ -38,6 +38,7 @@ from kvharbor.engine.core_io import (
     AdapterInUse,
     EngineDead,
     EngineRequest,
+    Failure,
     HandoffFailed,
     KVTransfer,
     StructuredOutputError,
@@ -398,6 +399,20 @@ class _Routes:
         return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
+def step_error(failure: Failure) -> APIError:
+    """The API's answer to a request the core ended with an error: 400 where the request's own
+    options failed it (the rest of its step went on; another engine would fail it too), 500
+    where the engine's step failed (another engine may serve it)."""
+    if failure.requests_fault:
+        return APIError(
+            400,
+            f"this request failed in the engine on its own ({failure.message}); the requests beside it were "
+            "unaffected: check its parameters, or report it with its x-request-id",
+            code="request_failed",
+        )
+    return APIError(500, f"the engine failed on this request: {failure.message}", type="internal_error")
+
+
 def _tools(body: Any) -> tuple[str, str | None]:
     """A chat request's tool mode and named function (common/tool_calls.py); completions: none."""
     if not isinstance(body, ChatCompletionRequest):
@@ -500,8 +515,9 @@ class _Run:
         outputs = [self.finals[engine_id] for engine_id, _ in self.streams]
         failed = next((o for o in outputs if o.error), None)
         if failed is not None:
-            self._finish(500)
-            raise APIError(500, f"the engine failed on this request: {failed.error}", type="internal_error")
+            error = step_error(failed.error)
+            self._finish(error.status)
+            raise error
         self._finish(200)
         return outputs
 
@@ -539,8 +555,9 @@ class _Run:
                     if chunk is not None:
                         yield sse(chunk)
                 if out.finished and out.error:
-                    status = 500
-                    yield sse(error_body(f"the engine failed on this request: {out.error}", "internal_error"))
+                    error = step_error(out.error)
+                    status = error.status
+                    yield sse(error.body())
             if include_usage:
                 yield sse(builder.usage_chunk([self.finals[eid] for eid, _ in self.streams]))
             yield SSE_DONE
