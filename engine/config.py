@@ -214,12 +214,17 @@ class StructuredConfig:
     structured_max_bytes: int = opt(65536, "largest JSON schema, regex, choice list or grammar a request may send")
     structured_max_depth: int = opt(32, "deepest nesting a request's JSON schema may have")
     structured_cache_size: int = opt(256, "compiled grammars kept, keyed by a hash of the spec")
+    structured_compile_timeout: float = opt(
+        10.0, "seconds a request's grammar may take to compile (queued compiles included) before its 400"
+    )
 
     def __post_init__(self) -> None:
         if self.structured_max_bytes < 16 or self.structured_max_depth < 2 or self.structured_cache_size < 1:
             raise ValueError(
                 "structured_max_bytes must be >= 16, structured_max_depth >= 2 and structured_cache_size >= 1"
             )
+        if not self.structured_compile_timeout > 0:
+            raise ValueError(f"structured_compile_timeout must be > 0 seconds, got {self.structured_compile_timeout}")
 
 
 @dataclass(frozen=True)
@@ -250,6 +255,10 @@ class ServerConfig(TracedListenConfig):
         "hot (a prefix once it is reused here, and evicted blocks), evict (before a cached block is reused), off",
     )
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests before aborting them")
+    core_add_timeout: float = opt(
+        60.0, "seconds the API server waits for its engine core to take a request (a grammar's compile and KV "
+        "pulls included) before answering 504 (keep it above kv_transfer_timeout)",
+    )  # fmt: skip
     api_server_nice: int = opt(
         10, "how much lower the API server's CPU priority is than its engine core's (0: the same; 0-19)"
     )
@@ -268,6 +277,8 @@ class ServerConfig(TracedListenConfig):
             raise ValueError(f"api_server_nice must be in 0..19, got {self.api_server_nice}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if not self.core_add_timeout > 0:
+            raise ValueError(f"core_add_timeout must be > 0 seconds, got {self.core_add_timeout}")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if min(self.slo_ttft_ms, self.slo_itl_ms, self.slo_window) <= 0:

@@ -106,11 +106,15 @@ class StructuredOutputError(ValueError):
     """A structured-output spec that does not compile or breaks a limit (engine/structured/)."""
 
 
+class EngineError(RuntimeError):
+    """The engine core failed while taking a request, not because of the request (the API's 500)."""
+
+
 # How the core process names an error to the API server (engine/serve/core_process.py sends the kind,
 # engine/serve/core_client.py raises the class again); anything else is a ValueError (a 400).
 ERROR_KINDS: dict[str, type[Exception]] = {
     "dead": EngineDead, "handoff": HandoffFailed, "unknown": UnknownModel, "conflict": AdapterInUse,
-    "structured": StructuredOutputError,
+    "structured": StructuredOutputError, "internal": EngineError,
 }  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_io import (
     AdapterInUse,
     EngineDead,
+    EngineError,
     EngineRequest,
     Failure,
     HandoffFailed,
@@ -47,7 +48,7 @@ from kvharbor.engine.core_io import (
 from kvharbor.engine.kv.handoff_handles import new_lease_key, sign_handle
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.sampling_params import SamplingParams
-from kvharbor.engine.serve.core_client import CoreClient, RequestStream
+from kvharbor.engine.serve.core_client import CoreClient, CoreStalled, RequestStream
 from kvharbor.engine.serve.metrics import ServerMetrics
 from kvharbor.engine.serve.openai_responses import SSE_DONE, ResponseBuilder, sse
 from kvharbor.engine.serve.slo_window import SLOWindow
@@ -205,6 +206,10 @@ class _Routes:
             return await self.loop.add(request)
         except EngineDead as exc:
             raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
+        except CoreStalled as exc:
+            raise APIError(504, str(exc), type="timeout_error", code="core_add_timeout") from None
+        except EngineError as exc:
+            raise APIError(500, str(exc), type="internal_error") from None
         except HandoffFailed as exc:
             raise APIError(502, str(exc), type="kv_transfer_failed", param="kv_transfer_params") from None
         except UnknownModel as exc:  # unloaded after _check_model looked

@@ -37,6 +37,10 @@ from kvharbor.engine.serve.core_link import LinkClosed, encode, read_message, re
 log = logging.getLogger("kvharbor.engine.serve.core_client")
 
 
+class CoreStalled(RuntimeError):
+    """The engine core did not answer a request's add within core_add_timeout (the API's 504)."""
+
+
 class RequestStream:
     """The outputs of one request, in order; the last has `finished` set. Each item carries the
     monotonic time the core produced it (for TTFT/ITL)."""
@@ -177,12 +181,19 @@ class CoreClient:
         # NOTE: tracked before the core hears of it: its first outputs may overtake the reply.
         stream = self._streams[rid] = RequestStream()
         self.processor.add(rid, None, request.prompt_token_ids, request.params)
+        timeout = self.config.server.core_add_timeout
         try:
             try:
                 self._send(["add", request.to_wire()])
             except OverflowError:  # the link packs 64-bit integers (a fuzzed seed of 2**64 reached here)
                 raise ValueError("an integer in the request is out of range (64 bits)") from None
-            stream.imported_blocks = await done
+            try:
+                stream.imported_blocks = await asyncio.wait_for(done, timeout)
+            except TimeoutError:
+                self.abort(rid)  # should the core take it after all, it ends there at once
+                raise CoreStalled(
+                    f"the engine core did not take the request within {timeout:g} s (core_add_timeout)"
+                ) from None
         except BaseException:
             self._streams.pop(rid, None)
             self.processor.forget(rid)

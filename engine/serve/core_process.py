@@ -26,7 +26,14 @@ from typing import Any
 
 from kvharbor.common.logs import setup_logging
 from kvharbor.common.process_stop import die_with_parent
-from kvharbor.engine.core_io import EngineDead, EngineRequest, HandoffFailed, KVTransfer, error_kind
+from kvharbor.engine.core_io import (
+    EngineDead,
+    EngineRequest,
+    HandoffFailed,
+    KVTransfer,
+    StructuredOutputError,
+    error_kind,
+)
 from kvharbor.engine.serve.core_link import LinkClosed, encode, read_message
 from kvharbor.engine.serve.engine_loop import EngineLoop
 from kvharbor.engine.serve.metrics import CounterBoard
@@ -203,7 +210,7 @@ class CoreProcess:
             if transfer.do_remote_decode and not transfer.lease:
                 raise ValueError("a hand-off prefill needs the lease key its API server draws")
             if request.params.structured is not None:  # compiled off the engine thread: a slow one stalls no step
-                request.guide = await asyncio.to_thread(self.core.guides.guide, request.params.structured)
+                request.guide = await self._compile(request.params.structured)
                 self.board.inc("structured_requests", label=request.params.structured["kind"])
             if transfer.remote_handle:
                 request.external_prefix = await self.handoff_puller.pull(ids, salt, transfer, adapter)
@@ -214,6 +221,11 @@ class CoreProcess:
             self._pending.pop(rid, None)
             self._send(["added", rid, None, str(exc), error_kind(exc)])
             return
+        except Exception as exc:  # NOTE: every add is answered: its API server waits on the reply
+            log.exception("taking a request failed in the engine core", extra={"request_id": rid})
+            self._pending.pop(rid, None)
+            self._send(["added", rid, None, f"the engine failed while taking the request: {exc!r}"[:500], "internal"])
+            return
         if transfer.remote_handle:
             self.board.inc("kv_handoff_pulled_blocks", imported)
         elif self.kv_store is not None and imported:
@@ -221,6 +233,18 @@ class CoreProcess:
         if self._pending.pop(rid, False):
             self.loop.abort(rid)
         self._send(["added", rid, imported, None, None])
+
+    async def _compile(self, spec: dict) -> Any:
+        """The spec's Guide, compiled on a worker thread within structured_compile_timeout
+        (llguidance's fuel bounds the work; this bounds the wait, a queue of compiles included)."""
+        timeout = self.core.config.structured.structured_compile_timeout
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.core.guides.guide, spec), timeout)
+        except TimeoutError:
+            raise StructuredOutputError(
+                f"the {spec['kind']} spec did not compile within {timeout:g} s (structured_compile_timeout): "
+                "simplify it"
+            ) from None
 
     async def _lora(self, op: int, action: str, name: str, path: str | None) -> None:
         """Load (read off the engine thread, installed between steps) or unload an adapter."""
