@@ -22,9 +22,16 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvharbor.common import sampling_limits as lim
-from kvharbor.common.sampling_limits import MAX_CONTINUED_TEXT, MAX_LOGPROBS, MAX_STOP_STRINGS
+from kvharbor.common.field_error import FieldError
+from kvharbor.common.sampling_limits import MAX_CONTINUED_TEXT, MAX_LOGPROBS
 from kvharbor.common.structured_outputs import StructuredFields
-from kvharbor.common.tool_calls import ToolFields
+from kvharbor.common.tool_calls import AssistantToolCall, ToolFields
+
+# Integers a request carries are bounded where they are read, so none overflows the engine link's
+# 64-bit integers, the block hash's int32 token ids (common/block_hash.py) or a tokenizer's u32.
+INT32 = 2**31
+TokenId = Annotated[int, Field(ge=0, lt=INT32)]
+TokenCount = Annotated[int, Field(ge=0, lt=INT32)]
 
 
 class APIError(Exception):
@@ -90,6 +97,7 @@ class ChatMessage(BaseModel):
 
     role: Annotated[str, Field(min_length=1)]
     content: str | list[TextPart] | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls, rendered into the prompt
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
@@ -111,7 +119,7 @@ class KVTransferParams(BaseModel):
     # A lease key (the gateway's request id, up to 256 + 9 characters, and a nonce, + 17) signed
     # (+ 33): engine/kv/handoff_handles.py
     remote_handle: Annotated[str, Field(min_length=1, max_length=320)] | None = None
-    first_token_id: Annotated[int, Field(ge=0)] | None = None
+    first_token_id: TokenId | None = None
 
     @model_validator(mode="after")
     def _one_side(self) -> KVTransferParams:
@@ -136,7 +144,7 @@ class SamplingFields(StructuredFields):
     n: Annotated[int, Field(ge=1)] = 1
     temperature: Annotated[float, Field(**lim.TEMPERATURE.field())] | None = None
     top_p: Annotated[float, Field(**lim.TOP_P.field())] | None = None
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = None  # count and length: RequestLimits
     seed: Annotated[int, Field(ge=int(lim.SEED.low), le=int(lim.SEED.high))] | None = None
     presence_penalty: Annotated[float, Field(**lim.PRESENCE_PENALTY.field())] | None = None
     frequency_penalty: Annotated[float, Field(**lim.FREQUENCY_PENALTY.field())] | None = None
@@ -146,18 +154,18 @@ class SamplingFields(StructuredFields):
     user: str | None = None
     # vLLM's extensions
     ignore_eos: bool = False
-    min_tokens: Annotated[int, Field(ge=0)] = 0
-    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_tokens: TokenCount = 0
+    top_k: Annotated[int, Field(ge=-1, lt=INT32)] | None = None
     min_p: Annotated[float, Field(**lim.MIN_P.field())] | None = None
     repetition_penalty: Annotated[float, Field(**lim.REPETITION_PENALTY.field())] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_token_ids: bool = False  # each choice (each streamed delta) carries its token ids
     # kvharbor's extensions
-    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     cache_salt: str | None = None
-    priority: int = 0
+    priority: Annotated[int, Field(ge=-INT32, lt=INT32)] = 0
     request_id: Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID)] | None = None
     kv_prefix_source: Literal["local", "shared"] | None = None
     speculative: bool = True
@@ -165,14 +173,14 @@ class SamplingFields(StructuredFields):
     continued_text: Annotated[str, Field(max_length=MAX_CONTINUED_TEXT)] | None = None
     # A migrated stream: how many of the prompt's last tokens are its output so far (a structured
     # output's grammar walks them before the first new token).
-    continued_tokens: Annotated[int, Field(ge=0)] = 0
+    continued_tokens: TokenCount = 0
 
     @field_validator("logit_bias")
     @classmethod
     def _token_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key in bias or {}:
-            if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not (key.isascii() and key.isdigit() and int(key) < INT32):
+                raise ValueError(f"logit_bias keys must be token ids, got {key[:40]!r}")
         return bias
 
     def max_new_tokens(self) -> int | None:
@@ -217,17 +225,18 @@ class SamplingFields(StructuredFields):
 
 class ChatCompletionRequest(SamplingFields, ToolFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise FieldError("top_logprobs", "top_logprobs needs logprobs=true")
         if self.tool_spec() is not None and self.structured_spec() is not None:
-            raise ValueError("a forced tool call (tool_choice) constrains the output already: drop response_format")
+            message = "a forced tool call (tool_choice) constrains the output already: drop response_format"
+            raise FieldError("response_format", message)
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -243,28 +252,28 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-PromptInput = str | list[str] | list[int] | list[list[int]]
+PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=1, lt=INT32)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
-    text_offset: Annotated[int, Field(ge=0)] = 0  # kvharbor's: see the module docstring
+    text_offset: TokenCount = 0  # kvharbor's: see the module docstring
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
         if self.prompt is None and self.prompt_token_ids is None:
-            raise ValueError("give a prompt (or prompt_token_ids)")
+            raise FieldError("prompt", "give a prompt (or prompt_token_ids)")
         if self.suffix is not None:
-            raise ValueError("suffix is not supported")
+            raise FieldError("suffix", "suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of must equal n (no server-side ranking)")
+            raise FieldError("best_of", "best_of must equal n (no server-side ranking)")
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
+            raise FieldError("echo", "echo with logprobs is not supported (no prompt logprobs)")
         return self
 
     def max_new_tokens(self) -> int | None:
@@ -294,13 +303,13 @@ class TokenizeRequest(BaseModel):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise FieldError("prompt", "give exactly one of prompt or messages")
         return self
 
 
 class DetokenizeRequest(BaseModel):
     model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0)]]
+    tokens: list[TokenId]
 
 
 class LoadLoRARequest(BaseModel):

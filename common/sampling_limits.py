@@ -44,5 +44,4 @@ LOGIT_BIAS = Limit(-100.0, 100.0)  # anything else (inf, NaN) would turn a whole
 # core link as msgpack int64, and sample i of n draws from seed + i (wrapped, engine/sampler.py).
 SEED = Limit(-(2**63), 2**63 - 1)
 MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
 MAX_CONTINUED_TEXT = 1024  # a migrated stream's held-back text: shorter than its longest stop string

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvharbor.common.field_error import FieldError
+
 # What a bare `{"type": "json_object"}` allows: any JSON object.
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
@@ -89,8 +91,16 @@ class StructuredFields(BaseModel):
     @model_validator(mode="after")
     def _one_constraint(self) -> StructuredFields:
         if len(self._constraints()) > 1:
-            raise ValueError("send one output constraint: response_format, structured_outputs or one guided_* field")
-        self.structured_spec()  # a schema sent as JSON text must parse: a 400 here, not in the engine
+            raise FieldError(
+                self.constraint_field() or "response_format",
+                "send one output constraint: response_format, structured_outputs or one guided_* field",
+            )
+        try:
+            self.structured_spec()  # a schema sent as JSON text must parse: a 400 here, not in the engine
+        except FieldError:
+            raise
+        except ValueError as exc:
+            raise FieldError(self.constraint_field() or "structured_outputs", str(exc)) from None
         return self
 
     def _constraints(self) -> list[Any]:

@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvharbor.common.field_error import FieldError
 from kvharbor.common.structured_outputs import closed_objects
 
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -46,6 +47,19 @@ class Tool(BaseModel):
     function: FunctionDef
 
 
+class CalledFunction(BaseModel):
+    name: Annotated[str, Field(pattern=TOOL_NAME)]
+    arguments: str | dict[str, Any] = "{}"  # OpenAI's: a JSON string; an object is taken too
+
+
+class AssistantToolCall(BaseModel):
+    """One of an assistant message's earlier tool calls, as a client sends its history back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class NamedFunction(BaseModel):
     name: Annotated[str, Field(pattern=TOOL_NAME)]
 
@@ -63,7 +77,7 @@ class ToolFields(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tools: list[Tool] | None = None  # how many: RequestLimits.max_tools
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
 
@@ -71,15 +85,16 @@ class ToolFields(BaseModel):
     def _choice_names_a_tool(self) -> ToolFields:
         names = [t.function.name for t in self.tools or []]
         if len(set(names)) != len(names):
-            raise ValueError("tools must have distinct function names")
+            raise FieldError("tools", "tools must have distinct function names")
         choice = self.tool_choice
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(
+            raise FieldError(
+                "tool_choice",
                 f"tool_choice names function {choice.function.name!r}, which is not in tools "
                 f"({', '.join(names) or 'none given'})"
             )
         if choice == "required" and not names:
-            raise ValueError('tool_choice "required" needs tools')
+            raise FieldError("tool_choice", 'tool_choice "required" needs tools')
         return self
 
     def tool_mode(self) -> str:

@@ -13,6 +13,7 @@ from typing import Literal
 from kvharbor.common.config import opt, parse_bytes
 from kvharbor.common.redis_client import check_url
 from kvharbor.common.redis_keys import STREAM_PREFIX
+from kvharbor.common.request_limits import RequestLimits
 from kvharbor.common.server_config import TracedListenConfig
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -75,15 +76,12 @@ class CacheConfig:
 class SchedulerConfig:
     max_num_seqs: int = opt(64, "most requests in one batch")
     max_num_batched_tokens: int = opt(1024, "token budget of one step (prefill chunks + decodes)")
-    max_n: int = opt(16, "largest n (parallel samples) one request may ask for")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_n < 1:
-            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
 
 
 @dataclass(frozen=True)
@@ -208,21 +206,17 @@ class LoRAConfig:
 
 @dataclass(frozen=True)
 class StructuredConfig:
-    """Limits on structured outputs (response_format, structured_outputs): checked before any
-    compile, each a 400 naming the limit. Compilation itself is bounded by llguidance's fuel."""
+    """Compiling structured outputs (response_format, structured_outputs). Their size and nesting
+    are request limits (common/request_limits.py); compilation is bounded by llguidance's fuel."""
 
-    structured_max_bytes: int = opt(65536, "largest JSON schema, regex, choice list or grammar a request may send")
-    structured_max_depth: int = opt(32, "deepest nesting a request's JSON schema may have")
     structured_cache_size: int = opt(256, "compiled grammars kept, keyed by a hash of the spec")
     structured_compile_timeout: float = opt(
         10.0, "seconds a request's grammar may take to compile (queued compiles included) before its 400"
     )
 
     def __post_init__(self) -> None:
-        if self.structured_max_bytes < 16 or self.structured_max_depth < 2 or self.structured_cache_size < 1:
-            raise ValueError(
-                "structured_max_bytes must be >= 16, structured_max_depth >= 2 and structured_cache_size >= 1"
-            )
+        if self.structured_cache_size < 1:
+            raise ValueError(f"structured_cache_size must be >= 1, got {self.structured_cache_size}")
         if not self.structured_compile_timeout > 0:
             raise ValueError(f"structured_compile_timeout must be > 0 seconds, got {self.structured_compile_timeout}")
 
@@ -237,6 +231,7 @@ class EngineConfig:
     disagg: DisaggConfig = field(default_factory=DisaggConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     structured: StructuredConfig = field(default_factory=StructuredConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
 
 @dataclass(frozen=True)

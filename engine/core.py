@@ -132,8 +132,8 @@ class EngineCore:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         ids = self._check_prompt(req.prompt_token_ids)
-        if params.n > self.config.scheduler.max_n:
-            raise ValueError(f"n={params.n} exceeds the engine's limit of {self.config.scheduler.max_n} (--max-n)")
+        if params.n > self.config.limits.max_n:
+            raise ValueError(f"n={params.n} exceeds the engine's limit of {self.config.limits.max_n} (--max-n)")
         params.check_vocab(self.arch.vocab_size)
         self._check_handoff(params, hand_off, first_token)
         room = self.max_model_len - len(ids)
@@ -141,6 +141,11 @@ class EngineCore:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens but this model's context is {self.max_model_len}: "
                 "shorten the prompt (at least one token must be generated)"
+            )
+        if params.min_tokens > min(room, params.max_tokens or room):
+            raise ValueError(
+                f"min_tokens={params.min_tokens} plus the {len(ids)}-token prompt exceeds the model's context "
+                f"of {self.max_model_len} tokens: ask for at most {room}"
             )
         if params.max_tokens is not None and params.max_tokens > room:
             raise ValueError(

@@ -160,7 +160,8 @@ class CoreParts:
         self.runner.kv_io = self.kv_io
         self.runner.lora = self.loras
         self.handoffs = HandoffLeases(self.kv, self.kv_io, config.disagg.kv_handoff_lease)
-        self.guides = GuideFactory(self.tokenizer, self.arch.vocab_size, self.eos_token_ids, config.structured)
+        self.guides = GuideFactory(self.tokenizer, self.arch.vocab_size, self.eos_token_ids, config.structured,
+                                   config.limits)
 
     def _quantize(self, threads: int, say: Progress) -> None:
         """Quantize (or adopt GGUF blocks), through the AVX2 kernels where they run (CPU, float32 or

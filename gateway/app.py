@@ -13,7 +13,6 @@ engines that serve the adapter, hashed under the adapter's identity; the engine 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -23,12 +22,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import trace
-from pydantic import ValidationError
 
 from kvharbor.common.admin_listener import ListenerSplit
 from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers
 from kvharbor.common.logs import request_context
 from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, message_dicts, request_id
+from kvharbor.common.request_body import Parsed, document_bodies, parse_body
+from kvharbor.common.request_limits import RequestLimits
 from kvharbor.gateway.admission import AdmissionQueue
 from kvharbor.gateway.call import Call, ModelEntry, count_rejected
 from kvharbor.gateway.catalog import listed_models, resolve
@@ -57,6 +57,7 @@ class GatewayState:
     max_attempts: int
     max_prompt_tokens: int
     max_body_bytes: int
+    limits: RequestLimits = field(default_factory=RequestLimits)
     stream_deadline: float = 1800.0  # seconds a streamed answer may run (ResilienceConfig)
     stream_idle: float = 60.0  # seconds a stream may go without a token
     max_migrations: int = 2  # times one stream may move to another engine when its engine fails
@@ -88,35 +89,9 @@ def build_app(state: GatewayState, lifespan: Any = None, admin_port: int | None 
     app.get("/metrics")(handler.metrics)
     app.add_middleware(BodyGuardMiddleware, limit=state.max_body_bytes, prefixes=("/v1/",))
     app.add_middleware(ListenerSplit, admin_port=admin_port, admin_paths=ADMIN_PATHS)
-    _document_bodies(app)
+    document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest},
+                    bearer=True)  # fmt: skip
     return app
-
-
-def _document_bodies(app: FastAPI) -> None:
-    """Bodies are parsed by hand (the API key is checked before the body), so put their schemas
-    into the OpenAPI document explicitly: clients and fuzzers see what the endpoints take."""
-    bodies = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
-    default = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema:
-            return app.openapi_schema
-        schema = default()
-        components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for path, model in bodies.items():
-            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(body.pop("$defs", {}))
-            components[model.__name__] = body
-            schema["paths"][path]["post"]["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}},
-            }
-        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        schema["security"] = [{"bearer": []}]
-        app.openapi_schema = schema
-        return schema
-
-    app.openapi = openapi
 
 
 def _bearer(request: Request) -> str:
@@ -144,21 +119,12 @@ class _Handler:
             raise APIError(401, "invalid API key", type="authentication_error", code="invalid_api_key")
         return tenant
 
-    async def _parse(self, request: Request, model_cls: type) -> tuple[Any, dict]:
-        try:
-            raw = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-            raise APIError(400, f"the request body is not valid JSON: {exc}") from None
-        if not isinstance(raw, dict):
-            raise APIError(400, "the request body must be a JSON object")
-        try:
-            return model_cls.model_validate(raw), raw
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first.get("loc", ()))
-            raise APIError(
-                400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=where or None
-            ) from None
+    async def _parse(self, request: Request, model_cls: type) -> Parsed:
+        parsed = parse_body(await request.body(), model_cls, self.state.limits)
+        if parsed.ignored:
+            self.state.metrics.ignored_fields.inc(len(parsed.ignored))
+            log.warning("request fields ignored", extra={"fields": ", ".join(parsed.ignored)[:300]})
+        return parsed
 
     def _engines_by_model(self) -> dict[str, list[Engine]]:
         return {m: self.state.pool.routable(m) for m in self.state.models}
@@ -181,7 +147,8 @@ class _Handler:
 
     async def _call(self, request: Request, kind: str) -> Call:
         tenant = self._tenant(request)
-        body, raw = await self._parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        parsed = await self._parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        body, raw = parsed.body, parsed.raw
         resolved = resolve(body.model, tenant, self._engines_by_model())
         model = self.state.models[resolved.base]
         prompts = self._tokenize(kind, body, model)
@@ -203,7 +170,7 @@ class _Handler:
         if longest == 0:
             raise APIError(400, "the prompt is empty", param="prompt")
         rid = request_id(body.request_id, request.headers.get("x-request-id"), "gw")
-        return Call(kind, tenant, model, body, raw, prompts, rid, resolved)
+        return Call(kind, tenant, model, body, raw, prompts, rid, resolved, ignored=parsed.headers())
 
     # -- endpoints ------------------------------------------------------------------------------------
 
@@ -253,7 +220,7 @@ class _Handler:
                     streaming = isinstance(response, StreamingResponse)
                 finally:
                     if not streaming:
-                        await state.limiter.release(call.tenant, call.slot)
+                        await state.limiter.release(call.tenant, call.slot, call.weight)
                 return response
             except APIError as exc:
                 if isinstance(exc, EngineRefused):
@@ -268,8 +235,15 @@ class _Handler:
 
     async def _take_limits(self, call: Call) -> dict[str, str]:
         tokens = sum(map(len, call.prompts))
+        most = call.tenant.limits.max_concurrent
+        if most and call.weight > most:  # it would wait for slots that never come
+            raise APIError(
+                400, f"the request carries {call.weight} prompts, each a request against tenant "
+                f"{call.tenant.name!r}'s limit of {most} concurrent requests: send at most {most} at once",
+                param="prompt", code="too_many_prompts",
+            )  # fmt: skip
         try:
-            decision = await self.state.limiter.admit(call.tenant, tokens, call.slot)
+            decision = await self.state.limiter.admit(call.tenant, tokens, call.slot, call.weight)
         except LimiterUnavailable as exc:
             count_rejected(self.state.metrics, call, "limiter_unavailable")
             raise APIError(

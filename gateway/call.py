@@ -53,6 +53,7 @@ class Call:
     block_size: int = DEFAULT_BLOCK_SIZE  # what its prompt's blocks are cut by (set on admission)
     hashes: list[bytes] = field(default_factory=list)  # its prompt's block hashes (set on admission)
     transfer: dict | None = None  # P/D: the prefill engine's hand-off, for the decode engine
+    ignored: dict[str, str] = field(default_factory=dict)  # the header naming fields it carried that were ignored
 
     @property
     def adapter(self) -> str | None:
@@ -67,6 +68,11 @@ class Call:
     def prompt_tokens(self) -> int:
         """The first prompt's length: what routing, P/D and migration reason about."""
         return len(self.prompts[0])
+
+    @property
+    def weight(self) -> int:
+        """Its prompts: each takes one of the tenant's concurrency slots (gateway/limits.py)."""
+        return len(self.prompts)
 
     @property
     def max_tokens(self) -> int | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvharbor.common.config import opt
+from kvharbor.common.request_limits import RequestLimits
 from kvharbor.common.server_config import TracedListenConfig
 
 
@@ -164,4 +165,5 @@ class GatewayConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    limits: RequestLimits = field(default_factory=RequestLimits)
     server: GatewayServerConfig = field(default_factory=GatewayServerConfig)

@@ -176,7 +176,8 @@ class RequestFlow:
         content, usage = await _unless_disconnected(request, work)
         count_finished(state.metrics, call, usage, None)
         # The engine's bytes as they came: parsing and re-encoding would only add latency.
-        return Response(content, media_type="application/json", headers={"x-request-id": call.rid, **limit_headers})
+        headers = {"x-request-id": call.rid, **limit_headers, **call.ignored}
+        return Response(content, media_type="application/json", headers=headers)
 
     # -- streams ---------------------------------------------------------------------------------
 
@@ -203,14 +204,14 @@ class RequestFlow:
             idle_s=state.stream_idle, renew=self._renew, renew_every_s=state.limiter.slot_ttl / 3,
             continuation=self._continuation(),
         )  # fmt: skip
-        headers = {"x-request-id": call.rid, "Cache-Control": "no-cache", **limit_headers}
+        headers = {"x-request-id": call.rid, "Cache-Control": "no-cache", **limit_headers, **call.ignored}
         return _GuardedStream(relay.lines(), relay.close, media_type="text/event-stream", headers=headers)
 
     async def _debit(self, tokens: int) -> None:
         await self.state.limiter.debit_tokens(self.call.tenant, tokens)
 
     async def _renew(self) -> None:
-        await self.state.limiter.renew_slot(self.call.tenant, self.call.slot)
+        await self.state.limiter.renew_slot(self.call.tenant, self.call.slot, self.call.weight)
 
     async def _settle(self, stats: StreamStats) -> None:
         """The stream is over: in-flight work, its slot, its metrics and its span end here."""
@@ -224,7 +225,7 @@ class RequestFlow:
             state.metrics.stream_migrations.labels(call.model.name, "failed").inc()
         if stats.finished_here:
             state.metrics.stream_migrations.labels(call.model.name, "finished").inc()
-        await state.limiter.release(call.tenant, call.slot)
+        await state.limiter.release(call.tenant, call.slot, call.weight)
         count_finished(state.metrics, call, stats.usage, stats)
         if call.span is not None:
             call.span.end()

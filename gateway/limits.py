@@ -30,7 +30,8 @@ PREFIX = RATE_LIMIT_PREFIX
 CONCURRENCY_TTL_S = 900.0  # a slot's lease: longer than any request may take
 
 # KEYS: rpm bucket, tpm bucket, concurrency set. ARGV: rpm, tpm, max_concurrent (0 = none),
-# prompt tokens, request id, slot ttl ms. Returns {ok, reason, retry_after_ms, rpm_left, tpm_left}.
+# prompt tokens, slot ttl ms, then the request's slots (slot_members: one per prompt it carries).
+# Returns {ok, reason, retry_after_ms, rpm_left, tpm_left}.
 _ADMIT = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
@@ -53,11 +54,13 @@ if tpm > 0 and k < need then
 end
 if conc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
-  if redis.call('ZCARD', KEYS[3]) >= conc then
+  if redis.call('ZCARD', KEYS[3]) + #ARGV - 5 > conc then
     return {0, 'concurrency', 1000, tostring(r), tostring(k)}
   end
-  redis.call('ZADD', KEYS[3], now + tonumber(ARGV[6]), ARGV[5])
-  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[6]))
+  for i = 6, #ARGV do
+    redis.call('ZADD', KEYS[3], now + tonumber(ARGV[5]), ARGV[i])
+  end
+  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[5]))
 end
 if rpm > 0 then
   r = r - 1
@@ -91,14 +94,24 @@ return tostring(tokens)
 _UNROUTABLE = ("must map to the same key slot", "No way to dispatch", "Invalid args in command")
 
 
-# KEYS: concurrency set. ARGV: request id, slot ttl ms. Pushes the slot's expiry out (if it holds it).
+# KEYS: concurrency set. ARGV: slot ttl ms, then the request's slots. Pushes their expiry out (those
+# it holds).
 _RENEW = """
 local t = redis.call('TIME')
 local now = t[1] * 1000 + math.floor(t[2] / 1000)
-local kept = redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
-if redis.call('ZSCORE', KEYS[1], ARGV[1]) then redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2])) end
+local kept = 0
+for i = 2, #ARGV do
+  kept = kept + redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[1]), ARGV[i])
+end
+if redis.call('ZSCORE', KEYS[1], ARGV[2]) then redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[1])) end
 return kept
 """
+
+
+def slot_members(request_id: str, weight: int = 1) -> list[str]:
+    """The concurrency slots one request holds: one per prompt it carries (a completions prompt
+    list of k prompts is k requests' work, and takes k of the tenant's max_concurrent)."""
+    return [request_id] + [f"{request_id}:{i}" for i in range(1, weight)]
 
 
 class LimiterUnavailable(RuntimeError):
@@ -139,7 +152,7 @@ class _LocalBuckets:
         return min(cap, tokens + (now - ts) * cap / 60)
 
     def admit(
-        self, tenant: Tenant, prompt_tokens: int, request_id: str, ttl: float = CONCURRENCY_TTL_S
+        self, tenant: Tenant, prompt_tokens: int, request_id: str, ttl: float = CONCURRENCY_TTL_S, weight: int = 1
     ) -> tuple[int, str, float, float, float]:
         now = time.monotonic()
         lim = tenant.limits
@@ -153,9 +166,10 @@ class _LocalBuckets:
         slots = self._slots.setdefault(tenant.name, {})
         for rid in [rid for rid, until in slots.items() if until <= now]:
             del slots[rid]
-        if lim.max_concurrent and len(slots) >= lim.max_concurrent:
+        if lim.max_concurrent and len(slots) + weight > lim.max_concurrent:
             return 0, "concurrency", 1.0, r, k
-        slots[request_id] = now + ttl
+        for member in slot_members(request_id, weight):
+            slots[member] = now + ttl
         if lim.rpm:
             r -= 1
             self._levels[tenant.name + ":rpm"] = (r, now)
@@ -171,13 +185,15 @@ class _LocalBuckets:
             level = self._level(tenant.name + ":tpm", cap, now)
             self._levels[tenant.name + ":tpm"] = (max(-cap, level - tokens), now)
 
-    def release(self, tenant: Tenant, request_id: str) -> None:
-        self._slots.get(tenant.name, {}).pop(request_id, None)
+    def release(self, tenant: Tenant, request_id: str, weight: int = 1) -> None:
+        for member in slot_members(request_id, weight):
+            self._slots.get(tenant.name, {}).pop(member, None)
 
-    def renew(self, tenant: Tenant, request_id: str, ttl: float) -> None:
+    def renew(self, tenant: Tenant, request_id: str, ttl: float, weight: int = 1) -> None:
         slots = self._slots.get(tenant.name, {})
-        if request_id in slots:
-            slots[request_id] = time.monotonic() + ttl
+        for member in slot_members(request_id, weight):
+            if member in slots:
+                slots[member] = time.monotonic() + ttl
 
 
 class RateLimiter:
@@ -222,18 +238,13 @@ class RateLimiter:
         """rpm bucket, tpm bucket, concurrency set: one hash slot (the scripts take them together)."""
         return [rate_limit_key(tenant.name, kind, self.prefix) for kind in ("rpm", "tpm", "conc")]
 
-    async def admit(self, tenant: Tenant, prompt_tokens: int, request_id: str) -> Decision:
+    async def admit(self, tenant: Tenant, prompt_tokens: int, request_id: str, weight: int = 1) -> Decision:
+        """Take one request (of `weight` prompts: as many concurrency slots) and its prompt tokens."""
         lim = tenant.limits
         if not (lim.rpm or lim.tpm or lim.max_concurrent):
             return Decision(True)
-        args = [
-            lim.rpm or 0,
-            lim.tpm or 0,
-            lim.max_concurrent or 0,
-            prompt_tokens,
-            request_id,
-            int(self.slot_ttl * 1000),
-        ]
+        args = [lim.rpm or 0, lim.tpm or 0, lim.max_concurrent or 0, prompt_tokens, int(self.slot_ttl * 1000),
+                *slot_members(request_id, weight)]  # fmt: skip
         try:
             if self._admit is None:
                 raise ConnectionError("no Redis configured")
@@ -243,7 +254,7 @@ class RateLimiter:
         except Exception as exc:
             if not self._redis_down(exc):
                 raise
-            ok, reason, retry_s, r, k = self._local.admit(tenant, prompt_tokens, request_id, self.slot_ttl)
+            ok, reason, retry_s, r, k = self._local.admit(tenant, prompt_tokens, request_id, self.slot_ttl, weight)
         return Decision(bool(ok), reason, retry_s, _headers(tenant, r, k))
 
     def _redis_down(self, exc: Exception) -> bool:
@@ -275,28 +286,29 @@ class RateLimiter:
         except Exception:
             self._local.debit(tenant, tokens)
 
-    async def renew_slot(self, tenant: Tenant, request_id: str) -> None:
-        """Push a live request's slot lease out by `slot_ttl` (a stream calls this while it runs:
+    async def renew_slot(self, tenant: Tenant, request_id: str, weight: int = 1) -> None:
+        """Push a live request's slot leases out by `slot_ttl` (a stream calls this while it runs:
         a stream longer than the lease would lose its slot, and the tenant get one too many)."""
         if not tenant.limits.max_concurrent:
             return
-        self._local.renew(tenant, request_id, self.slot_ttl)
+        self._local.renew(tenant, request_id, self.slot_ttl, weight)
         if self._renew is not None:
             try:
                 await self._ready()
-                await self._renew(keys=self._keys(tenant)[2:3], args=[request_id, int(self.slot_ttl * 1000)])
+                args = [int(self.slot_ttl * 1000), *slot_members(request_id, weight)]
+                await self._renew(keys=self._keys(tenant)[2:3], args=args)
             except Exception as exc:
                 if not self._redis_down(exc):
                     raise
 
-    async def release(self, tenant: Tenant, request_id: str) -> None:
+    async def release(self, tenant: Tenant, request_id: str, weight: int = 1) -> None:
         if not tenant.limits.max_concurrent:
             return
-        self._local.release(tenant, request_id)
+        self._local.release(tenant, request_id, weight)
         if self.client is not None:
             try:
                 await self._ready()
-                await self.client.zrem(self._keys(tenant)[2], request_id)
+                await self.client.zrem(self._keys(tenant)[2], *slot_members(request_id, weight))
             except Exception:
                 log.debug("could not release a concurrency slot; it will expire", extra={"tenant": tenant.name})
 

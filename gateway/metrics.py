@@ -41,6 +41,11 @@ class GatewayMetrics:
             ["reason"],
             registry=r,
         )
+        self.ignored_fields = Counter(
+            "kvharbor_gateway_ignored_fields",
+            "Top-level request fields no request model takes: dropped, named in X-Kvharbor-Ignored-Fields",
+            registry=r,
+        )
         self.rejections = Counter(
             "kvharbor_gateway_rejections", "Refused requests by tenant and reason", ["tenant", "reason"], registry=r
         )

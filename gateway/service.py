@@ -132,6 +132,7 @@ def build_state(config: Any, tracer: Any = None):
         max_attempts=res.max_attempts,
         max_prompt_tokens=res.max_prompt_tokens,
         max_body_bytes=res.max_body_bytes,
+        limits=config.limits,
         stream_deadline=res.stream_deadline,
         stream_idle=res.stream_idle_timeout,
         max_migrations=res.max_migrations,

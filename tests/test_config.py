@@ -29,7 +29,7 @@ def test_precedence_file_then_env_then_flags(tmp_path):
 def test_config_file_from_env(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("max_n: 3\n")
-    assert load_config(EngineConfig, env={"KVHARBOR_CONFIG": str(path)}).scheduler.max_n == 3
+    assert load_config(EngineConfig, env={"KVHARBOR_CONFIG": str(path)}).limits.max_n == 3
 
 
 def test_flags_are_generated_with_the_same_names():

@@ -45,6 +45,13 @@ async def _rpm_tpm_and_concurrency(limiter: RateLimiter) -> None:
     assert (await limiter.admit(conc, 1, "b")).reason == "concurrency"
     await limiter.release(conc, "a")
     assert (await limiter.admit(conc, 1, "b")).ok
+    listed = tenant("w", max_concurrent=3)  # issue 47: a prompt list takes a slot per prompt
+    assert (await limiter.admit(listed, 1, "list", weight=2)).ok
+    assert (await limiter.admit(listed, 1, "pair", weight=2)).reason == "concurrency"
+    assert (await limiter.admit(listed, 1, "one")).ok
+    await limiter.renew_slot(listed, "list", weight=2)
+    await limiter.release(listed, "list", weight=2)
+    assert (await limiter.admit(listed, 1, "pair", weight=2)).ok
     all_three = tenant("all", rpm=5, tpm=1000, max_concurrent=2)  # one script over all three keys
     assert (await limiter.admit(all_three, 10, "x")).ok
     assert (await limiter.admit(tenant("free"), 10**6, "x")).ok

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvharbor.common.request_limits import RequestLimits
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.config import StructuredConfig
 from kvharbor.engine.structured.grammar import GrammarError, grammar_for
 
 PERSON = {
@@ -128,7 +128,7 @@ def test_compiled_grammars_are_cached_by_spec(llm):
 
 
 def test_limits_are_checked_before_any_compile():
-    small = StructuredConfig(structured_max_bytes=64, structured_max_depth=2)
+    small = RequestLimits(structured_max_bytes=64, structured_max_depth=2)
     with pytest.raises(GrammarError, match="structured_max_bytes"):
         grammar_for({"kind": "regex", "value": "a" * 65}, small)
     with pytest.raises(GrammarError, match="structured_max_depth"):

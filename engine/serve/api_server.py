@@ -33,6 +33,8 @@ from kvharbor.common.openai_api import (
     message_dicts,
     request_id,
 )
+from kvharbor.common.request_body import Parsed, document_bodies, parse_body
+from kvharbor.common.request_limits import RequestLimits
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_io import (
     AdapterInUse,
@@ -64,6 +66,7 @@ class ServerState:
     metrics: ServerMetrics
     instance_id: str
     max_body_bytes: int
+    limits: RequestLimits = field(default_factory=RequestLimits)
     draining: bool = False
     ready: bool = True
     shared_store: bool = False  # the core has a shared block store (--redis-url)
@@ -129,6 +132,7 @@ def build_app(state: ServerState, lifespan: Any = None, admin_port: int | None =
     app.add_middleware(BodyGuardMiddleware, limit=state.max_body_bytes, prefixes=_GUARDED_PREFIXES)
     app.add_middleware(GateMiddleware, state=state)  # a draining engine reads no bodies
     app.add_middleware(ListenerSplit, admin_port=admin_port, admin_paths=ADMIN_PATHS, both=(*PROBES, "/load"))
+    document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
     return app
 
 
@@ -222,7 +226,17 @@ class _Routes:
 
     # -- OpenAI endpoints -------------------------------------------------------------------------
 
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
+    async def _parse(self, request: Request, model_cls: type) -> Parsed:
+        """The body, read once at this edge (common/request_body.py): 400 naming the field."""
+        parsed = parse_body(await request.body(), model_cls, self.state.limits)
+        if parsed.ignored:
+            self.state.metrics.ignored_fields.inc(len(parsed.ignored))
+            log.warning("request fields ignored", extra={"fields": ", ".join(parsed.ignored)[:300]})
+        return parsed
+
+    async def chat(self, request: Request) -> Response:
+        parsed = await self._parse(request, ChatCompletionRequest)
+        body = parsed.body
         lora = self._check_model(body.model)
         if body.prompt_token_ids is not None:
             ids = list(body.prompt_token_ids)
@@ -233,9 +247,11 @@ class _Routes:
             except ValueError as exc:
                 raise APIError(400, str(exc), param="messages") from None
         rid = request_id(body.request_id, request.headers.get("x-request-id"), "chatcmpl")
-        return await self._generate("chat", rid, [ids], [""], body, request, lora)
+        return await self._generate("chat", rid, [ids], [""], parsed, request, lora)
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
+        parsed = await self._parse(request, CompletionRequest)
+        body = parsed.body
         lora = self._check_model(body.model)
         prompts = body.prompts()
         if not prompts:
@@ -250,7 +266,7 @@ class _Routes:
                 batch.append(list(p))
                 echo.append(self.tokenizer.decode(p) if body.echo and self.tokenizer else "")
         rid = request_id(body.request_id, request.headers.get("x-request-id"), "cmpl")
-        return await self._generate("completion", rid, batch, echo, body, request, lora)
+        return await self._generate("completion", rid, batch, echo, parsed, request, lora)
 
     async def _generate(
         self,
@@ -258,10 +274,11 @@ class _Routes:
         rid: str,
         batch: list[list[int]],
         echo: list[str],
-        body: Any,
+        parsed: Parsed,
         request: Request,
         lora: str | None = None,
     ) -> Response:
+        body = parsed.body
         self._check_transfer(body, len(batch))
         hand_off = body.kv_transfer_params is not None and body.kv_transfer_params.do_remote_decode
         lease = new_lease_key(rid) if hand_off else None  # one prompt (_check_transfer): its id is rid
@@ -307,13 +324,13 @@ class _Routes:
             return StreamingResponse(
                 run.stream(builder, kind, body.num_logprobs() is not None, echo, body.include_usage),
                 media_type="text/event-stream",
-                headers={"X-Request-Id": rid, "Cache-Control": "no-cache"},
+                headers={"X-Request-Id": rid, "Cache-Control": "no-cache", **parsed.headers()},
             )
         outputs = await run.collect(request)
         response = builder.response(outputs, body.num_logprobs() is not None, echo)
         if lease is not None:
             response["kv_transfer_params"] = self._handoff(request, lease, outputs[0])
-        return JSONResponse(response, headers={"X-Request-Id": rid})
+        return JSONResponse(response, headers={"X-Request-Id": rid, **parsed.headers()})
 
     def _handoff(self, request: Request, lease: str, output: RequestOutput) -> dict:
         """What the decode engine needs to continue this prefill (the gateway may set the host)."""

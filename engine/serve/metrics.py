@@ -187,6 +187,11 @@ class ServerMetrics:
         self.prompt_tokens = Histogram(
             "kvharbor_request_prompt_tokens", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=self.registry
         )
+        self.ignored_fields = Counter(
+            "kvharbor_ignored_fields",
+            "Top-level request fields no request model takes: dropped, named in X-Kvharbor-Ignored-Fields",
+            registry=self.registry,
+        )
         self.lora_requests = Counter(
             "kvharbor_lora_requests", "Requests admitted per LoRA adapter", ["adapter"], registry=self.registry
         )

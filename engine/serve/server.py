@@ -75,6 +75,7 @@ class EngineServer:
             self.metrics,
             self.instance_id,
             srv.max_body_bytes,
+            limits=config.engine.limits,
             shared_store=bool(srv.redis_url),
             allow_runtime_lora=srv.allow_runtime_lora,
             slo=SLOWindow(srv.slo_ttft_ms / 1000, srv.slo_itl_ms / 1000, srv.slo_window),

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvharbor.engine.config import StructuredConfig
+from kvharbor.common.request_limits import RequestLimits, json_depth
 from kvharbor.engine.core_io import StructuredOutputError
 
 KINDS = ("json", "regex", "choice", "grammar")
@@ -22,12 +22,12 @@ class GrammarError(StructuredOutputError):
     """A spec that cannot be compiled or breaks a limit; the message says which and why."""
 
 
-def grammar_for(spec: dict[str, Any], config: StructuredConfig) -> str:
+def grammar_for(spec: dict[str, Any], limits: RequestLimits) -> str:
     """The llguidance grammar of `spec` ({"kind": ..., "value": ...}). Raises GrammarError."""
     from llguidance import LLMatcher
 
     kind, value = spec.get("kind"), spec.get("value")
-    check_limits(kind, value, config)
+    check_limits(kind, value, limits)
     if kind == "json":
         try:  # compact JSON: no whitespace runs for a small model to loop in
             return LLMatcher.grammar_from_json_schema(value, defaults={"whitespace_flexible": False})
@@ -54,30 +54,20 @@ def grammar_for(spec: dict[str, Any], config: StructuredConfig) -> str:
     raise GrammarError(f"structured output kind must be one of {', '.join(KINDS)}, not {kind!r}")
 
 
-def check_limits(kind: str, value: Any, config: StructuredConfig) -> None:
-    """Size and nesting limits (structured_max_bytes, structured_max_depth): checked before any
-    compile, so an oversized spec costs nothing."""
-    size = len(json.dumps(value)) if kind in ("json", "choice") else len(str(value))
-    if size > config.structured_max_bytes:
-        raise GrammarError(
-            f"the {kind} spec is {size} bytes, over this engine's limit of {config.structured_max_bytes} "
-            "(structured_max_bytes)"
-        )
-    if kind == "json" and (depth := _depth(value)) > config.structured_max_depth:
-        raise GrammarError(
-            f"the JSON schema nests {depth} levels deep, over this engine's limit of {config.structured_max_depth} "
+def check_limits(kind: str, value: Any, limits: RequestLimits) -> None:
+    """Nesting and size limits (structured_max_depth, structured_max_bytes), checked before any
+    compile, so an oversized spec costs nothing. The HTTP edges check the same limits on the
+    request (common/request_body.py); this is the check for offline callers."""
+    if kind == "json" and json_depth(value, limits.structured_max_depth + 1) > limits.structured_max_depth:
+        raise GrammarError(  # first: measuring the size would recurse through every level
+            f"the JSON schema nests more than {limits.structured_max_depth} levels deep, over this engine's limit "
             "(structured_max_depth)"
+        )
+    size = len(json.dumps(value)) if kind in ("json", "choice") else len(str(value))
+    if size > limits.structured_max_bytes:
+        raise GrammarError(
+            f"the {kind} spec is {size} bytes, over this engine's limit of {limits.structured_max_bytes} "
+            "(structured_max_bytes)"
         )
     if kind == "choice" and not (isinstance(value, list) and value and all(isinstance(c, str) and c for c in value)):
         raise GrammarError("choice must be a non-empty list of non-empty strings")
-
-
-def _depth(value: Any) -> int:
-    """Nesting depth of a JSON value (iterative: a deep schema must not exhaust the stack)."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        node, depth = todo.pop()
-        deepest = max(deepest, depth)
-        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
-        todo.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return deepest

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvharbor.common.request_limits import RequestLimits
 from kvharbor.engine.config import StructuredConfig
 from kvharbor.engine.structured.grammar import GrammarError, grammar_for
 
@@ -59,12 +60,13 @@ class GuideFactory:
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, eos_token_ids: frozenset[int], config: StructuredConfig,
-        on_compile: Callable[[float, bool], None] | None = None,
+        limits: RequestLimits | None = None, on_compile: Callable[[float, bool], None] | None = None,
     ) -> None:  # fmt: skip
         self._tokenizer = tokenizer
         self._vocab = vocab_size
         self._eos = sorted(eos_token_ids)
         self.config = config
+        self.limits = limits or RequestLimits()
         self.on_compile = on_compile  # set by the core process, for its metrics
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
@@ -98,7 +100,7 @@ class GuideFactory:
     def _compile(self, spec: dict[str, Any]) -> Any:
         from llguidance import LLMatcher
 
-        grammar = grammar_for(spec, self.config)
+        grammar = grammar_for(spec, self.limits)
         matcher = LLMatcher(self._tokenizer_for_grammars(), grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"invalid {spec['kind']} spec: {_reason(matcher.get_error())}")
