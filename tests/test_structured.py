@@ -57,6 +57,22 @@ def test_a_json_schema_request_gives_json_that_validates_greedy_and_sampled(llm)
             jsonschema.validate(json.loads(text), PERSON)
 
 
+def test_min_tokens_past_a_complete_grammar_ends_it_valid(llm):
+    """Issue 47, item 2: min_tokens masked EOS after the grammar allowed only EOS, so the row was
+    all -inf: greedy took token 0 and sampling drew from the whole vocabulary, after valid JSON.
+    The grammar decides: the answer ends where its structure does, min_tokens or not."""
+    small = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}  # fmt: skip
+    for params in (
+        SamplingParams(max_tokens=40, min_tokens=30, temperature=0, structured=_json(small)),
+        SamplingParams(max_tokens=40, min_tokens=30, temperature=1.0, seed=5, n=3, structured=_json(small)),
+        SamplingParams(max_tokens=40, min_tokens=30, temperature=0, structured={"kind": "choice", "value": ["yes"]}),
+    ):
+        for text, finish in _texts(llm, ASK, params):
+            assert finish == "stop", text
+            assert text == "yes" or json.loads(text) in ({"ok": True}, {"ok": False}), text
+
+
 def test_choice_and_regex_outputs_are_exactly_what_was_allowed(llm):
     ask = [{"role": "user", "content": "What is the capital of France?"}]
     choice = {"kind": "choice", "value": ["Paris", "London"]}
