@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -105,6 +106,12 @@ class ToolFields(BaseModel):
         if isinstance(choice, NamedToolChoice):
             return "named"
         return choice or "auto"
+
+    def tool_use(self) -> ToolUse:
+        """What the tools make of this request's output (ToolUse)."""
+        mode = self.tool_mode()
+        named = self.tool_choice.function.name if mode == "named" else None
+        return ToolUse(mode, named, frozenset(t.function.name for t in self.tools or ()), self.parallel_tool_calls)
 
     def prompt_tools(self) -> list[dict[str, Any]] | None:
         """The tools the prompt shows the model (none for tool_choice "none")."""
@@ -207,39 +214,101 @@ def tool_call(name: str, arguments: Any) -> dict[str, Any]:
     return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
 
 
-def parse_output(text: str, mode: str, named: str | None = None) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a finished output under `mode`. An output that does not parse as
-    calls stays content: a model may answer in words even when it could call."""
-    if mode == "named":
-        return None, [tool_call(named, text)]
-    if mode == "required":
-        try:
-            calls = json.loads(text)
-            return None, [tool_call(c["name"], c["parameters"]) for c in calls]
-        except (ValueError, TypeError, KeyError):
+@dataclass(frozen=True)
+class ToolUse:
+    """What a chat request's tools make of its output: the mode (none | auto | required | named),
+    the named function, the functions offered, and whether several calls may come at once."""
+
+    mode: str = "none"
+    named: str | None = None
+    names: frozenset[str] = frozenset()
+    parallel: bool = True
+
+
+def parse_output(text: str, use: ToolUse, finished: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of an output under `use`. `finished` False: max_tokens cut it, and
+    only the calls it completed count (a `required` array's whole elements, `auto`'s closed
+    blocks). An output that does not parse as calls of the offered functions stays content: a
+    model may answer in words even when it could call, and a call an agent cannot run is none."""
+    if use.mode == "named":
+        return None, [tool_call(use.named, text)]
+    if use.mode == "required":
+        calls = _array_calls(text, finished)
+        return (None, calls) if calls else (text, [])
+    if use.mode == "auto":
+        content, calls = parse_hermes(text, closed_only=not finished)
+        if not all(_runnable(c, use.names) for c in calls):
             return text, []
-    if mode == "auto":
-        return parse_hermes(text)
+        return content, calls if use.parallel else calls[:1]
     return text, []
 
 
+def _runnable(call: dict[str, Any], names: frozenset[str]) -> bool:
+    """A call of an offered function, with a JSON object for arguments."""
+    try:
+        args = json.loads(call["function"]["arguments"])
+    except ValueError:
+        return False
+    return call["function"]["name"] in names and isinstance(args, dict)
+
+
+def _array_calls(text: str, finished: bool) -> list[dict[str, Any]]:
+    """The calls of a `required` answer (a JSON array of {name, parameters}); cut short, the
+    elements it completed."""
+    if finished:
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return []
+    else:
+        items = _whole_elements(text)
+    try:
+        return [tool_call(c["name"], c["parameters"]) for c in items]
+    except (TypeError, KeyError):
+        return []
+
+
+def _whole_elements(text: str) -> list[Any]:
+    """The elements of a JSON array text that are complete, before where it was cut."""
+    decoder, items = json.JSONDecoder(), []
+    i = len(text) - len(text.lstrip())
+    if not text.startswith("[", i):
+        return []
+    i += 1
+    while True:
+        i += len(text[i:]) - len(text[i:].lstrip())
+        try:
+            item, i = decoder.raw_decode(text, i)
+        except ValueError:
+            return items
+        items.append(item)
+        i += len(text[i:]) - len(text[i:].lstrip())
+        if not text.startswith(",", i):
+            return items
+        i += 1
+
+
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
+_CLOSED_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """Hermes-style calls in `text`: (the text before the first call or the whole text, calls)."""
+def parse_hermes(text: str, closed_only: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
+    """Hermes-style calls in `text`: (the text before the first call or the whole text, calls).
+    A last block with no closing tag counts, unless `closed_only` (an output cut short)."""
     start = text.find(OPEN)
     if start < 0:
         return text, []
     calls = []
-    for body in _BLOCK.findall(text, start):
+    for body in (_CLOSED_BLOCK if closed_only else _BLOCK).findall(text, start):
         try:
             call = json.loads(body)
             name, args = call["name"], call.get("arguments", call.get("parameters", {}))
         except (ValueError, TypeError, KeyError):
             return text, []  # not calls after all: the text stands as it is
-        if not isinstance(name, str):
+        if not isinstance(name, str) or not isinstance(args, dict | str):
             return text, []
         calls.append(tool_call(name, args))
+    if not calls:
+        return text, []
     content = text[:start].strip()
     return content or None, calls

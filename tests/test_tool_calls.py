@@ -10,13 +10,16 @@ import pytest
 from pydantic import ValidationError
 
 from kvharbor.common.openai_api import ChatCompletionRequest
-from kvharbor.common.tool_calls import MAX_PARALLEL_CALLS, messages_for_template, parse_hermes, parse_output
+from kvharbor.common.tool_calls import MAX_PARALLEL_CALLS, ToolUse, messages_for_template, parse_hermes, parse_output
 from kvharbor.engine.serve.tool_responses import ToolCallStream, tool_message
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
 TIME = {"type": "function", "function": {"name": "get_time"}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+AUTO = ToolUse("auto", None, frozenset({"a", "b", "get_weather"}))
+REQUIRED = ToolUse("required", None, frozenset({"a", "b"}))
 
 
 def chat(**fields) -> ChatCompletionRequest:
@@ -82,19 +85,54 @@ def test_hermes_calls_are_parsed_out_of_text_and_anything_else_stays_text():
     assert [c["function"]["name"] for c in parse_hermes(two)[1]] == ["a", "b"]  # an unclosed last tag too
     assert parse_hermes("no calls here") == ("no calls here", [])
     assert parse_hermes("<tool_call>not json</tool_call>") == ("<tool_call>not json</tool_call>", [])
-    required = parse_output('[{"name": "a", "parameters": {"x": 1}}]', "required")
+    required = parse_output('[{"name": "a", "parameters": {"x": 1}}]', REQUIRED)
     assert required[1][0]["function"]["arguments"] == '{"x": 1}'
-    assert parse_output('{"x": 1}', "named", "a")[1][0]["function"] == {"name": "a", "arguments": '{"x": 1}'}
+    named = ToolUse("named", "a", frozenset({"a"}))
+    assert parse_output('{"x": 1}', named)[1][0]["function"] == {"name": "a", "arguments": '{"x": 1}'}
 
 
 def test_a_finished_message_says_tool_calls_and_a_cut_one_stays_text():
-    message, reason = tool_message('[{"name": "a", "parameters": {}}]', "stop", "required", None)
+    message, reason = tool_message('[{"name": "a", "parameters": {}}]', "stop", REQUIRED)
     assert reason == "tool_calls" and message["content"] is None
     assert message["tool_calls"][0]["function"]["name"] == "a"
-    message, reason = tool_message('[{"name": "a", "par', "length", "required", None)
+    message, reason = tool_message('[{"name": "a", "par', "length", REQUIRED)
     assert reason == "length" and message == {"role": "assistant", "content": '[{"name": "a", "par'}
-    message, reason = tool_message("Just words.", "stop", "auto", None)
+    message, reason = tool_message("Just words.", "stop", AUTO)
     assert reason == "stop" and message == {"role": "assistant", "content": "Just words."}
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+def test_calls_cut_short_keep_those_they_completed(streamed):
+    """Issue 47, item 11: a `required` array (or `auto` blocks) cut by max_tokens returned its
+    complete calls as plain content; an agent loop took the raw JSON for its answer."""
+    cut = '[{"name": "a", "parameters": {"x": 1}}, {"name": "b", "parameters": {}} , {"name": "a", "para'
+    hermes = ('Checking.\n<tool_call>\n{"name": "a", "arguments": {"x": 2}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "b", "argu')  # fmt: skip
+    for text, use, names in [(cut, REQUIRED, ["a", "b"]), (hermes, AUTO, ["a"])]:
+        if streamed:
+            stream = ToolCallStream(use)
+            stream.delta(text[:20], None)
+            message, reason = stream.delta(text[20:], "length")
+            message = {"tool_calls": message["tool_calls"], "content": message.get("content")}
+        else:
+            message, reason = tool_message(text, "length", use)
+        assert reason == "length"
+        assert [c["function"]["name"] for c in message["tool_calls"]] == names
+        assert json.loads(message["tool_calls"][0]["function"]["arguments"])["x"] in (1, 2)
+
+
+def test_auto_calls_are_only_of_offered_functions_and_one_unless_parallel():
+    """Issue 47, item 7: a call naming a function not in `tools` is not one an agent can run: the
+    output stays text. parallel_tool_calls false keeps the first call."""
+    two = ('<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+           '<tool_call>{"name": "b", "arguments": {"k": 1}}</tool_call>')  # fmt: skip
+    assert [c["function"]["name"] for c in parse_output(two, AUTO)[1]] == ["a", "b"]
+    one = ToolUse("auto", None, frozenset({"a", "b"}), parallel=False)
+    assert [c["function"]["name"] for c in parse_output(two, one)[1]] == ["a"]
+    unknown = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert parse_output(unknown, AUTO) == (unknown, [])
+    not_an_object = '<tool_call>{"name": "a", "arguments": "[1, 2]"}</tool_call>'
+    assert parse_output(not_an_object, AUTO) == (not_an_object, [])
 
 
 def _run(stream: ToolCallStream, pieces: list[str]) -> tuple[list[dict], str | None]:
@@ -107,7 +145,7 @@ def _run(stream: ToolCallStream, pieces: list[str]) -> tuple[list[dict], str | N
 
 
 def test_a_named_call_streams_its_name_first_then_argument_fragments():
-    deltas, reason = _run(ToolCallStream("named", "get_weather"), ['{"ci', 'ty": "Pa', 'ris"}', ""])
+    deltas, reason = _run(ToolCallStream(ToolUse("named", "get_weather")), ['{"ci', 'ty": "Pa', 'ris"}', ""])
     first = deltas[0]["tool_calls"][0]
     assert first["function"]["name"] == "get_weather" and first["id"].startswith("call_") and first["index"] == 0
     assert "name" not in deltas[1]["tool_calls"][0]["function"]
@@ -116,12 +154,12 @@ def test_a_named_call_streams_its_name_first_then_argument_fragments():
 
 
 def test_auto_streams_text_at_once_holds_back_a_possible_tag_and_sends_calls_at_the_end():
-    stream = ToolCallStream("auto", None)
+    stream = ToolCallStream(AUTO)
     assert stream.delta("Sure. <tool", None) == ({"content": "Sure. "}, None)  # "<tool" may open a tag
     assert stream.delta('_call>{"name": "a", ', None) == (None, None)
     delta, reason = stream.delta('"arguments": {"k": 1}}</tool_call>', "stop")
     assert reason == "tool_calls" and "content" not in delta
     assert delta["tool_calls"][0]["function"] == {"name": "a", "arguments": '{"k": 1}'}
-    plain = ToolCallStream("auto", None)
+    plain = ToolCallStream(AUTO)
     assert _run(plain, ["a <t", "ea"]) == ([{"content": "a "}, {"content": "<tea"}], "stop")
-    assert _run(ToolCallStream("auto", None), ["a <b", "> c"]) == ([{"content": "a <b"}, {"content": "> c"}], "stop")
+    assert _run(ToolCallStream(AUTO), ["a <b", "> c"]) == ([{"content": "a <b"}, {"content": "> c"}], "stop")

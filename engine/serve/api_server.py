@@ -35,6 +35,7 @@ from kvharbor.common.openai_api import (
 )
 from kvharbor.common.request_body import Parsed, document_bodies, parse_body
 from kvharbor.common.request_limits import RequestLimits
+from kvharbor.common.tool_calls import ToolUse
 from kvharbor.common.tracing import extract, setup_tracing
 from kvharbor.engine.core_io import (
     AdapterInUse,
@@ -435,12 +436,9 @@ def step_error(failure: Failure) -> APIError:
     return APIError(500, f"the engine failed on this request: {failure.message}", type="internal_error")
 
 
-def _tools(body: Any) -> tuple[str, str | None]:
-    """A chat request's tool mode and named function (common/tool_calls.py); completions: none."""
-    if not isinstance(body, ChatCompletionRequest):
-        return "none", None
-    mode = body.tool_mode()
-    return mode, body.tool_choice.function.name if mode == "named" else None
+def _tools(body: Any) -> ToolUse:
+    """A chat request's tools (common/tool_calls.py); completions: none."""
+    return body.tool_use() if isinstance(body, ChatCompletionRequest) else ToolUse()
 
 
 class _Run:

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from kvharbor.common.tokenizer import Tokenizer
+from kvharbor.common.tool_calls import ToolUse
 from kvharbor.engine.outputs import CompletionOutput, RequestOutput
 from kvharbor.engine.request import Logprob
 from kvharbor.engine.serve.tool_responses import ToolCallStream, tool_message
@@ -54,11 +55,10 @@ class ResponseBuilder:
         n: int,
         token_ids: bool = False,
         text_offset: int = 0,
-        tools: tuple[str, str | None] = ("none", None),
+        tools: ToolUse | None = None,
     ) -> None:
         self.kind = kind
-        # Chat with tools: (mode, the named function) as common/tool_calls.py has them.
-        self.tool_mode, self.tool_named = tools
+        self.tools = tools or ToolUse()  # a chat's tools (common/tool_calls.py): what they make of its output
         self._tool_streams: dict[int, ToolCallStream] = {}
         self.text_offset = text_offset  # where each choice's text starts in the client's (completions' logprobs)
         self.token_ids = token_ids  # vLLM's return_token_ids: each choice carries its (delta) token ids
@@ -120,8 +120,8 @@ class ResponseBuilder:
         lps = sample.logprobs or []
         if self.kind == "chat":
             message, reason = {"role": "assistant", "content": sample.text}, finish_reason(sample)
-            if self.tool_mode != "none":
-                message, reason = tool_message(sample.text, reason, self.tool_mode, self.tool_named)
+            if self.tools.mode != "none":
+                message, reason = tool_message(sample.text, reason, self.tools)
             choice = {
                 "index": index,
                 "message": message,
@@ -159,8 +159,8 @@ class ResponseBuilder:
         if self.kind == "chat":
             lp = self.chat_logprobs(sample.delta_logprobs) if want_logprobs else None
             delta = {"content": sample.delta_text} if sample.delta_text or reason is None else {}
-            if self.tool_mode != "none":
-                stream = self._tool_streams.setdefault(index, ToolCallStream(self.tool_mode, self.tool_named))
+            if self.tools.mode != "none":
+                stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools))
                 delta, reason = stream.delta(sample.delta_text, reason)
                 if delta is None:
                     return None

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvharbor.common.tool_calls import OPEN, new_call_id, parse_output
+from kvharbor.common.tool_calls import OPEN, ToolUse, new_call_id, parse_output
 
 
-def tool_message(text: str, finish: str | None, mode: str, named: str | None) -> tuple[dict[str, Any], str | None]:
+def tool_message(text: str, finish: str | None, use: ToolUse) -> tuple[dict[str, Any], str | None]:
     """The assistant message and finish reason of a finished sample. An output cut by max_tokens
-    is parsed only for a named call (its arguments as far as they got); otherwise it stays text."""
-    if finish != "stop" and mode != "named":
+    keeps the calls it completed (finish "length" says the rest was cut; a named call: its
+    arguments as far as they got); one that completed none stays text."""
+    if finish not in ("stop", "length") and use.mode != "named":
         return {"role": "assistant", "content": text}, finish
-    content, calls = parse_output(text, mode, named)
+    content, calls = parse_output(text, use, finished=finish == "stop")
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if calls:
         message["tool_calls"] = calls
@@ -30,8 +31,9 @@ def tool_message(text: str, finish: str | None, mode: str, named: str | None) ->
 class ToolCallStream:
     """One choice's stream: turns text deltas into content and tool-call deltas."""
 
-    def __init__(self, mode: str, named: str | None) -> None:
-        self.mode, self.named = mode, named
+    def __init__(self, use: ToolUse) -> None:
+        self.use = use
+        self.mode, self.named = use.mode, use.named
         self._text = ""  # everything generated so far
         self._sent = 0  # of it, how much went out as content (auto)
         self._opened = False  # named: the call's id and name went out
@@ -43,7 +45,7 @@ class ToolCallStream:
             return self._named(text, finish)
         if finish is None:
             return self._content_so_far(), None
-        message, reason = tool_message(self._text, finish, self.mode, self.named)
+        message, reason = tool_message(self._text, finish, self.use)
         calls = message.get("tool_calls") or []
         delta: dict[str, Any] = {}
         if calls:
