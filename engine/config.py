@@ -250,6 +250,14 @@ class ServerConfig(TracedListenConfig):
         "hot (a prefix once it is reused here, and evicted blocks), evict (before a cached block is reused), off",
     )
     drain_timeout: float = opt(30.0, "seconds SIGTERM waits for in-flight requests before aborting them")
+    max_waiting_requests: int = opt(
+        256, "requests (a completions prompt list: each prompt) that may wait in this engine for their first token; "
+        "429 beyond",
+    )  # fmt: skip
+    max_waiting_tokens: int = opt(
+        262144, "prompt tokens that may wait in this engine for their first token; 429 beyond (a request alone is "
+        "always taken)",
+    )  # fmt: skip
     core_add_timeout: float = opt(
         60.0, "seconds the API server waits for its engine core to take a request (a grammar's compile and KV "
         "pulls included) before answering 504 (keep it above kv_transfer_timeout)",
@@ -272,6 +280,8 @@ class ServerConfig(TracedListenConfig):
             raise ValueError(f"api_server_nice must be in 0..19, got {self.api_server_nice}")
         if self.drain_timeout < 0:
             raise ValueError(f"drain_timeout must be >= 0, got {self.drain_timeout}")
+        if self.max_waiting_requests < 1 or self.max_waiting_tokens < 1:
+            raise ValueError("max_waiting_requests and max_waiting_tokens must be >= 1")
         if not self.core_add_timeout > 0:
             raise ValueError(f"core_add_timeout must be > 0 seconds, got {self.core_add_timeout}")
         if self.max_body_bytes < 1024:

@@ -35,9 +35,10 @@ class EngineFailed(Exception):
     counts the failure against the engine, called by with_retries only once another engine
     serves the request; None when it was counted already (or is not the engine's: draining)."""
 
-    def __init__(self, message: str, blame: Callable[[], None] | None = None) -> None:
+    def __init__(self, message: str, blame: Callable[[], None] | None = None, busy: bool = False) -> None:
         super().__init__(message)
         self.blame = blame
+        self.busy = busy  # the engine's queue was full (its 429): another may have room; no one's fault
 
 
 class EngineRefused(APIError):
@@ -73,7 +74,10 @@ def _engine_error(resp_status: int, text: str) -> EngineRefused:
 
 def _lost_model(engine: Engine, error: APIError) -> Exception:
     """The error to raise for an engine's 4xx: EngineFailed (retry elsewhere) when the engine no
-    longer serves the model it was routed for, which the gateway checked, so not the client's fault."""
+    longer serves the model it was routed for, which the gateway checked, or its queue is full
+    (a 429: another engine may have room), so not the client's fault."""
+    if error.status == 429:
+        return EngineFailed(f"{engine.url}: {error.message}", busy=True)
     if error.status == 404 and error.code == "model_not_found":
         log.warning("engine no longer serves the model; trying another", extra={"engine": engine.url})
         return EngineFailed(f"{engine.url}: {error.message}")
@@ -224,6 +228,11 @@ async def with_retries(
         _blame(failures)
         return result
     last = failures[-1] if failures else None
+    if failures and all(f.busy for f in failures):
+        raise APIError(
+            429, f"every engine tried has a full queue ({last}); retry shortly", type="rate_limit_error",
+            code="engine_queue_full", headers={"Retry-After": "1"},
+        )  # fmt: skip
     if len(tried) == 1:  # one engine: nothing to tell the request's fault from the engine's
         _blame(failures)
     elif all(f.blame is not None for f in failures):  # two engines at least, alike

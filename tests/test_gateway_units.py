@@ -483,6 +483,44 @@ def test_a_request_an_engine_refuses_as_its_own_fault_is_not_retried_nor_blamed(
     asyncio.run(main())
 
 
+def test_an_engine_with_a_full_queue_is_passed_over_and_every_one_full_is_a_429():
+    """Issue 47: an engine's 429 (its max_waiting_requests) is no one's fault: another engine is
+    tried, none is blamed; when every engine tried is full the client gets the 429."""
+    import httpx
+
+    from kvharbor.common.openai_api import APIError
+    from kvharbor.gateway.proxy import with_retries
+
+    full = '{"error":{"message":"queue full","type":"rate_limit_error","code":"engine_queue_full"}}'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host.startswith("full"):
+            return httpx.Response(429, content=full, headers={"Retry-After": "1"})
+        return httpx.Response(200, json={"choices": [], "usage": {}})
+
+    async def main():
+        caller, _pool = _caller(handler)
+        full1, full2, roomy = (Engine(f"http://{h}", "m") for h in ("full1", "full2", "roomy"))
+
+        async def run(e):
+            return await caller.call(e, "/v1/completions", {}, {})
+
+        async def then(engine):
+            async def pick_next(tried):
+                return engine
+
+            return pick_next
+
+        await with_retries(3, full1, await then(roomy), run)
+        with pytest.raises(APIError) as err:
+            await with_retries(2, full1, await then(full2), run)
+        assert err.value.status == 429 and err.value.code == "engine_queue_full"
+        assert full1.failures == full2.failures == roomy.failures == 0
+        await caller.http.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_request_that_fails_on_every_engine_is_blamed_not_the_engines():
     """A poison request (500, or an error event before the first token, from each engine tried)
     ends in a 500 for the client and counts against no engine: sent a few times, it would

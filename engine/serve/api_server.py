@@ -68,6 +68,7 @@ class ServerState:
     instance_id: str
     max_body_bytes: int
     limits: RequestLimits = field(default_factory=RequestLimits)
+    max_waiting: tuple[int, int] = (256, 262144)  # requests and prompt tokens that may wait for a first token
     draining: bool = False
     ready: bool = True
     shared_store: bool = False  # the core has a shared block store (--redis-url)
@@ -198,6 +199,24 @@ class _Routes:
                 400, "this engine has role prefill: send continuations to a decode engine", param="kv_transfer_params"
             )
 
+    def _check_queue(self, batch: list[list[int]]) -> None:
+        """429 when the request would take this engine's queue (requests with no first token
+        yet) past max_waiting_requests or max_waiting_tokens; an empty queue takes anything."""
+        waiting, tokens = self.loop.queued
+        if not waiting:
+            return
+        most_requests, most_tokens = self.state.max_waiting
+        over = None
+        if waiting + len(batch) > most_requests:
+            over = f"{waiting} requests wait here for their first token, and its limit is {most_requests} " \
+                   "(max_waiting_requests)"  # fmt: skip
+        elif tokens + sum(map(len, batch)) > most_tokens:
+            over = f"{tokens} prompt tokens wait here, and its limit is {most_tokens} (max_waiting_tokens)"
+        if over is not None:
+            raise APIError(429, f"this engine's queue is full: {over}; retry shortly or on another engine",
+                           type="rate_limit_error", code="engine_queue_full",
+                           headers={"Retry-After": "1"})  # fmt: skip
+
     async def _submit(
         self, rid: str, ids: list[int], params: SamplingParams, body: Any, lora: str | None, lease: str | None
     ) -> RequestStream:
@@ -281,6 +300,7 @@ class _Routes:
     ) -> Response:
         body = parsed.body
         self._check_transfer(body, len(batch))
+        self._check_queue(batch)
         hand_off = body.kv_transfer_params is not None and body.kv_transfer_params.do_remote_decode
         lease = new_lease_key(rid) if hand_off else None  # one prompt (_check_transfer): its id is rid
         params = self._params(body)

@@ -88,6 +88,7 @@ class CoreClient:
         self.proc: subprocess.Popen | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._streams: dict[str, RequestStream] = {}
+        self._waiting: dict[str, int] = {}  # requests with no output yet -> their prompt tokens
         self._added: dict[str, asyncio.Future] = {}
         self._lora_ops: dict[int, asyncio.Future] = {}
         self._ops = 0
@@ -168,6 +169,12 @@ class CoreClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def queued(self) -> tuple[int, int]:
+        """Requests sent to the core that have no output yet, and their prompt tokens: this
+        engine's queue as its API server counts it (exact, unlike a load report's snapshot)."""
+        return len(self._waiting), sum(self._waiting.values())
+
     # -- requests ------------------------------------------------------------------------------------
 
     async def add(self, request: EngineRequest) -> RequestStream:
@@ -180,6 +187,7 @@ class CoreClient:
         self._added[rid] = done
         # NOTE: tracked before the core hears of it: its first outputs may overtake the reply.
         stream = self._streams[rid] = RequestStream()
+        self._waiting[rid] = len(request.prompt_token_ids)
         self.processor.add(rid, None, request.prompt_token_ids, request.params)
         timeout = self.config.server.core_add_timeout
         try:
@@ -196,6 +204,7 @@ class CoreClient:
                 ) from None
         except BaseException:
             self._streams.pop(rid, None)
+            self._waiting.pop(rid, None)
             self.processor.forget(rid)
             raise
         finally:
@@ -262,6 +271,8 @@ class CoreClient:
             self._fail(EngineDead(f"the engine core process exited (code {code})"))
 
     def _deliver(self, now: float, outputs: list[CoreOutput]) -> None:
+        for out in outputs:
+            self._waiting.pop(out.request_id, None)
         results, stops = self.processor.process(outputs)
         for stop in stops:
             self._send(["stop", stop.request_id, stop.index, stop.num_output_tokens, stop.stop_string])
@@ -288,6 +299,7 @@ class CoreClient:
         for stream in self._streams.values():
             stream.put(exc)
         self._streams.clear()
+        self._waiting.clear()
         for done in [*self._added.values(), *self._lora_ops.values()]:
             if not done.done():
                 done.set_exception(exc)

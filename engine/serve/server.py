@@ -76,6 +76,7 @@ class EngineServer:
             self.instance_id,
             srv.max_body_bytes,
             limits=config.engine.limits,
+            max_waiting=(srv.max_waiting_requests, srv.max_waiting_tokens),
             shared_store=bool(srv.redis_url),
             allow_runtime_lora=srv.allow_runtime_lora,
             slo=SLOWindow(srv.slo_ttft_ms / 1000, srv.slo_itl_ms / 1000, srv.slo_window),
