@@ -35,6 +35,11 @@ class LoadReport:
     context_tokens: int = 0  # tokens the running sequences hold now (prompt + output): their next step's context
     spec_acceptance_rate: float | None = None  # None: no speculation yet
     draining: bool = False
+    # Heartbeats (DESIGN.md, busy is not dead): steps the engine core has run, and seconds since its
+    # API server last heard from the core. Steps that stand still while requests wait or run, or a
+    # silent core, is a stall; a late /load answer from a busy engine is not (gateway/engines.py).
+    steps: int = 0
+    core_silent_s: float = 0.0
     in_flight: int = 0  # requests the server holds open
     slo_requests: int = 0  # finished requests slo_attainment covers
     slo_attainment: float | None = None  # share of them that met TTFT and ITL; None without any

@@ -412,6 +412,7 @@ class EngineCore:
             running=len(running),
             waiting=len(waiting),
             waiting_prefill_tokens=prefill,
+            steps=stats.steps,
             context_tokens=sum(r.num_tokens for r in running),
             kv_blocks_total=self.kv.num_usable_blocks,
             kv_blocks_free=self.pool.num_free,

@@ -127,6 +127,11 @@ class ResilienceConfig:
         2, "times one stream may move to another engine when its engine fails mid-way (0: the stream ends instead)"
     )
     eject_after_failures: int = opt(3, "consecutive failures that eject an engine until it is healthy again")
+    engine_stall_timeout: float = opt(
+        10.0, "seconds an engine may go without answering /load, or answer with its core silent or its steps "
+        "still while it has requests, before it counts as stalled: ejected, and the requests waiting on it for "
+        "their first token moved (a busy engine answers /load late; it is not ejected for that)",
+    )  # fmt: skip
     max_body_bytes: int = opt(4_000_000, "largest accepted request body (413 above)")
     max_prompt_tokens: int = opt(32768, "longest accepted prompt, in tokens (400 above)")
 
@@ -135,6 +140,8 @@ class ResilienceConfig:
             raise ValueError("max_attempts and eject_after_failures must be >= 1")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if not self.engine_stall_timeout > 0:
+            raise ValueError(f"engine_stall_timeout must be > 0 seconds, got {self.engine_stall_timeout}")
         if self.stream_deadline <= 0 or self.stream_idle_timeout <= 0:
             raise ValueError("stream_deadline and stream_idle_timeout must be > 0 seconds")
 

@@ -1,9 +1,17 @@
 """The engine instances behind the gateway, their load, and their health.
 
-Active checks: every `interval` each engine's `/load` is polled; it tells the load (common/load_report.py)
-and, by answering, that the engine is alive. Passive checks: the proxy reports failed calls.
-`eject_after` consecutive failures (or one refused connection) eject an engine from routing; it
-keeps being polled and returns with its first good answer. A draining engine is not routed to.
+Active checks: every `interval` each engine's `/load` is polled (each engine on its own: a slow one
+holds up no other's); it tells the load (common/load_report.py) and, by answering, that the engine
+is alive. Passive checks: the proxy reports failed calls. `eject_after` consecutive failures (or
+one refused connection) eject an engine from routing; it keeps being polled and returns with its
+first good answer. A draining engine is not routed to.
+
+Busy is not dead (DESIGN.md). A /load answer that comes late, or not within a poll's timeout, is
+what a busy engine does (its API server runs at a lower CPU priority than its core): it counts
+as nothing until the engine has gone `stall_timeout` seconds without an answer. An engine that
+answers but whose core has stalled (its `steps` stand still while it has requests, or its API
+server has not heard from the core: `core_silent_s`) is ejected after the same time. An ejection
+moves the requests still waiting on that engine for their first token (Engine.lost).
 """
 
 from __future__ import annotations
@@ -58,6 +66,24 @@ class Engine:
     sent: set[Sent] = field(default_factory=set)  # requests this gateway has open on it
     kind: str = "kvharbor"  # kvharbor | vllm: how its load is read and what its requests carry
     priority_scheduling: bool = False  # a vLLM engine run with --scheduling-policy priority (--vllm-priority)
+    answered_at: float = field(default_factory=time.monotonic)  # its /load's last answer (or when it was added)
+    progressed_at: float = field(default_factory=time.monotonic)  # its steps last moved (or it had no work)
+    _lost: asyncio.Event | None = field(default=None, repr=False)  # set while it is ejected
+
+    async def lost(self) -> None:
+        """Returns once the engine is ejected (at once if it is): a request waiting on it for its
+        first token moves to another (gateway/proxy.py)."""
+        if self._lost is None:
+            self._lost = asyncio.Event()
+            if self.ejected:
+                self._lost.set()
+        await self._lost.wait()
+
+    def _set_lost(self, lost: bool) -> None:
+        if self._lost is not None and lost:
+            self._lost.set()
+        elif self._lost is not None and self._lost.is_set():
+            self._lost = None  # back in rotation: a fresh event for the next ejection
 
     @property
     def routable(self) -> bool:
@@ -136,10 +162,12 @@ class EnginePool:
         interval: float = 0.5,
         on_change: Callable[[], None] = lambda: None,
         vllm_priority: bool = False,
+        stall_timeout: float = 10.0,
     ) -> None:
         self.client = client
         self.eject_after = eject_after
         self.interval = interval
+        self.stall_timeout = stall_timeout  # seconds without an answer, or without progress, that eject
         self.vllm_priority = vllm_priority  # vLLM engines take a priority (gateway/config.py vllm_priority)
         self.on_change = on_change  # wakes the admission queue when capacity may have appeared
         self._engines: dict[str, Engine] = {}
@@ -175,6 +203,7 @@ class EnginePool:
             engine.cooldown_until = time.monotonic() + COOLDOWN_S
         if not engine.ejected and (hard or engine.failures >= self.eject_after):
             engine.ejected = True
+            engine._set_lost(True)
             self.ejections += 1
             log.warning("engine ejected", extra={"engine": engine.url, "reason": reason, "failures": engine.failures})
 
@@ -184,6 +213,7 @@ class EnginePool:
         engine.failures = 0
         if engine.ejected:
             engine.ejected = False
+            engine._set_lost(False)
             log.info("engine healthy again; back in rotation", extra={"engine": engine.url})
             self.on_change()
 
@@ -191,9 +221,17 @@ class EnginePool:
         sent_at = time.monotonic()
         try:
             load = await self._read_load(engine)
+        except httpx.TimeoutException:
+            self._late(engine, sent_at)  # busy, until it has been silent for stall_timeout
+            return
         except (httpx.HTTPError, ValueError) as exc:
             why = str(exc)[:200] if isinstance(exc, LoadReportError) else type(exc).__name__  # the reason, not a class
             self.failed(engine, f"/load: {why}", hard=isinstance(exc, httpx.ConnectError), passive=False)
+            return
+        engine.answered_at = time.monotonic()
+        if (stall := self._stall(engine, load, sent_at)) is not None:
+            engine.load, engine.polled_at = load, sent_at
+            self.failed(engine, stall, hard=True, passive=False)
             return
         engine.load, engine.polled_at = load, sent_at
         engine.instance_id = load.instance_id or engine.instance_id
@@ -205,10 +243,36 @@ class EnginePool:
             log.info("engine up", extra={"engine": engine.url, "instance_id": engine.instance_id})
         self.on_change()
 
+    def _late(self, engine: Engine, now: float) -> None:
+        silent = now - engine.answered_at
+        if silent >= self.stall_timeout:
+            self.failed(engine, f"stalled: /load unanswered for {silent:.0f} s", hard=True, passive=False)
+
+    def _stall(self, engine: Engine, load: LoadReport, now: float) -> str | None:
+        """Why an engine that answered is stalled, or None: its core silent past stall_timeout,
+        or its steps still that long while it has requests."""
+        if load.core_silent_s >= self.stall_timeout:
+            return f"stalled: its engine core silent for {load.core_silent_s:.0f} s"
+        moved = load.steps != engine.load.steps or load.queue == 0 or engine.kind != "kvharbor"
+        if moved or not engine.polled:
+            engine.progressed_at = now
+            return None
+        still = now - engine.progressed_at
+        if still >= self.stall_timeout:
+            return f"stalled: no engine step in {still:.0f} s with {load.queue} requests"
+        return None
+
+    def poll_timeout(self, engine: Engine) -> float:
+        """A poll's timeout: short while the engine answers; once it is late, what is left of its
+        stall window (at least that short one), so a busy engine's late answer still counts."""
+        quick = max(1.0, self.interval * 2)
+        left = self.stall_timeout - (time.monotonic() - engine.answered_at)
+        return max(quick, left) if time.monotonic() - engine.answered_at > quick else quick
+
     async def _read_load(self, engine: Engine) -> LoadReport:
         """kvharbor's /load, or a vLLM server's /metrics mapped onto a LoadReport: by the kind
         discovery gave the engine, never guessed from what an answer looks like."""
-        timeout = max(1.0, self.interval * 2)
+        timeout = self.poll_timeout(engine)
         if engine.kind == "vllm":
             resp = await self.client.get(engine.url + "/metrics", timeout=timeout)
             resp.raise_for_status()
@@ -222,15 +286,25 @@ class EnginePool:
         return LoadReport.from_json(resp.json())
 
     async def poll_forever(self) -> None:
-        while True:
-            started = time.monotonic()
-            results = await asyncio.gather(
-                *(self.poll_once(e) for e in list(self._engines.values())), return_exceptions=True
-            )
-            for err in results:
-                if isinstance(err, Exception):  # a bug must not end health checking for good
-                    log.error("engine poll failed unexpectedly", exc_info=err)
-            await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+        """Poll every engine each `interval`, each on its own: a poll still waiting on a late
+        engine is not started again, and holds up no other engine's."""
+        polls: dict[str, asyncio.Task] = {}
+        try:
+            while True:
+                started = time.monotonic()
+                for engine in list(self._engines.values()):
+                    task = polls.get(engine.url)
+                    if task is not None and not task.done():
+                        continue
+                    if task is not None and not task.cancelled() and task.exception() is not None:
+                        log.error("engine poll failed unexpectedly", exc_info=task.exception())  # a bug: go on
+                    polls[engine.url] = asyncio.create_task(self.poll_once(engine))
+                for url in [u for u in polls if u not in self._engines]:
+                    polls.pop(url).cancel()
+                await asyncio.sleep(max(0.0, self.interval - (time.monotonic() - started)))
+        finally:
+            for task in polls.values():
+                task.cancel()
 
 
 ENGINE_KINDS = ("kvharbor", "vllm")

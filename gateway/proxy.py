@@ -13,12 +13,14 @@ timeout).
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 import httpx
 
@@ -28,6 +30,7 @@ from kvharbor.gateway.engines import Engine, EnginePool
 from kvharbor.gateway.relay import EngineStream
 
 log = logging.getLogger("kvharbor.gateway.proxy")
+T = TypeVar("T")
 
 
 class EngineFailed(Exception):
@@ -102,7 +105,10 @@ class EngineCaller:
 
     async def call(self, engine: Engine, path: str, payload: dict, headers: dict[str, str]) -> tuple[bytes, dict]:
         """One unstreamed call: (the engine's JSON as sent, its usage). Raises EngineFailed (retry
-        elsewhere) or APIError (the client's fault)."""
+        elsewhere: the engine is ejected meanwhile too) or APIError (the client's fault)."""
+        return await _unless_lost(engine, self._call(engine, path, payload, headers))
+
+    async def _call(self, engine: Engine, path: str, payload: dict, headers: dict[str, str]) -> tuple[bytes, dict]:
         try:
             resp = await self.http.post(
                 engine.url + path, json=payload, headers=headers, timeout=self.unstreamed_timeout
@@ -147,8 +153,11 @@ class EngineCaller:
 
     async def open_stream(self, engine: Engine, path: str, payload: dict, headers: dict[str, str]) -> EngineStream:
         """Open a stream and read up to its first token. Raises EngineFailed (retry elsewhere: no
-        answer, 5xx, an error event or the end before any token) or APIError (the client's fault)
-        before anything reaches the client."""
+        answer, 5xx, an error event or the end before any token, or the engine ejected meanwhile)
+        or APIError (the client's fault) before anything reaches the client."""
+        return await _unless_lost(engine, self._open_stream(engine, path, payload, headers))
+
+    async def _open_stream(self, engine: Engine, path: str, payload: dict, headers: dict[str, str]) -> EngineStream:
         request = self.http.build_request(
             "POST", engine.url + path, json=payload, headers=headers, timeout=self.timeout
         )
@@ -199,6 +208,27 @@ class EngineCaller:
             if event.kind == sse.DONE:
                 return head, None
         raise EngineFailed(f"{engine.url} closed the stream before the first token")
+
+
+async def _unless_lost(engine: Engine, work: Awaitable[T]) -> T:
+    """`work` (a call up to the engine's first token), unless the engine is ejected first (dead or
+    stalled: gateway/engines.py): then the call is dropped (the engine, should it wake, sees the
+    disconnect and aborts) and EngineFailed moves the request to another engine at once."""
+    task = asyncio.ensure_future(work)
+    lost = asyncio.ensure_future(engine.lost())
+    try:
+        await asyncio.wait({task, lost}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.wait({task})  # its connection closed before the next engine is tried
+        log.warning("engine ejected while a request waited for its first token; moving it", extra={
+            "engine": engine.url})  # fmt: skip
+        raise EngineFailed(f"{engine.url} was ejected (dead or stalled) before the first token")
+    finally:
+        lost.cancel()
+        if not task.done():
+            task.cancel()
 
 
 async def with_retries(

@@ -98,7 +98,7 @@ def build_state(config: Any, tracer: Any = None):
     admission = AdmissionQueue(config.admission.max_queue, config.admission.queue_timeout)
     pool = EnginePool(
         http, config.resilience.eject_after_failures, config.routing.load_interval, on_change=admission.wake,
-        vllm_priority=config.serving.vllm_priority,
+        vllm_priority=config.serving.vllm_priority, stall_timeout=config.resilience.engine_stall_timeout,
     )  # fmt: skip
     models, specs = {}, {}
     for spec in discovery.models():

@@ -677,3 +677,126 @@ def test_a_dual_stack_service_counts_each_engine_once():
           "endpoints": [{"addresses": ["fd00::5"]}]}  # fmt: skip
     assert service_urls([v4, v6]) == ["http://10.0.0.5:8000"]
     assert service_urls([v6]) == ["http://[fd00::5]:8000"]  # an IPv6-only cluster
+
+
+# -- busy is not dead (issue 47, items 9 and 10) -----------------------------------------------------
+
+
+def _polled_pool(handler, stall: float):
+    import httpx
+
+    from kvharbor.gateway.engines import EnginePool
+
+    http = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    pool = EnginePool(http, eject_after=3, interval=0.05, stall_timeout=stall)
+    pool.set_engines("m", ["http://e"])
+    return pool, pool.all("m")[0]
+
+
+def test_late_load_answers_are_busy_until_the_stall_window_passes():
+    """Item 10: a prefilling engine's /load timed out three times and it was ejected. Timeouts
+    count as nothing until the engine has gone stall_timeout without an answer."""
+    import httpx
+
+    answer = {"late": False}
+
+    def handler(request):
+        if answer["late"]:
+            raise httpx.ReadTimeout("busy", request=request)
+        return httpx.Response(200, json={"model": "m", "steps": 5})
+
+    async def main():
+        pool, engine = _polled_pool(handler, stall=0.4)
+        await pool.poll_once(engine)
+        answer["late"] = True
+        for _ in range(5):  # five timeouts in 0.25 s: more than eject_after, within the window
+            await pool.poll_once(engine)
+            await asyncio.sleep(0.05)
+        assert engine.routable and engine.failures == 0
+        await asyncio.sleep(0.3)
+        await pool.poll_once(engine)
+        assert engine.ejected  # silent past the window: stalled
+        answer["late"] = False
+        await pool.poll_once(engine)
+        assert engine.routable
+        await pool.client.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_engine_whose_core_stalls_is_ejected_though_it_answers():
+    """A core that runs no step while it has requests, or that its API server no longer hears."""
+    import httpx
+
+    load = {"model": "m", "steps": 7, "running": 1, "core_silent_s": 0.0}
+
+    def handler(request):
+        return httpx.Response(200, json=load)
+
+    async def main():
+        pool, engine = _polled_pool(handler, stall=0.3)
+        await pool.poll_once(engine)
+        await asyncio.sleep(0.2)
+        await pool.poll_once(engine)
+        assert engine.routable  # still within the window
+        load["steps"] = 9  # it stepped: the window starts again
+        await pool.poll_once(engine)
+        await asyncio.sleep(0.2)
+        await pool.poll_once(engine)
+        assert engine.routable
+        await asyncio.sleep(0.15)
+        await pool.poll_once(engine)
+        assert engine.ejected  # no step in 0.35 s with a request running
+        load.update(steps=10, core_silent_s=0.0)
+        await pool.poll_once(engine)
+        assert engine.routable
+        load["core_silent_s"] = 0.5
+        await pool.poll_once(engine)
+        assert engine.ejected
+        idle = {"model": "m", "steps": 3, "running": 0}
+        load.clear()
+        load.update(idle)
+        for _ in range(3):  # an idle engine's steps stand still: that is no stall
+            await pool.poll_once(engine)
+            await asyncio.sleep(0.15)
+        assert engine.routable
+        await pool.client.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_ejection_moves_the_requests_waiting_on_the_engine_at_once():
+    """Item 9: a request kept on a stalled engine got no answer in 100 s. When the engine is
+    ejected, the call waiting for its first token there moves to another engine."""
+    import httpx
+
+    from kvharbor.gateway.proxy import with_retries
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "stalled":
+            await asyncio.sleep(30)
+        return httpx.Response(200, content=_sse('{"choices":[{"delta":{"content":"Hi"}}]}', "[DONE]"))
+
+    async def main():
+        caller, pool = _caller(handler)
+        stalled, good = Engine("http://stalled", "m"), Engine("http://good", "m")
+
+        async def pick_next(tried):
+            return good
+
+        async def run(engine):
+            stream = await caller.open_stream(engine, "/v1/chat/completions", {}, {})
+            return engine.url, [event.line async for event in stream.events()]
+
+        task = asyncio.create_task(with_retries(3, stalled, pick_next, run))
+        await asyncio.sleep(0.2)
+        assert not task.done()
+        started = asyncio.get_running_loop().time()
+        pool.failed(stalled, "stalled: test", hard=True)
+        url, lines = await asyncio.wait_for(task, 5)
+        assert url == "http://good" and any('"Hi"' in line for line in lines)
+        assert asyncio.get_running_loop().time() - started < 2
+        assert good.failures == 0
+        await caller.http.aclose()
+
+    asyncio.run(main())

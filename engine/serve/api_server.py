@@ -434,6 +434,7 @@ class _Routes:
             instance_id=self.state.instance_id,
             draining=self.state.draining,
             in_flight=self.loop.num_in_flight,
+            core_silent_s=round(time.monotonic() - self.loop.heard_at, 2),
             slo_requests=counted,
             slo_attainment=attainment,
         ).to_json()

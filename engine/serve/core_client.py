@@ -92,6 +92,7 @@ class CoreClient:
         self._added: dict[str, asyncio.Future] = {}
         self._lora_ops: dict[int, asyncio.Future] = {}
         self._ops = 0
+        self.heard_at = time.monotonic()  # when the core last sent anything (it reports its load every 50 ms)
         self._reader_task: asyncio.Task | None = None
         self._sock: socket.socket | None = None
         self._stopping = False
@@ -252,6 +253,7 @@ class CoreClient:
         try:
             while True:
                 message = await read_message(reader)
+                self.heard_at = time.monotonic()
                 kind = message[0]
                 if kind == "out":
                     self.load, self.stats = LoadReport.from_json(message[3]), CoreStats.from_wire(message[4])
