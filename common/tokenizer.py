@@ -17,6 +17,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from kvharbor.common.model_families import template_takes_tools
 from kvharbor.common.tool_calls import messages_for_template
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -162,7 +163,7 @@ class Tokenizer:
             raise ValueError("this model has no chat template; send a plain prompt to /v1/completions instead")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
-        takes_tools = "tools" in self.chat_template
+        takes_tools = template_takes_tools(self.chat_template)
         messages = messages_for_template(messages, tools, takes_tools)
         clean = [_check_message(i, m) for i, m in enumerate(messages)]
         if self._template is None:

@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
+from kvharbor.common.model_families import template_takes_tools
+from kvharbor.common.openai_api import message_dicts
 from kvharbor.common.sampling_limits import MAX_CONTINUED_TEXT
+from kvharbor.common.tool_calls import messages_for_template
 
 if TYPE_CHECKING:
     from kvharbor.gateway.call import Call
@@ -71,13 +74,18 @@ def vllm_body(call: Call, body: dict, priority_scheduling: bool = False) -> dict
     as the ids themselves and a chat as its messages (vLLM renders the same template); the tenant's
     salt as vLLM's cache_salt (hashed when vLLM would refuse its characters); the tenant's priority
     negated when the server runs --scheduling-policy priority (vLLM runs lower values first,
-    kvharbor higher), else none (vLLM refuses one under fcfs); none of kvharbor's own fields."""
+    kvharbor higher), else none (vLLM refuses one under fcfs); none of kvharbor's own fields; a chat
+    whose template takes no tools, with its tools and tool turns rendered as kvharbor renders them."""
     out = {k: v for k, v in body.items() if k not in KVHARBOR_ONLY and k != "priority"}
     if priority_scheduling and body.get("priority"):
         out["priority"] = -int(body["priority"])
     ids = out.pop("prompt_token_ids", None)
     if call.kind == "completion":
         out["prompt"] = ids if ids is not None else out.get("prompt")
+    elif not template_takes_tools(call.model.tokenizer.chat_template if call.model.tokenizer else None):
+        # vLLM renders the model's template, which drops `tools` and tool turns it does not take:
+        # it gets them as kvharbor renders them (Hermes' form, which its hermes parser reads).
+        out["messages"] = messages_for_template(message_dicts(call.body.messages), call.body.prompt_tools(), False)
     salt = out.get("cache_salt")
     if not salt:
         out.pop("cache_salt", None)

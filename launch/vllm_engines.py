@@ -130,10 +130,27 @@ def vllm_command(python: str, folder: Path, name: str, port: int, dtype: str, ma
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder), "--served-model-name", name,
            "--host", "127.0.0.1", "--port", str(port), "--block-size", str(VLLM_BLOCK_SIZE), "--dtype", dtype,
            "-O0", "--enable-prefix-caching", "--enable-prompt-tokens-details", "--scheduling-policy", "priority",
-           "--kv-events-config", json.dumps(config)]  # fmt: skip
+           "--kv-events-config", json.dumps(config), *tool_flags(folder)]  # fmt: skip
     return cmd + (["--max-model-len", str(max_model_len)] if max_model_len else [])
 
 
+def tool_flags(folder: Path) -> list[str]:
+    """vLLM's flags for `tools` with tool_choice auto (without them it answers 400), with the
+    parser of what the model writes under kvharbor's prompts (common/model_families.py)."""
+    from kvharbor.common.model_families import template_takes_tools, tool_call_parser, vllm_tool_args
+
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer_config = folder / "tokenizer_config.json"
+    template = json.loads(tokenizer_config.read_text()).get("chat_template") if tokenizer_config.exists() else None
+    template = template if isinstance(template, str) else None  # a list of named templates: not read here
+    parser = tool_call_parser(str(config.get("model_type", "")), template_takes_tools(template))
+    return vllm_tool_args(parser)
+
+
 def vllm_env(kv_cache_bytes: int) -> dict[str, str]:
-    """Both cores for the model, and a KV cache of kv_cache_bytes (whole GiB, at least 1)."""
-    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_cache_bytes / 2**30)))}
+    """Both cores for the model, a KV cache of kv_cache_bytes (whole GiB, at least 1), and forced
+    tool calls as kvharbor engines make them (common/model_families.py)."""
+    from kvharbor.common.model_families import VLLM_TOOL_ENV
+
+    gib = str(max(1, round(kv_cache_bytes / 2**30)))
+    return {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": gib, **VLLM_TOOL_ENV}

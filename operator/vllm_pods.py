@@ -31,6 +31,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from kvharbor.common.model_families import HERMES, VLLM_TOOL_ENV, vllm_tool_args
 from kvharbor.operator.adapters import LoraSpec
 from kvharbor.operator.pod_env import pod_field, redis_secret_env
 
@@ -58,7 +59,8 @@ def engine_kind(spec: Mapping[str, Any]) -> str:
 
 # vLLM flags the operator sets and the kv-bridge, gateway and probes rely on: extraArgs may not move them.
 MANAGED_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--block-size", "--kv-events-config",
-                 "--scheduling-policy", "--tensor-parallel-size", "--max-model-len")  # fmt: skip
+                 "--scheduling-policy", "--tensor-parallel-size", "--max-model-len", "--tool-call-parser",
+                 "--enable-auto-tool-choice", "--structured-outputs-config")  # fmt: skip
 
 
 def check_vllm_spec(spec: Mapping[str, Any]) -> None:
@@ -116,6 +118,8 @@ def vllm_args(spec: Mapping[str, Any], port: int, gpus: int, lora: LoraSpec) -> 
         "--enable-prefix-caching" if engine.get("prefixCaching", True) else "--no-enable-prefix-caching",
         "--scheduling-policy", "priority", "--enable-prompt-tokens-details",
         "--kv-events-config", json.dumps(events, sort_keys=True),
+        # tools with tool_choice auto: vLLM answers 400 without a parser (common/model_families.py)
+        *vllm_tool_args(vllm_section(spec).get("toolCallParser") or HERMES),
     ]  # fmt: skip
     if lora.adapters:
         args += ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank),
@@ -130,7 +134,7 @@ def vllm_container(spec: Mapping[str, Any], image: str, port: int, gpus: int, lo
         "name": "vllm",
         "image": vllm_section(spec).get("image") or image,
         "args": vllm_args(spec, port, gpus, lora),
-        "env": [pod_field("POD_IP", "status.podIP")],
+        "env": [pod_field("POD_IP", "status.podIP"), *({"name": k, "value": v} for k, v in VLLM_TOOL_ENV.items())],
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "resources": {
             "limits": {"nvidia.com/gpu": str(gpus)},

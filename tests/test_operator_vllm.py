@@ -58,8 +58,13 @@ def test_the_vllm_container_runs_the_spec_with_kv_events_per_pod():
                       "replay_endpoint": "tcp://*:5558", "topic": "kv@$(POD_IP)@Qwen2.5-7B-Instruct"}  # fmt: skip
     assert "--enable-prefix-caching" in args and args[-1] == "--enable-chunked-prefill"  # extraArgs last
     assert "--enable-prompt-tokens-details" in args  # cached_tokens in usage, as kvharbor engines report
+    # tools with tool_choice auto (issue 47): vLLM answers 400 without a parser
+    assert "--enable-auto-tool-choice" in args and flag["--tool-call-parser"] == "hermes"
+    own = {**SPEC, "engine": {**SPEC["engine"], "vllm": {**SPEC["engine"]["vllm"], "toolCallParser": "llama3_json"}}}
+    own_args = vllm_objects(own)["Deployment", "qwen-vllm-engine"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert own_args[own_args.index("--tool-call-parser") + 1] == "llama3_json"
     assert args[args.index("--lora-modules") + 1] == "sql=/models/adapters/sql" and "--enable-lora" in args
-    assert {e["name"] for e in vllm["env"]} == {"POD_IP"}  # the kubelet expands $(POD_IP) in args
+    assert {e["name"] for e in vllm["env"]} == {"POD_IP", "VLLM_ENFORCE_STRICT_TOOL_CALLING"}  # $(POD_IP) in args
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert vllm[probe]["httpGet"]["path"] == "/health"  # vLLM has no /ready
     assert vllm["lifecycle"]["preStop"]["sleep"]["seconds"] > 0  # endpoints drop it before its SIGTERM

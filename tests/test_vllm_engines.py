@@ -80,10 +80,14 @@ def test_the_pool_reads_a_vllm_engines_load_from_its_metrics_and_a_kvharbor_engi
     assert not mislabelled.routable  # {"server_load": 0} is not taken for an idle engine
 
 
-def _call(kind: str, body: dict, prompts: list[list[int]]):
+def _call(kind: str, body: dict, prompts: list[list[int]], template: str = "{{ messages }}"):
+    from kvharbor.common.openai_api import ChatCompletionRequest, CompletionRequest
+
     tenant = SimpleNamespace(cache_salt="tenant:acme", priority=5, name="acme")
+    parsed = (ChatCompletionRequest if kind == "chat" else CompletionRequest).model_validate(body)
+    model = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=template))
     return SimpleNamespace(kind=kind, raw=body, prompts=prompts, tenant=tenant, engine_rid="rid.1234",
-                           transfer=None, body=SimpleNamespace(stream=False))  # fmt: skip
+                           transfer=None, body=parsed, model=model)  # fmt: skip
 
 
 ROUTE = SimpleNamespace(kv_prefix_source=lambda engine: "shared")
@@ -111,6 +115,36 @@ def test_a_vllm_engine_gets_a_body_it_reads_as_meant():
                            SimpleNamespace(kind="kvharbor"), False)  # fmt: skip
     assert kvharbor["prompt_token_ids"] == [1] and kvharbor["priority"] == 5
     assert kvharbor["kv_prefix_source"] == "shared"
+
+
+def test_a_vllm_engine_gets_tools_in_the_form_its_parser_reads():
+    """Issue 47, item 6: vLLM renders the model's own template, which drops the tools of one that
+    takes none (SmolLM2's): it gets the messages as kvharbor renders them, the tools in Hermes'
+    system message and earlier calls as <tool_call> blocks, which its hermes parser reads."""
+    vllm = SimpleNamespace(kind="vllm", priority_scheduling=False)
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    body = {"model": "m", "messages": messages, "tools": [tool]}
+    out = engine_body(_call("chat", body, [[1]]), ROUTE, vllm, False)
+    assert out["messages"][0]["role"] == "system" and "<tools>" in out["messages"][0]["content"]
+    assert "<tool_call>" in out["messages"][2]["content"] and "<tool_response>" in out["messages"][3]["content"]
+    assert out["tools"] == [tool]  # vLLM still needs them: its parser and forced calls
+    own = engine_body(_call("chat", body, [[1]], template="{% for t in tools %}{% endfor %}"), ROUTE, vllm, False)
+    assert own["messages"] == messages  # a template that takes tools renders them itself
+
+
+def test_vllm_is_started_with_the_tool_parser_of_what_the_model_writes(tmp_path):
+    import json
+
+    from kvharbor.launch.vllm_engines import tool_flags
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
+    assert tool_flags(tmp_path)[:3] == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ tools }}"}))
+    assert tool_flags(tmp_path)[2] == "llama3_json"  # Llama 3.1's own template
 
 
 def test_static_discovery_takes_vllm_addresses_and_refuses_bad_ones():
