@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvharbor.common.block_hash import BlockHash, namespace_hash
+from kvharbor.common.field_error import FieldError
 from kvharbor.common.load_report import LoadReport
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.core_io import (
@@ -130,25 +131,27 @@ class EngineCore:
         # needs the core: its vocabulary, context, --max-n, the ids and leases in flight.
         params, request_id, hand_off, first_token = req.params, req.request_id, req.hand_off, req.first_token
         if request_id in self._groups:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise FieldError("request_id", f"request id {request_id!r} is already in use")
         ids = self._check_prompt(req.prompt_token_ids)
         if params.n > self.config.limits.max_n:
-            raise ValueError(f"n={params.n} exceeds the engine's limit of {self.config.limits.max_n} (--max-n)")
+            raise FieldError("n", f"n={params.n} exceeds the engine's limit of {self.config.limits.max_n} (--max-n)")
         params.check_vocab(self.arch.vocab_size)
         self._check_handoff(params, hand_off, first_token)
         room = self.max_model_len - len(ids)
         if room < 1:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but this model's context is {self.max_model_len}: "
-                "shorten the prompt (at least one token must be generated)"
+            raise FieldError(
+                "prompt", f"the prompt has {len(ids)} tokens but this model's context is {self.max_model_len}: "
+                "shorten the prompt (at least one token must be generated)",
             )
         if params.min_tokens > min(room, params.max_tokens or room):
-            raise ValueError(
+            raise FieldError(
+                "min_tokens",
                 f"min_tokens={params.min_tokens} plus the {len(ids)}-token prompt exceeds the model's context "
                 f"of {self.max_model_len} tokens: ask for at most {room}"
             )
         if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
+            raise FieldError(
+                "max_tokens",
                 f"max_tokens={params.max_tokens} plus the {len(ids)}-token prompt exceeds the model's context "
                 f"of {self.max_model_len} tokens: ask for at most {room}"
             )
@@ -187,7 +190,7 @@ class EngineCore:
         """A migrated stream's grammar, walked over its output so far (the prompt's last `count`
         tokens), so the next token continues the structure where the last engine left it."""
         if count > len(ids):
-            raise ValueError(f"continued_tokens={count} exceeds the prompt's {len(ids)} tokens")
+            raise FieldError("continued_tokens", f"continued_tokens={count} exceeds the prompt's {len(ids)} tokens")
         for token in ids[len(ids) - count :]:
             guide.advance(token)
         if guide.error is not None:
@@ -245,9 +248,9 @@ class EngineCore:
         ids = list(prompt_token_ids)
         bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.arch.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"token id {bad!r} is outside the vocabulary [0, {self.arch.vocab_size})")
+            raise FieldError("prompt", f"token id {bad!r} is outside the vocabulary [0, {self.arch.vocab_size})")
         if not ids:
-            raise ValueError("the prompt is empty: send at least one token")
+            raise FieldError("prompt", "the prompt is empty: send at least one token")
         return ids
 
     def _register(self, group: _Group, request: Request) -> None:

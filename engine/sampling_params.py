@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from kvharbor.common import sampling_limits as lim
+from kvharbor.common.field_error import FieldError
 
 _RANGED = {
     "temperature": lim.TEMPERATURE,
@@ -87,7 +88,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         def bad(msg: str) -> ValueError:
-            return ValueError(f"invalid sampling parameter: {msg}")
+            field = msg.split(" ", 1)[0].split("=", 1)[0]  # every message opens with the field's name
+            return FieldError(field, f"invalid sampling parameter: {msg}")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad(f"n must be an integer >= 1, got {self.n!r}")
@@ -140,6 +142,7 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ValueError if a token id named by these params is outside the vocabulary."""
-        for tok in list(self.stop_token_ids) + list(self.logit_bias or {}):
-            if not 0 <= int(tok) < vocab_size:
-                raise ValueError(f"token id {tok} is outside the vocabulary [0, {vocab_size})")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or {}))):
+            for tok in ids:
+                if not 0 <= int(tok) < vocab_size:
+                    raise FieldError(name, f"{name}: token id {tok} is outside the vocabulary [0, {vocab_size})")

@@ -38,7 +38,7 @@ def test_an_unexpected_failure_while_taking_a_request_is_answered():
     wire = _request().to_wire()
     proc._pending["r1"] = False
     asyncio.run(proc._add(wire))
-    ((kind, rid, imported, message, error_kind),) = sent
+    ((kind, rid, imported, message, error_kind, _field),) = sent
     assert (kind, rid, imported, error_kind) == ("added", "r1", None, "internal")
     assert "KeyError" in message and "r1" not in proc._pending
 
@@ -58,7 +58,7 @@ def test_a_grammar_that_compiles_too_slowly_is_the_requests_400():
     proc.board = SimpleNamespace(inc=lambda *a, **k: None)
     wire = _request(structured={"kind": "regex", "value": "a+"}).to_wire()
     asyncio.run(proc._add(wire))
-    ((_kind, _rid, _imported, message, error_kind),) = sent
+    ((_kind, _rid, _imported, message, error_kind, _field),) = sent
     assert error_kind == "structured" and "did not compile within 0.05 s" in message
 
 
@@ -67,7 +67,7 @@ def test_an_add_the_core_never_answers_times_out_and_is_aborted():
     written: list[bytes] = []
     client.config = SimpleNamespace(server=SimpleNamespace(core_add_timeout=0.1))
     client.proc = SimpleNamespace(poll=lambda: None)
-    client.error, client._streams, client._added = None, {}, {}
+    client.error, client._streams, client._added, client._waiting = None, {}, {}, {}
     client._writer = SimpleNamespace(is_closing=lambda: False, write=written.append)
     client.processor = SimpleNamespace(add=lambda *a: None, forget=lambda rid: None)
 

@@ -175,7 +175,7 @@ class _Routes:
         try:
             params = SamplingParams(**kwargs)
         except ValueError as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), param=getattr(exc, "field", None)) from None
         return params
 
     def _check_transfer(self, body: Any, prompts: int) -> None:
@@ -239,10 +239,11 @@ class _Routes:
         except UnknownModel as exc:  # unloaded after _check_model looked
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
         except StructuredOutputError as exc:
-            raise APIError(400, str(exc), param=body.constraint_field()) from None
-        except ValueError as exc:
-            param = "max_tokens" if "max_tokens" in str(exc) else None
-            raise APIError(400, str(exc), param=param) from None
+            raise APIError(400, str(exc), param=body.constraint_field() or "tools") from None
+        except ValueError as exc:  # the core names the field (FieldError), "prompt" for a chat's messages
+            param = getattr(exc, "field", None)
+            chat = isinstance(body, ChatCompletionRequest)
+            raise APIError(400, str(exc), param="messages" if chat and param == "prompt" else param) from None
 
     # -- OpenAI endpoints -------------------------------------------------------------------------
 

@@ -286,8 +286,8 @@ class CoreClient:
             if out.finished:
                 del self._streams[out.request_id]
 
-    def _answer(self, rid: str, imported: int | None, error: str | None, kind: str | None) -> None:
-        _settle(self._added.get(rid), imported, error, kind)
+    def _answer(self, rid: str, imported: int | None, error: str | None, kind: str | None, field: str | None) -> None:
+        _settle(self._added.get(rid), imported, error, kind, field)
 
     def _lora_done(self, op: int, error: str | None, kind: str | None, report: dict | None) -> None:
         if report is not None:
@@ -308,11 +308,16 @@ class CoreClient:
         self.processor.forget_all()
 
 
-def _settle(done: asyncio.Future | None, result: Any, error: str | None, kind: str | None) -> None:
-    """Answer a waiting add or adapter operation: its result, or the core's error raised again."""
+def _settle(
+    done: asyncio.Future | None, result: Any, error: str | None, kind: str | None, field: str | None = None
+) -> None:
+    """Answer a waiting add or adapter operation: its result, or the core's error raised again
+    (with the request field it names, as `field`)."""
     if done is None or done.done():
         return
     if error is not None:
-        done.set_exception(ERROR_KINDS.get(kind, ValueError)(error))
+        exc = ERROR_KINDS.get(kind, ValueError)(error)
+        exc.field = field
+        done.set_exception(exc)
     else:
         done.set_result(result)

@@ -9,7 +9,7 @@ core process. A closed socket is the other side's death: each side treats EOF as
     API server -> core                        core -> API server
     ["config", pickled ServeConfig] (first)   ["ready", info] (or ["failed", reason])
     ["add", EngineRequest wire]               ["added", id, imported | None, error | None,
-                                                core_io.error_kind | None]
+                                                core_io.error_kind | None, field | None]
     ["lora", op, "load"|"unload", name,       ["lora_done", op, error | None, error kind | None,
      path | None]                               LoadReport json | None]
     ["abort", id] / ["abort_all"]             ["out", now, [CoreOutput wire, ...], LoadReport json,

@@ -219,12 +219,13 @@ class CoreProcess:
             imported = await asyncio.wrap_future(self.loop.add(request))
         except (ValueError, TypeError, EngineDead, HandoffFailed) as exc:
             self._pending.pop(rid, None)
-            self._send(["added", rid, None, str(exc), error_kind(exc)])
+            self._send(["added", rid, None, str(exc), error_kind(exc), getattr(exc, "field", None)])
             return
         except Exception as exc:  # NOTE: every add is answered: its API server waits on the reply
             log.exception("taking a request failed in the engine core", extra={"request_id": rid})
             self._pending.pop(rid, None)
-            self._send(["added", rid, None, f"the engine failed while taking the request: {exc!r}"[:500], "internal"])
+            self._send(["added", rid, None, f"the engine failed while taking the request: {exc!r}"[:500], "internal",
+                        None])  # fmt: skip
             return
         if transfer.remote_handle:
             self.board.inc("kv_handoff_pulled_blocks", imported)
@@ -232,7 +233,7 @@ class CoreProcess:
             self.kv_store.pulled(imported)
         if self._pending.pop(rid, False):
             self.loop.abort(rid)
-        self._send(["added", rid, imported, None, None])
+        self._send(["added", rid, imported, None, None, None])
 
     async def _compile(self, spec: dict) -> Any:
         """The spec's Guide, compiled on a worker thread within structured_compile_timeout
