@@ -1,0 +1,291 @@
+"""Hostile requests for the hostile-neighbour property test (tests/test_hostile_neighbours.py).
+
+Each request field gets its boundary and hostile values, labelled ("max", "max+1", "int32", ...);
+Hypothesis combines several fields in one request (and now and then replaces the whole body: too
+large, nested too deep, not JSON). `judge` says whether an answer kept the rule: a 4xx naming a
+field the request sent, or a 200 that keeps its promise (the answers it asked for, JSON that
+parses and validates where a schema was asked for, tool calls of offered functions), never a 5xx.
+`Coverage` counts, per field, the values tried and what they got.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import jsonschema
+from hypothesis import strategies as st
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}  # fmt: skip
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}}, "required": ["city"]}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
+
+
+def nested(levels: int) -> dict:
+    """A JSON schema `levels` objects deep, built without recursion."""
+    node: dict = {"type": "string"}
+    for _ in range(levels):
+        node = {"type": "object", "properties": {"a": node}}
+    return node
+
+
+def tool(name: str, parameters: dict | None = None) -> dict:
+    return {"type": "function", "function": {"name": name, "parameters": parameters or {"type": "object"}}}
+
+
+# field -> [(label, value)]: the values each field is tried with, in both endpoints
+SHARED: dict[str, list[tuple[str, Any]]] = {
+    "n": [("1", 1), ("3", 3), ("max", 16), ("max+1", 17), ("zero", 0), ("negative", -1), ("int64", 2**63),
+          ("string", "2"), ("float", 1.5)],
+    "max_tokens": [("1", 1), ("24", 24), ("int32-1", 2**31 - 1), ("int32", 2**31), ("zero", 0), ("negative", -3),
+                   ("null", None)],
+    "min_tokens": [("4", 4), ("past max_tokens", 40), ("past context", 100_000), ("int32", 2**31), ("negative", -1)],
+    "temperature": [("greedy", 0), ("denormal", 5e-324), ("1e-6", 1e-6), ("0.8", 0.8), ("max", 2), ("max+", 2.0001),
+                    ("negative", -0.5), ("string", "hot")],
+    "top_p": [("denormal", 5e-324), ("0.5", 0.5), ("1", 1), ("zero", 0), ("over", 1.5)],
+    "top_k": [("off", -1), ("1", 1), ("int32-1", 2**31 - 1), ("int32", 2**31), ("under", -2)],
+    "min_p": [("0.9", 0.9), ("1", 1), ("over", 1.1)],
+    "seed": [("int64 min", -(2**63)), ("int64 max", 2**63 - 1), ("int64 max+1", 2**63), ("uint64 max", 2**64 - 1),
+             ("10^30", 10**30), ("0", 0)],
+    "repetition_penalty": [("denormal", 5e-324), ("max", 10), ("over", 10.5), ("zero", 0)],
+    "presence_penalty": [("min", -2), ("max", 2), ("over", 2.5)],
+    "frequency_penalty": [("min", -2), ("under", -2.5)],
+    "logit_bias": [("ban eos", {"2": -100}), ("force", {"30": 100}), ("over", {"30": 101}), ("negative id", {"-1": 1}),
+                   ("past vocab", {"99999999": 1}), ("int32", {str(2**31): 1}),
+                   ("300 entries", {str(i): 0.5 for i in range(300)}), ("301 entries", {str(i): 1 for i in range(301)}),
+                   ("not a number", {"5": "x"})],
+    "stop": [("newline", ["\n"]), ("max length", "x" * 256), ("max+1 length", "x" * 257), ("16", ["ab"] * 16),
+             ("17", ["ab"] * 17), ("empty", [""]), ("word", "the")],
+    "stop_token_ids": [("eos", [2]), ("past vocab", [99_999_999]), ("int32", [2**31]), ("65", list(range(3, 68))),
+                       ("negative", [-1])],
+    "ignore_eos": [("true", True), ("string", "yes")],
+    "stream": [("true", True)],
+    "guided_regex": [("digits", "[0-9]{1,4}"), ("broken", "(("), ("70 kB", "a" * 70_000)],
+    "guided_choice": [("two", ["yes", "no"]), ("empty", [])],
+    "response_format": [
+        ("json_object", {"type": "json_object"}),
+        ("json_schema", {"type": "json_schema", "json_schema": {"name": "v", "schema": SCHEMA}}),
+        ("strict", {"type": "json_schema", "json_schema": {"name": "v", "strict": True, "schema": SCHEMA}}),
+        ("deep 40", {"type": "json_schema", "json_schema": {"name": "v", "strict": True, "schema": nested(40)}}),
+        ("deep 300", {"type": "json_schema", "json_schema": {"name": "v", "schema": nested(300)}}),
+        ("bad schema", {"type": "json_schema", "json_schema": {"name": "v", "schema": {"type": "nope"}}}),
+        ("bad type", {"type": "xml"}),
+    ],
+    "unknown": [("typo", ("temprature", 0.1)), ("vllm-only", ("vllm_xargs", {"a": 1})),
+                ("template", ("chat_template", "{{ 7 * 7 }}"))],
+}  # fmt: skip
+CHAT: dict[str, list[tuple[str, Any]]] = {
+    **SHARED,
+    "logprobs": [("true", True), ("string", "yes")],
+    "top_logprobs": [("0", 0), ("max", 20), ("max+1", 21)],
+    "tools": [("one", [WEATHER]), ("two", [WEATHER, tool("get_time")]), ("129", [tool(f"f{i}") for i in range(129)]),
+              ("bad name", [tool("bad name!")]), ("deep params", [tool("deep", nested(60))]),
+              ("same name", [WEATHER, WEATHER])],
+    "tool_choice": [("auto", "auto"), ("required", "required"), ("none", "none"),
+                    ("named", {"type": "function", "function": {"name": "get_weather"}}),
+                    ("unknown", {"type": "function", "function": {"name": "nope"}})],
+    "parallel_tool_calls": [("false", False)],
+    "messages": [
+        ("long", [{"role": "user", "content": "word " * 1500}]),
+        ("tool turns", [{"role": "user", "content": "weather?"},
+                        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]),
+        ("malformed tool_calls", [{"role": "user", "content": "x"},
+                                  {"role": "assistant", "tool_calls": [{"function": {"arguments": 7}}]}]),
+        ("200 turns", [{"role": "user" if i % 2 == 0 else "assistant", "content": "hi"} for i in range(200)]),
+        ("empty role", [{"role": "", "content": "x"}]),
+        ("image part", [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+        ("null content", [{"role": "user", "content": None}]),
+        ("empty", []),
+    ],
+}  # fmt: skip
+COMPLETION: dict[str, list[tuple[str, Any]]] = {
+    **SHARED,
+    "logprobs": [("0", 0), ("max", 20), ("max+1", 21)],
+    "echo": [("true", True)],
+    "best_of": [("n", 1), ("other", 2)],
+    "prompt": [("64 prompts", [[5, 6, 7]] * 64), ("65 prompts", [[5, 6, 7]] * 65), ("strings", ["a b", "c d"]),
+               ("empty list", []), ("empty ids", [[]]), ("int32 id", [[2**31]]), ("past vocab", [[99_999_999]]),
+               ("long", "word " * 1500)],
+}  # fmt: skip
+BODIES = ["huge body", "deep body", "not json"]  # whole-body cases, drawn now and then instead of a request
+
+
+@dataclass
+class Hostile:
+    kind: str  # chat | completion
+    body: dict
+    raw: bytes
+    labels: dict[str, str]  # field -> the label of the value it got
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
+
+
+def template(kind: str, model: str) -> dict:
+    if kind == "chat":
+        return {"model": model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8}
+    return {"model": model, "prompt": "Once upon a time", "max_tokens": 8}
+
+
+def build(kind: str, model: str, choices: dict[str, tuple[str, Any]]) -> Hostile:
+    """The request of `kind` with each field given its (label, value)."""
+    body, labels = template(kind, model), {}
+    for name, (label, value) in choices.items():
+        labels[name] = label
+        if name == "unknown":
+            body[value[0]] = value[1]
+        else:
+            body[name] = value
+    return Hostile(kind, body, json.dumps(body).encode(), labels)
+
+
+def sweep(model: str, rng: random.Random) -> list[Hostile]:
+    """Every value of every field once, in each endpoint, beside up to two other fields' values
+    drawn by `rng`: what a fixed number of random examples would leave untried."""
+    cases = []
+    for kind, table in (("chat", CHAT), ("completion", COMPLETION)):
+        for name in sorted(table):
+            for choice in table[name]:
+                others = rng.sample([f for f in sorted(table) if f != name], rng.randint(0, 2))
+                cases.append(build(kind, model, {name: choice, **{f: rng.choice(table[f]) for f in others}}))
+    return cases
+
+
+@st.composite
+def hostile(draw, model: str) -> Hostile:
+    kind = draw(st.sampled_from(["chat", "completion"]))
+    table = CHAT if kind == "chat" else COMPLETION
+    names = draw(st.lists(st.sampled_from(sorted(table)), min_size=1, max_size=5, unique=True))
+    built = build(kind, model, {name: draw(st.sampled_from(table[name])) for name in names})
+    body, labels, raw = built.body, built.labels, built.raw
+    whole = draw(st.sampled_from([None] * 24 + BODIES))
+    if whole is not None:
+        labels = {"body": whole}
+        raw = {"huge body": lambda: raw[:-1] + b', "pad": "' + b"x" * 4_200_000 + b'"}',
+               "deep body": lambda: b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+               "not json": lambda: raw[: len(raw) // 2]}[whole]()  # fmt: skip
+    return Hostile(kind, body, raw, labels)
+
+
+def judge(h: Hostile, status: int, text: str) -> str | None:
+    """Why the answer broke the rule, or None."""
+    if status >= 500:
+        return f"{status}: {text[:300]}"
+    if status >= 400:
+        return _refusal(h, status, text)
+    if h.body.get("stream") is True and "body" not in h.labels:
+        return _stream(h, text)
+    try:
+        answer = json.loads(text)
+    except ValueError:
+        return f"200 with a body that is not JSON: {text[:200]}"
+    return _promise(h, answer.get("choices") or [])
+
+
+def _refusal(h: Hostile, status: int, text: str) -> str | None:
+    try:
+        error = json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"{status} without OpenAI's error shape: {text[:200]}"
+    if status in (408, 413) or "body" in h.labels:
+        return None  # the body itself: too large, too slow, too deep or not JSON
+    param = error.get("param")
+    root = str(param).split(".")[0] if param else None
+    if root not in h.body:
+        return f"{status} names {param!r}, not a field the request sent: {error.get('message', '')[:200]}"
+    return None
+
+
+def _expected_choices(h: Hostile) -> int:
+    n = int(h.body.get("n", 1))  # a number in a string is taken, as pydantic (and vLLM) take it
+    if h.kind == "chat":
+        return n
+    prompt = h.body.get("prompt")
+    count = len(prompt) if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else 1
+    return n * count
+
+
+def _promise(h: Hostile, choices: list) -> str | None:
+    if len(choices) != _expected_choices(h):
+        return f"200 with {len(choices)} choices for {_expected_choices(h)} asked"
+    for choice in choices:
+        problem = _choice(h, choice)
+        if problem:
+            return problem
+    return None
+
+
+def _choice(h: Hostile, choice: dict) -> str | None:
+    finish = choice.get("finish_reason")
+    if finish not in ("stop", "length", "tool_calls"):
+        return f"200 with finish_reason {finish!r}"
+    if h.kind != "chat":
+        return None
+    message = choice.get("message") or {}
+    names = {t["function"]["name"] for t in h.body.get("tools") or []}
+    for call in message.get("tool_calls") or []:
+        if call["function"]["name"] not in names or not isinstance(json.loads(call["function"]["arguments"]), dict):
+            return f"a tool call that is not one of the offered functions: {call}"
+    if finish != "stop":
+        return None
+    return _constrained(h, message.get("content") or "")
+
+
+def _constrained(h: Hostile, content: str) -> str | None:
+    """A finished answer under a constraint is what the constraint allows, with nothing after it."""
+    fmt, body = h.body.get("response_format") or {}, h.body
+    try:
+        if fmt.get("type") == "json_schema":
+            jsonschema.validate(json.loads(content), fmt["json_schema"]["schema"])
+        elif fmt.get("type") == "json_object" and not isinstance(json.loads(content), dict):
+            return f"json_object answered {content[:100]!r}"
+        if "guided_regex" in body and not re.fullmatch(body["guided_regex"], content):
+            return f"guided_regex {body['guided_regex']!r} answered {content[:100]!r}"
+        if "guided_choice" in body and content not in body["guided_choice"]:
+            return f"guided_choice answered {content[:100]!r}"
+    except (ValueError, jsonschema.ValidationError) as exc:
+        return f"a constrained answer that breaks its constraint ({type(exc).__name__}): {content[:200]!r}"
+    return None
+
+
+def _stream(h: Hostile, text: str) -> str | None:
+    events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+    if not events or events[-1] != "[DONE]":
+        return f"a stream that does not end with [DONE]: {text[-200:]!r}"
+    for data in events[:-1]:
+        chunk = json.loads(data)
+        error = chunk.get("error")
+        if error and error.get("type") != "invalid_request_error":
+            return f"a stream ended by an engine error: {error}"
+    return None
+
+
+@dataclass
+class Coverage:
+    """Per field: the values tried (by label) and the statuses they got."""
+
+    tried: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    statuses: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+    examples: int = 0
+
+    def record(self, h: Hostile, status: int) -> None:
+        self.examples += 1
+        for name, label in h.labels.items():
+            self.tried[name][label] += 1
+            self.statuses[name][status] += 1
+
+    def table(self) -> str:
+        rows = [f"{'field':<20} {'values tried (label: times)':<90} statuses"]
+        for name in sorted(self.tried):
+            tried = ", ".join(f"{label}: {n}" for label, n in sorted(self.tried[name].items()))
+            seen = " ".join(f"{s}x{n}" for s, n in sorted(self.statuses[name].items()))
+            rows.append(f"{name:<20} {tried:<90} {seen}")
+        return "\n".join(rows)
