@@ -115,6 +115,34 @@ COMPLETION: dict[str, list[tuple[str, Any]]] = {
                ("long", "word " * 1500)],
 }  # fmt: skip
 BODIES = ["huge body", "deep body", "not json"]  # whole-body cases, drawn now and then instead of a request
+# The values refused on their own: the sweep puts each value beside others that are not, so that
+# what it gets is its own doing.
+BAD: dict[str, set[str]] = {
+    "n": {"max+1", "zero", "negative", "int64", "float"},
+    "max_tokens": {"int32-1", "int32", "zero", "negative"},
+    "min_tokens": {"past max_tokens", "past context", "int32", "negative"},
+    "temperature": {"max+", "negative", "string"},
+    "top_p": {"zero", "over"},
+    "top_k": {"int32", "under"},
+    "min_p": {"over"},
+    "seed": {"int64 max+1", "uint64 max", "10^30"},
+    "repetition_penalty": {"over", "zero"},
+    "presence_penalty": {"over"},
+    "frequency_penalty": {"under"},
+    "logit_bias": {"over", "negative id", "past vocab", "int32", "301 entries", "not a number"},
+    "stop": {"max+1 length", "17", "empty"},
+    "stop_token_ids": {"past vocab", "int32", "65", "negative"},
+    "guided_regex": {"broken", "70 kB"},
+    "guided_choice": {"empty"},
+    "response_format": {"deep 40", "deep 300", "bad schema", "bad type"},
+    "logprobs": {"max+1"},
+    "top_logprobs": {"max+1"},
+    "tools": {"129", "bad name", "deep params", "same name"},
+    "tool_choice": {"unknown", "required", "named"},  # required and named need tools
+    "messages": {"long", "malformed tool_calls", "empty role", "image part", "empty"},
+    "prompt": {"65 prompts", "empty list", "empty ids", "int32 id", "past vocab", "long"},
+    "best_of": {"other"},
+}
 
 
 @dataclass
@@ -149,14 +177,25 @@ def build(kind: str, model: str, choices: dict[str, tuple[str, Any]]) -> Hostile
 
 def sweep(model: str, rng: random.Random) -> list[Hostile]:
     """Every value of every field once, in each endpoint, beside up to two other fields' values
-    drawn by `rng`: what a fixed number of random examples would leave untried."""
+    that are fine on their own, drawn by `rng`; and each whole-body case: what a fixed number of
+    random examples would leave untried."""
     cases = []
     for kind, table in (("chat", CHAT), ("completion", COMPLETION)):
         for name in sorted(table):
             for choice in table[name]:
                 others = rng.sample([f for f in sorted(table) if f != name], rng.randint(0, 2))
-                cases.append(build(kind, model, {name: choice, **{f: rng.choice(table[f]) for f in others}}))
+                fine = {f: rng.choice([c for c in table[f] if c[0] not in BAD.get(f, ())]) for f in others}
+                cases.append(build(kind, model, {name: choice, **fine}))
+        cases += [whole_body(build(kind, model, {}), which) for which in BODIES]
     return cases
+
+
+def whole_body(h: Hostile, which: str) -> Hostile:
+    """`h` with its whole body replaced: too large, nested too deep, or cut (not JSON)."""
+    raw = {"huge body": lambda: h.raw[:-1] + b', "pad": "' + b"x" * 4_200_000 + b'"}',
+           "deep body": lambda: b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+           "not json": lambda: h.raw[: len(h.raw) // 2]}[which]()  # fmt: skip
+    return Hostile(h.kind, h.body, raw, {"body": which})
 
 
 @st.composite
@@ -165,14 +204,8 @@ def hostile(draw, model: str) -> Hostile:
     table = CHAT if kind == "chat" else COMPLETION
     names = draw(st.lists(st.sampled_from(sorted(table)), min_size=1, max_size=5, unique=True))
     built = build(kind, model, {name: draw(st.sampled_from(table[name])) for name in names})
-    body, labels, raw = built.body, built.labels, built.raw
     whole = draw(st.sampled_from([None] * 24 + BODIES))
-    if whole is not None:
-        labels = {"body": whole}
-        raw = {"huge body": lambda: raw[:-1] + b', "pad": "' + b"x" * 4_200_000 + b'"}',
-               "deep body": lambda: b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
-               "not json": lambda: raw[: len(raw) // 2]}[whole]()  # fmt: skip
-    return Hostile(kind, body, raw, labels)
+    return built if whole is None else whole_body(built, whole)
 
 
 def judge(h: Hostile, status: int, text: str) -> str | None:
