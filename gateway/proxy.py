@@ -52,9 +52,13 @@ class EngineRefused(APIError):
 
     @property
     def reason(self) -> str:
-        code = self.code
+        """The engine's error code, else the field it named (`invalid_<field>`): a metric label,
+        so only short snake_case names pass."""
+        code, field = self.code, str(self.param or "").split(".")[0]
         if isinstance(code, str) and _REASON.fullmatch(code):
             return code
+        if _REASON.fullmatch(f"invalid_{field}"):
+            return f"invalid_{field}"
         return "not_found" if self.status == 404 else "too_many_requests" if self.status == 429 else "invalid_request"
 
 

@@ -65,3 +65,38 @@ def test_sigterm_stops_both_and_the_core_exits_first(server):
     assert server.wait(60) == 0
     assert not alive(pid)
     assert "engine core stopped" in server.log()
+
+
+def test_an_engines_queue_is_bounded_with_a_429_naming_the_limit(tmp_path, tiny_chat_model):
+    """Issue 47, item 5: the engine's waiting queue had no cap. With its core stopped, requests
+    wait for their first token; past --max-waiting-requests the next gets 429 at once, naming the
+    limit, and the queued ones finish once the core runs again."""
+    import asyncio
+    import concurrent.futures
+
+    args = (*ARGS, "--max-waiting-requests", "3")
+    with EngineServerProcess(tmp_path, "--model", str(tiny_chat_model), *args) as server:
+        body = {"model": "tiny-chat", "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 2}
+
+        async def post(extra: dict) -> httpx.Response:
+            async with httpx.AsyncClient(timeout=60) as http:
+                return await http.post(server.url + "/v1/completions", json={**body, **extra})
+
+        core = core_pid(server)
+        os.kill(core, signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                queued = pool.submit(asyncio.run, post({}))  # two prompts: two of the three places
+                wait_for(lambda: httpx.get(server.url + "/load", timeout=5).json()["in_flight"] == 2, 10, "the queue")
+                refused = asyncio.run(post({}))  # two more would make four
+                one_more = pool.submit(asyncio.run, post({"prompt": [[5, 6]]}))  # the third place
+                wait_for(lambda: httpx.get(server.url + "/load", timeout=5).json()["in_flight"] == 3, 10, "the queue")
+                os.kill(core, signal.SIGCONT)
+                answers = [queued.result(60), one_more.result(60)]
+        finally:
+            os.kill(core, signal.SIGCONT)
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        error = refused.json()["error"]
+        assert error["code"] == "engine_queue_full" and "max_waiting_requests" in error["message"]
+        assert [a.status_code for a in answers] == [200, 200]
+        assert len(answers[0].json()["choices"]) == 2

@@ -217,33 +217,28 @@ class _Routes:
                            type="rate_limit_error", code="engine_queue_full",
                            headers={"Retry-After": "1"})  # fmt: skip
 
-    async def _submit(
-        self, rid: str, ids: list[int], params: SamplingParams, body: Any, lora: str | None, lease: str | None
-    ) -> RequestStream:
-        """`lease`: a hand-off prefill's lease key (the handle the answer carries signs it)."""
-        transfer = None
-        if body.kv_transfer_params is not None:
-            transfer = KVTransfer(**body.kv_transfer_params.wire(), lease=lease)
-        request = EngineRequest(rid, ids, params, priority=body.priority, tenant=body.user, cache_salt=body.cache_salt,
-                                lora=lora, kv_prefix_source=body.kv_prefix_source, transfer=transfer)  # fmt: skip
+    async def _submit(self, requests: list[EngineRequest], body: Any) -> list[tuple[str, RequestStream]]:
+        """Send every prompt of one API request to the core at once, in the queue place
+        `_check_queue` found, and wait until the core took them all; on any failure none stays."""
+        sent: list[str] = []
+        refused: BaseException | None = None
         try:
-            return await self.loop.add(request)
-        except EngineDead as exc:
-            raise APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S}) from None
-        except CoreStalled as exc:
-            raise APIError(504, str(exc), type="timeout_error", code="core_add_timeout") from None
-        except EngineError as exc:
-            raise APIError(500, str(exc), type="internal_error") from None
-        except HandoffFailed as exc:
-            raise APIError(502, str(exc), type="kv_transfer_failed", param="kv_transfer_params") from None
-        except UnknownModel as exc:  # unloaded after _check_model looked
-            raise APIError(404, str(exc), param="model", code="model_not_found") from None
-        except StructuredOutputError as exc:
-            raise APIError(400, str(exc), param=body.constraint_field() or "tools") from None
-        except ValueError as exc:  # the core names the field (FieldError), "prompt" for a chat's messages
-            param = getattr(exc, "field", None)
-            chat = isinstance(body, ChatCompletionRequest)
-            raise APIError(400, str(exc), param="messages" if chat and param == "prompt" else param) from None
+            for request in requests:  # no await in between: the queue's places are taken as checked
+                sent.append(self.loop.submit(request))
+        except (ValueError, EngineDead) as exc:
+            refused = exc
+        try:  # the ones sent are waited on even so: each answer settles its bookkeeping
+            taken = await asyncio.gather(*(self.loop.taken(rid) for rid in sent), return_exceptions=True)
+        except BaseException:  # cancelled: the client went away
+            for rid in sent:
+                self.loop.abort(rid)
+            raise
+        failed = refused or next((t for t in taken if isinstance(t, BaseException)), None)
+        if failed is not None:
+            for rid in sent:  # nobody will read the others
+                self.loop.abort(rid)
+            raise _refusal(failed, body) from None
+        return list(zip(sent, taken, strict=True))
 
     # -- OpenAI endpoints -------------------------------------------------------------------------
 
@@ -314,14 +309,18 @@ class _Routes:
             span.set_attribute("kvharbor.lora", lora)
             self.state.metrics.lora_requests.labels(lora).inc()
         with request_context(rid):
-            streams = []
+            transfer = None
+            if body.kv_transfer_params is not None:  # `lease`: the hand-off's key, signed in the answer
+                transfer = KVTransfer(**body.kv_transfer_params.wire(), lease=lease)
+            requests = [
+                EngineRequest(rid if len(batch) == 1 else f"{rid}-{k}", ids, params, priority=body.priority,
+                              tenant=body.user, cache_salt=body.cache_salt, lora=lora,
+                              kv_prefix_source=body.kv_prefix_source, transfer=transfer)
+                for k, ids in enumerate(batch)
+            ]  # fmt: skip
             try:
-                for k, ids in enumerate(batch):
-                    engine_id = rid if len(batch) == 1 else f"{rid}-{k}"
-                    streams.append((engine_id, await self._submit(engine_id, ids, params, body, lora, lease)))
-            except BaseException:  # a later prompt failed: nobody will read the earlier ones
-                for engine_id, _ in streams:
-                    self.loop.abort(engine_id)
+                streams = await self._submit(requests, body)
+            except BaseException:
                 span.end()
                 raise
             log.info(
@@ -442,6 +441,27 @@ class _Routes:
 
     async def metrics(self) -> Response:
         return Response(self.state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+def _refusal(exc: BaseException, body: Any) -> BaseException:
+    """The API's answer to a request the core did not take (`exc` as the core raised it)."""
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), type="service_unavailable", headers={"Retry-After": RETRY_AFTER_S})
+    if isinstance(exc, CoreStalled):
+        return APIError(504, str(exc), type="timeout_error", code="core_add_timeout")
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="internal_error")
+    if isinstance(exc, HandoffFailed):
+        return APIError(502, str(exc), type="kv_transfer_failed", param="kv_transfer_params")
+    if isinstance(exc, UnknownModel):  # unloaded after _check_model looked
+        return APIError(404, str(exc), param="model", code="model_not_found")
+    if isinstance(exc, StructuredOutputError):
+        return APIError(400, str(exc), param=body.constraint_field() or "tools")
+    if isinstance(exc, ValueError):  # the core names the field (FieldError), "prompt" for a chat's messages
+        param = getattr(exc, "field", None)
+        chat = isinstance(body, ChatCompletionRequest)
+        return APIError(400, str(exc), param="messages" if chat and param == "prompt" else param)
+    return exc  # cancelled, or a bug: as it is
 
 
 def step_error(failure: Failure) -> APIError:

@@ -180,37 +180,52 @@ class CoreClient:
 
     async def add(self, request: EngineRequest) -> RequestStream:
         """Queue a request in the core; raises its ValueError for bad input, EngineDead if it is gone."""
+        return await self.taken(self.submit(request))
+
+    def submit(self, request: EngineRequest) -> str:
+        """Send a request to the core now (no await: a caller that checked the queue first takes
+        its place at once); `taken` waits for the core's answer. Raises ValueError or EngineDead."""
         self._check_alive()
         rid = request.request_id
         if rid in self._streams or rid in self._added:
             raise ValueError(f"request id {rid!r} is already in use")
-        done = asyncio.get_running_loop().create_future()
-        self._added[rid] = done
+        self._added[rid] = asyncio.get_running_loop().create_future()
         # NOTE: tracked before the core hears of it: its first outputs may overtake the reply.
-        stream = self._streams[rid] = RequestStream()
+        self._streams[rid] = RequestStream()
         self._waiting[rid] = len(request.prompt_token_ids)
         self.processor.add(rid, None, request.prompt_token_ids, request.params)
+        try:
+            self._send(["add", request.to_wire()])
+        except OverflowError:  # the link packs 64-bit integers (a fuzzed seed of 2**64 reached here)
+            self._forget(rid)
+            raise ValueError("an integer in the request is out of range (64 bits)") from None
+        return rid
+
+    async def taken(self, rid: str) -> RequestStream:
+        """The stream of a submitted request, once the core took it (within core_add_timeout);
+        raises the core's error for it, CoreStalled past the timeout (the request aborted)."""
         timeout = self.config.server.core_add_timeout
+        stream = self._streams[rid]
         try:
             try:
-                self._send(["add", request.to_wire()])
-            except OverflowError:  # the link packs 64-bit integers (a fuzzed seed of 2**64 reached here)
-                raise ValueError("an integer in the request is out of range (64 bits)") from None
-            try:
-                stream.imported_blocks = await asyncio.wait_for(done, timeout)
+                stream.imported_blocks = await asyncio.wait_for(self._added[rid], timeout)
             except TimeoutError:
                 self.abort(rid)  # should the core take it after all, it ends there at once
                 raise CoreStalled(
                     f"the engine core did not take the request within {timeout:g} s (core_add_timeout)"
                 ) from None
         except BaseException:
-            self._streams.pop(rid, None)
-            self._waiting.pop(rid, None)
-            self.processor.forget(rid)
+            self._forget(rid)
             raise
         finally:
             self._added.pop(rid, None)
         return stream
+
+    def _forget(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+        self._waiting.pop(rid, None)
+        self._added.pop(rid, None)
+        self.processor.forget(rid)
 
     async def lora(self, action: str, name: str, path: str | None = None) -> None:
         """Load (`action` "load", from `path`) or unload a LoRA adapter in the core. Raises

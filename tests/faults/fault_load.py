@@ -86,17 +86,22 @@ async def run_load(gateways: list[str], key: str, bodies: list[dict], concurrenc
     return await asyncio.gather(*(one(i, b) for i, b in enumerate(bodies)))
 
 
-def row(fault: str, outcomes: list[Outcome], recovery_s: float, moved: float) -> dict:
+def row(fault: str, outcomes: list[Outcome], recovery_s: float, moved: float, refused: dict | None = None) -> dict:
+    """`refused`: requests the engines refused as their own fault meanwhile, by reason (the gateways'
+    kvharbor_gateway_requests_refused_total)."""
     counts = {k: sum(o.kind == k for o in outcomes) for k in ("ok", "failed_before_first_token", "broken", "hung")}
     moved = max(0, int(moved))  # a gateway restarted meanwhile counts from 0 again
-    entry = {"fault": fault, "sent": len(outcomes), **counts, "moved": moved, "recovery_s": round(recovery_s, 1)}
+    said = ", ".join(f"{reason} {int(n)}" for reason, n in sorted((refused or {}).items()) if n > 0) or "0"
+    entry = {"fault": fault, "sent": len(outcomes), **counts, "moved": moved, "recovery_s": round(recovery_s, 1),
+             "refused": said}  # fmt: skip
     ROWS.append(entry)
     return entry
 
 
 def table(rows: list[dict]) -> str:
-    head = ("fault", "sent", "ok", "failed before 1st token", "broken streams", "hung", "streams moved", "recovery (s)")
-    keys = ("fault", "sent", "ok", "failed_before_first_token", "broken", "hung", "moved", "recovery_s")
+    head = ("fault", "sent", "ok", "failed before 1st token", "broken streams", "hung", "streams moved", "recovery (s)",
+            "refused by engines (reason n)")  # fmt: skip
+    keys = ("fault", "sent", "ok", "failed_before_first_token", "broken", "hung", "moved", "recovery_s", "refused")
     width = max(len(r["fault"]) for r in rows) + 2
     lines = [f"{head[0]:<{width}}" + "".join(f"{h:>{len(h) + 2}}" for h in head[1:])]
     for r in rows:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 import redis
 from fault_load import row, run_load, stream_chat, wait_until
+from hostile import nested
 from servers import (
     EngineServerProcess,
     GatewayProcess,
@@ -43,6 +44,7 @@ GATEWAY_ARGS = ("--stream-idle-timeout", "4", "--first-token-timeout", "6", "--s
 TENANTS = [  # a concurrency limit, never reached, so that every request holds a slot (checked at the end)
     {"name": "load", "key": "sk-load", "limits": {"max_concurrent": 64}},
     {"name": "limited", "key": "sk-limited", "limits": {"rpm": 5}},
+    {"name": "hostile", "key": "sk-hostile"},
 ]
 REQUESTS, CONCURRENCY, DEADLINE_S = 8, 4, 90.0
 
@@ -136,7 +138,7 @@ def drill(platform: Platform, fault: str, inject) -> int:
     """Run the load, `inject()` once it is flowing, wait until the platform is healthy again, and
     record the fault's row (recovery: from the injection until healthy). Checks that nothing was
     lost, broken or hung; returns the streams the gateways moved meanwhile."""
-    before = migrations(platform)
+    before, refused_before = migrations(platform), refusals(platform.gateways)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         load = run_load(platform.urls, "sk-load", bodies(fault), CONCURRENCY, DEADLINE_S)
         outcomes = pool.submit(asyncio.run, load)
@@ -147,14 +149,30 @@ def drill(platform: Platform, fault: str, inject) -> int:
         recovery = time.monotonic() - started
         results = outcomes.result(timeout=DEADLINE_S + 30)
     moved = migrations(platform) - before
-    check(fault, results, recovery, moved)
+    refused = refusals(platform.gateways)
+    check(fault, results, recovery, moved, {r: n - refused_before.get(r, 0) for r, n in refused.items()})
     return moved
 
 
-def check(fault: str, outcomes: list, recovery: float, moved: float) -> None:
-    entry = row(fault, outcomes, recovery, moved)
+def check(fault: str, outcomes: list, recovery: float, moved: float, refused: dict | None = None) -> None:
+    entry = row(fault, outcomes, recovery, moved, refused)
     bad = [o for o in outcomes if o.kind != "ok"]
     assert entry["hung"] == 0 and not bad, f"{fault}: {[(o.kind, o.detail) for o in bad]}"
+
+
+def refusals(gateways: list[GatewayProcess]) -> dict[str, float]:
+    """kvharbor_gateway_requests_refused_total by reason, summed over `gateways` (0 for one that is down)."""
+    out: dict[str, float] = {}
+    for g in gateways:
+        try:
+            text = httpx.get(g.admin_url + "/metrics", timeout=5).text
+        except httpx.HTTPError:
+            continue
+        for line in text.splitlines():
+            if line.startswith('kvharbor_gateway_requests_refused_total{reason="'):
+                reason = line.split('"')[1]
+                out[reason] = out.get(reason, 0) + float(line.rsplit(" ", 1)[1])
+    return out
 
 
 def migrations(platform: Platform) -> float:
@@ -246,6 +264,34 @@ def test_engine_sigterm_drains_under_load(platform):
         platform.restart_engine(i)
 
     drill(platform, "engine SIGTERM drain", drain)
+
+
+# Requests a tenant may send to harm others (issue 47): the engines refuse the first four (the
+# gateway does not know the context or the vocabulary), the gateway the rest at its edge.
+HOSTILE = [
+    {"max_tokens": 5000}, {"min_tokens": 2000}, {"logit_bias": {"99999999": 5}}, {"stop_token_ids": [60000]},
+    {"seed": 2**64 - 1, "n": 3, "temperature": 0.9}, {"n": 17},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested(60)}}},
+    {"messages": [{"role": "assistant", "tool_calls": [{"function": {"arguments": 7}}]}]},
+]  # fmt: skip
+
+
+def test_a_hostile_tenant_beside_the_load(platform):
+    """A tenant's poison requests, streamed and not, through both gateways while the load runs:
+    each is a 4xx naming its field; the load's streams are untouched (no retry, no ejection)."""
+    answers = []
+
+    def inject() -> None:
+        for i, extra in enumerate(HOSTILE * 2):
+            body = {**bodies("hostile", 1)[0], **extra, "stream": i % 2 == 0}
+            resp = httpx.post(platform.urls[i % 2] + "/v1/chat/completions", json=body, timeout=30,
+                              headers={"Authorization": "Bearer sk-hostile"})  # fmt: skip
+            answers.append((extra, resp.status_code, resp.json()["error"].get("param")))
+
+    before = sum(refusals(platform.gateways).values())
+    drill(platform, "hostile tenant beside the load", inject)
+    assert all(status == 400 and param for _, status, param in answers), answers
+    assert sum(refusals(platform.gateways).values()) - before == 8  # the first four, twice: refused by engines
 
 
 @pytest.fixture(scope="module")
