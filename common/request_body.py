@@ -14,6 +14,7 @@ validated (vLLM-only fields included).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from kvharbor.common.openai_api import APIError, ChatCompletionRequest, Completi
 from kvharbor.common.request_limits import RequestLimits, json_depth
 
 IGNORED_HEADER = "X-Kvharbor-Ignored-Fields"
+log = logging.getLogger("kvharbor.request_body")
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,16 @@ class Parsed:
         if not self.ignored:
             return {}
         return {IGNORED_HEADER: ", ".join(json.dumps(name)[1:-1] for name in self.ignored)[:512]}
+
+
+async def read_body(request: Any, model_cls: type[BaseModel], limits: RequestLimits, ignored: Any) -> Parsed:
+    """`parse_body` of a Starlette request's body; the fields it ignored are counted in the
+    `ignored` counter (a prometheus Counter) and logged."""
+    parsed = parse_body(await request.body(), model_cls, limits)
+    if parsed.ignored:
+        ignored.inc(len(parsed.ignored))
+        log.warning("request fields ignored", extra={"fields": ", ".join(parsed.ignored)[:300]})
+    return parsed
 
 
 def parse_body(data: bytes, model_cls: type[BaseModel], limits: RequestLimits) -> Parsed:

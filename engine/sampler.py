@@ -166,13 +166,13 @@ class Sampler:
         allowed = request.guide.allowed()
         if not allowed.any():  # a grammar in error: end the sample rather than draw from nothing
             allowed[sorted(self.eos_token_ids)] = True
-        allowed = ~allowed[: row.shape[0]]
-        out = (row if processed is None else processed).masked_fill(allowed, float("-inf"))
+        banned = ~allowed[: row.shape[0]]
+        out = (row if processed is None else processed).masked_fill(banned, float("-inf"))
         if processed is not None and bool(torch.isneginf(out).all()):
             # NOTE: min_tokens (or a banned stop token) masked every token the grammar takes: a
             # complete structure allows only EOS. The grammar decides: its tokens come back, so the
             # answer ends valid instead of drawing from an all -inf row (token 0, or noise).
-            out = row.masked_fill(allowed, float("-inf"))
+            out = row.masked_fill(banned, float("-inf"))
         self.mask_seconds += time.perf_counter() - t0
         return out
 

@@ -27,7 +27,7 @@ from kvharbor.common.admin_listener import ListenerSplit
 from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers
 from kvharbor.common.logs import request_context
 from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, message_dicts, request_id
-from kvharbor.common.request_body import Parsed, document_bodies, parse_body
+from kvharbor.common.request_body import Parsed, document_bodies, read_body
 from kvharbor.common.request_limits import RequestLimits
 from kvharbor.gateway.admission import AdmissionQueue
 from kvharbor.gateway.call import Call, ModelEntry, count_rejected
@@ -120,11 +120,8 @@ class _Handler:
         return tenant
 
     async def _parse(self, request: Request, model_cls: type) -> Parsed:
-        parsed = parse_body(await request.body(), model_cls, self.state.limits)
-        if parsed.ignored:
-            self.state.metrics.ignored_fields.inc(len(parsed.ignored))
-            log.warning("request fields ignored", extra={"fields": ", ".join(parsed.ignored)[:300]})
-        return parsed
+        """The body, read once at this edge (common/request_body.py): 400 naming the field."""
+        return await read_body(request, model_cls, self.state.limits, self.state.metrics.ignored_fields)
 
     def _engines_by_model(self) -> dict[str, list[Engine]]:
         return {m: self.state.pool.routable(m) for m in self.state.models}

@@ -33,7 +33,7 @@ from kvharbor.common.openai_api import (
     message_dicts,
     request_id,
 )
-from kvharbor.common.request_body import Parsed, document_bodies, parse_body
+from kvharbor.common.request_body import Parsed, document_bodies, read_body
 from kvharbor.common.request_limits import RequestLimits
 from kvharbor.common.tool_calls import ToolUse
 from kvharbor.common.tracing import extract, setup_tracing
@@ -244,11 +244,7 @@ class _Routes:
 
     async def _parse(self, request: Request, model_cls: type) -> Parsed:
         """The body, read once at this edge (common/request_body.py): 400 naming the field."""
-        parsed = parse_body(await request.body(), model_cls, self.state.limits)
-        if parsed.ignored:
-            self.state.metrics.ignored_fields.inc(len(parsed.ignored))
-            log.warning("request fields ignored", extra={"fields": ", ".join(parsed.ignored)[:300]})
-        return parsed
+        return await read_body(request, model_cls, self.state.limits, self.state.metrics.ignored_fields)
 
     async def chat(self, request: Request) -> Response:
         parsed = await self._parse(request, ChatCompletionRequest)
