@@ -127,8 +127,10 @@ class ResilienceConfig:
         2, "times one stream may move to another engine when its engine fails mid-way (0: the stream ends instead)"
     )
     eject_after_failures: int = opt(3, "consecutive failures that eject an engine until it is healthy again")
+    # NOTE: 30, not 10: on a loaded 2-core machine an engine's API server (at a lower CPU priority
+    # than its core) left /load unanswered for over 10 s while its core prefilled 2,400 tokens.
     engine_stall_timeout: float = opt(
-        10.0, "seconds an engine may go without answering /load, or answer with its core silent or its steps "
+        30.0, "seconds an engine may go without answering /load, or answer with its core silent or its steps "
         "still while it has requests, before it counts as stalled: ejected, and the requests waiting on it for "
         "their first token moved (a busy engine answers /load late; it is not ejected for that)",
     )  # fmt: skip

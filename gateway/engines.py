@@ -162,7 +162,7 @@ class EnginePool:
         interval: float = 0.5,
         on_change: Callable[[], None] = lambda: None,
         vllm_priority: bool = False,
-        stall_timeout: float = 10.0,
+        stall_timeout: float = 30.0,
     ) -> None:
         self.client = client
         self.eject_after = eject_after
