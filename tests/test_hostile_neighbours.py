@@ -33,10 +33,10 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny-chat"
 KEY = "sk-hostile"
-EXAMPLES = int(os.environ.get("KVHARBOR_HOSTILE_EXAMPLES", "20"))
+EXAMPLES = int(os.environ.get("KVHARBOR_HOSTILE_EXAMPLES", "12"))
 SEED = int(os.environ.get("KVHARBOR_HOSTILE_SEED", "47"))
 BYSTANDERS = ["Tell me about the sea.", "List three colours.", "What is a cat?"]
-BYSTANDER_TOKENS = 48
+BYSTANDER_TOKENS = 32
 DEADLINE_S = 60.0  # for any one request: past it, the example fails as a hang
 COVERAGE = {"engine": Coverage(), "gateway": Coverage()}
 
