@@ -103,9 +103,10 @@ def table(rows: list[dict]) -> str:
             "refused by engines (reason n)")  # fmt: skip
     keys = ("fault", "sent", "ok", "failed_before_first_token", "broken", "hung", "moved", "recovery_s", "refused")
     width = max(len(r["fault"]) for r in rows) + 2
-    lines = [f"{head[0]:<{width}}" + "".join(f"{h:>{len(h) + 2}}" for h in head[1:])]
+    widths = [max(len(h), *(len(str(r[k])) for r in rows)) + 2 for k, h in zip(keys[1:], head[1:], strict=True)]
+    lines = [f"{head[0]:<{width}}" + "".join(f"{h:>{w}}" for h, w in zip(head[1:], widths, strict=True))]
     for r in rows:
-        cells = (f"{r[k]!s:>{len(h) + 2}}" for k, h in zip(keys[1:], head[1:], strict=True))
+        cells = (f"{r[k]!s:>{w}}" for k, w in zip(keys[1:], widths, strict=True))
         lines.append(f"{r['fault']:<{width}}" + "".join(cells))
     return "\n".join(lines)
 
