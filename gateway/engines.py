@@ -265,9 +265,8 @@ class EnginePool:
     def poll_timeout(self, engine: Engine) -> float:
         """A poll's timeout: short while the engine answers; once it is late, what is left of its
         stall window (at least that short one), so a busy engine's late answer still counts."""
-        quick = max(1.0, self.interval * 2)
-        left = self.stall_timeout - (time.monotonic() - engine.answered_at)
-        return max(quick, left) if time.monotonic() - engine.answered_at > quick else quick
+        quick, silent = max(1.0, self.interval * 2), time.monotonic() - engine.answered_at
+        return max(quick, self.stall_timeout - silent) if silent > quick else quick
 
     async def _read_load(self, engine: Engine) -> LoadReport:
         """kvharbor's /load, or a vLLM server's /metrics mapped onto a LoadReport: by the kind
