@@ -271,21 +271,22 @@ def _array_calls(text: str, finished: bool) -> list[dict[str, Any]]:
 def _whole_elements(text: str) -> list[Any]:
     """The elements of a JSON array text that are complete, before where it was cut."""
     decoder, items = json.JSONDecoder(), []
-    i = len(text) - len(text.lstrip())
+    i = _SPACE.match(text).end()
     if not text.startswith("[", i):
         return []
-    i += 1
     while True:
-        i += len(text[i:]) - len(text[i:].lstrip())
+        i = _SPACE.match(text, i + 1).end()  # past "[" or ","
         try:
             item, i = decoder.raw_decode(text, i)
         except ValueError:
             return items
         items.append(item)
-        i += len(text[i:]) - len(text[i:].lstrip())
+        i = _SPACE.match(text, i).end()
         if not text.startswith(",", i):
             return items
-        i += 1
+
+
+_SPACE = re.compile(r"\s*")
 
 
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)

@@ -67,16 +67,20 @@ _REASON = re.compile(r"[a-z][a-z0-9_]{0,47}")
 
 def _engine_error(resp_status: int, text: str) -> EngineRefused:
     try:
-        err = json.loads(text)["error"]
-        return EngineRefused(
-            resp_status,
-            err.get("message", text),
-            type=err.get("type", "invalid_request_error"),
-            param=err.get("param"),
-            code=err.get("code"),
-        )
+        return _refused(resp_status, json.loads(text)["error"])
     except (ValueError, KeyError, TypeError, AttributeError):
         return EngineRefused(resp_status, text[:500] or f"engine answered {resp_status}")
+
+
+def _refused(status: int, err: dict) -> EngineRefused:
+    """An engine's OpenAI error object (from its body or an SSE error event) as the client's answer."""
+    return EngineRefused(
+        status,
+        err.get("message", str(err)[:500]),
+        type=err.get("type", "invalid_request_error"),
+        param=err.get("param"),
+        code=err.get("code"),
+    )
 
 
 def _lost_model(engine: Engine, error: APIError) -> Exception:
@@ -198,7 +202,7 @@ class EngineCaller:
         async for line in lines:
             event = sse.parse(line)
             if event.kind == sse.ERROR and _error_type(event) == "invalid_request_error":
-                raise _engine_error(400, json.dumps(event.chunk))  # the request's own fault: no retry
+                raise _refused(400, event.chunk["error"])  # the request's own fault: no retry
             if event.kind == sse.ERROR:
                 # The engine failed before any token reached the client: another may not.
                 blame = functools.partial(self.pool.failed, engine, "error before the first token")

@@ -37,6 +37,7 @@ from kvharbor.common.request_body import Parsed, document_bodies, read_body
 from kvharbor.common.request_limits import RequestLimits
 from kvharbor.common.tool_calls import ToolUse
 from kvharbor.common.tracing import extract, setup_tracing
+from kvharbor.engine.config import ServerConfig
 from kvharbor.engine.core_io import (
     AdapterInUse,
     EngineDead,
@@ -68,7 +69,8 @@ class ServerState:
     instance_id: str
     max_body_bytes: int
     limits: RequestLimits = field(default_factory=RequestLimits)
-    max_waiting: tuple[int, int] = (256, 262144)  # requests and prompt tokens that may wait for a first token
+    # requests and prompt tokens that may wait for a first token (ServerConfig's names)
+    max_waiting: tuple[int, int] = (ServerConfig.max_waiting_requests, ServerConfig.max_waiting_tokens)
     draining: bool = False
     ready: bool = True
     shared_store: bool = False  # the core has a shared block store (--redis-url)
