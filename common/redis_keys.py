@@ -12,6 +12,8 @@ gateway read them.
     kvharbor:blk:{s<shard>}:...           the shared KV block store (kvcache_service/block_store.py)
     kvharbor:rl:{T}:rpm|tpm|conc          one tenant's rate limits and slots (gateway/limits.py)
     kvharbor:reuse:M                      prefix-reuse counters (kvcache_service/reuse_stats.py)
+    kvharbor:resp:{T}:r:<id>|idx|sz|bytes|gone:<id>
+                                          one tenant's stored Responses (gateway/response_store.py)
 
 Why these tags: everything about one engine instance (its stream, lease, cursor, the blocks it
 holds, the intake owner of its stream) shares the slot of `{M:I}`, so applying its events is one
@@ -28,6 +30,7 @@ INDEX_PREFIX = "kvharbor:idx:"
 STORE_PREFIX = "kvharbor:blk:"
 REUSE_PREFIX = "kvharbor:reuse:"
 RATE_LIMIT_PREFIX = "kvharbor:rl:"
+RESPONSE_PREFIX = "kvharbor:resp:"
 
 
 def tag(*parts: str) -> str:
@@ -87,3 +90,9 @@ def store_shard_tag(shard: int) -> str:
 
 def rate_limit_key(tenant: str, kind: str, prefix: str = RATE_LIMIT_PREFIX) -> str:
     return f"{prefix}{tag(tenant)}:{kind}"
+
+
+def response_key(tenant: str, part: str, prefix: str = RESPONSE_PREFIX) -> str:
+    """A key of one tenant's stored responses: every one shares the tenant's slot, so the store's
+    write (the record, its index and the tenant's byte count) is one script."""
+    return f"{prefix}{tag(tenant)}:{part}"

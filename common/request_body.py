@@ -64,6 +64,11 @@ def parse_body(data: bytes, model_cls: type[BaseModel], limits: RequestLimits) -
                        param=field, code="too_deep") from None  # fmt: skip
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {str(exc)[:200]}") from None
+    return parse_raw(raw, model_cls, limits)
+
+
+def parse_raw(raw: Any, model_cls: type[BaseModel], limits: RequestLimits) -> Parsed:
+    """`parse_body` of an already decoded body (the gateway's translation of a Responses request)."""
     if not isinstance(raw, dict):
         raise APIError(400, "the request body must be a JSON object")
     check_depth(raw, limits.max_body_depth)

@@ -29,6 +29,7 @@ from kvharbor.common.logs import request_context
 from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, message_dicts, request_id
 from kvharbor.common.request_body import Parsed, document_bodies, read_body
 from kvharbor.common.request_limits import RequestLimits
+from kvharbor.common.responses_api import ResponsesRequest
 from kvharbor.gateway.admission import AdmissionQueue
 from kvharbor.gateway.call import Call, ModelEntry, count_rejected
 from kvharbor.gateway.catalog import listed_models, resolve
@@ -37,6 +38,8 @@ from kvharbor.gateway.flow import RequestFlow
 from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
 from kvharbor.gateway.metrics import GatewayMetrics
 from kvharbor.gateway.proxy import EngineCaller, EngineRefused
+from kvharbor.gateway.response_store import MemoryResponseStore
+from kvharbor.gateway.responses import ResponsesAPI
 from kvharbor.gateway.router import Router
 from kvharbor.gateway.tenants import Tenant, TenantRegistry, over_cap
 
@@ -62,6 +65,9 @@ class GatewayState:
     stream_idle: float = 60.0  # seconds a stream may go without a token
     max_migrations: int = 2  # times one stream may move to another engine when its engine fails
     index: Any = None
+    # The Responses API's store (gateway/response_store.py); service.build_state picks Redis's.
+    responses: Any = field(default_factory=lambda: MemoryResponseStore(2_592_000.0, 64 * 2**20))
+    responses_ttl: float = 2_592_000.0
     discovery: Any = None  # KubernetesDiscovery, followed by a lifespan task; None for static engines
     discovery_interval: float = 5.0
     _tenants_checked: float = field(default=0.0)
@@ -83,14 +89,15 @@ def build_app(state: GatewayState, lifespan: Any = None, admin_port: int | None 
     handler = _Handler(state)
     app.post("/v1/chat/completions")(handler.chat)
     app.post("/v1/completions")(handler.completions)
+    ResponsesAPI(handler).install(app)
     app.get("/v1/models")(handler.models)
     app.get("/health")(handler.health)
     app.get("/ready")(handler.ready)
     app.get("/metrics")(handler.metrics)
     app.add_middleware(BodyGuardMiddleware, limit=state.max_body_bytes, prefixes=("/v1/",))
     app.add_middleware(ListenerSplit, admin_port=admin_port, admin_paths=ADMIN_PATHS)
-    document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest},
-                    bearer=True)  # fmt: skip
+    document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/v1/responses": ResponsesRequest}, bearer=True)  # fmt: skip
     return app
 
 
@@ -145,6 +152,11 @@ class _Handler:
     async def _call(self, request: Request, kind: str) -> Call:
         tenant = self._tenant(request)
         parsed = await self._parse(request, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+        return await self._call_from(request, kind, tenant, parsed)
+
+    async def _call_from(self, request: Request, kind: str, tenant: Tenant, parsed: Parsed) -> Call:
+        """The call of a parsed body: its model, prompts and the tenant's caps checked (the
+        Responses API makes its chat body itself, gateway/responses.py)."""
         body, raw = parsed.body, parsed.raw
         resolved = resolve(body.model, tenant, self._engines_by_model())
         model = self.state.models[resolved.base]
@@ -199,7 +211,10 @@ class _Handler:
     # -- the request path -------------------------------------------------------------------------------
 
     async def _serve(self, request: Request, kind: str) -> Response:
-        call = await self._call(request, kind)
+        return await self._run(request, await self._call(request, kind))
+
+    async def _run(self, request: Request, call: Call) -> Response:
+        """The call's answer: limits taken, sent down its flow (a stream settles when it ends)."""
         state = self.state
         # The span outlives the handler for streams: the relay's settle ends it when the stream does.
         span = call.span = state.tracer.start_span(f"gateway {call.path}")

@@ -60,6 +60,24 @@ class TenancyConfig:
 
 
 @dataclass(frozen=True)
+class ResponseStoreConfig:
+    """The Responses API's stored conversations (gateway/response_store.py): in Redis with
+    --redis-url (every replica shares them), else in this process."""
+
+    # OpenAI keeps stored responses 30 days.
+    response_store_ttl: float = opt(2_592_000.0, "seconds a stored response is kept after it is written")
+    response_store_budget_bytes: int = opt(
+        64 * 2**20, "bytes of stored responses each tenant may hold; past it the least recently written go first"
+    )
+
+    def __post_init__(self) -> None:
+        if not self.response_store_ttl > 0:
+            raise ValueError(f"response_store_ttl must be > 0 seconds, got {self.response_store_ttl}")
+        if self.response_store_budget_bytes < 1:
+            raise ValueError(f"response_store_budget_bytes must be >= 1, got {self.response_store_budget_bytes}")
+
+
+@dataclass(frozen=True)
 class RoutingConfig:
     routing: Literal["prefix", "round_robin", "least_loaded"] = opt("prefix", "how to pick an engine")
     prefix_weight: float = opt(2.0, "weight of the prefix score (matched blocks / prompt blocks)")
@@ -171,6 +189,7 @@ class GatewayConfig:
 
     serving: ServingConfig = field(default_factory=ServingConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
+    responses: ResponseStoreConfig = field(default_factory=ResponseStoreConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)

@@ -205,7 +205,7 @@ class RequestFlow:
             continuation=self._continuation(),
         )  # fmt: skip
         headers = {"x-request-id": call.rid, "Cache-Control": "no-cache", **limit_headers, **call.ignored}
-        return _GuardedStream(relay.lines(), relay.close, media_type="text/event-stream", headers=headers)
+        return GuardedStream(relay.lines(), relay.close, media_type="text/event-stream", headers=headers)
 
     async def _debit(self, tokens: int) -> None:
         await self.state.limiter.debit_tokens(self.call.tenant, tokens)
@@ -274,13 +274,19 @@ async def _unless_disconnected(request: Request, work):
             task.cancel()
 
 
-class _GuardedStream(StreamingResponse):
+class GuardedStream(StreamingResponse):
     """A StreamingResponse that settles its request even when the body never starts (a client
     gone before the first byte): Starlette would otherwise drop the generator unrun."""
 
     def __init__(self, content: AsyncIterator[str], settle: Any, **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self._settle = settle
+
+    def mapped(self, body: AsyncIterator[str]) -> GuardedStream:
+        """This stream's settle and headers around another body made from its own (the Responses
+        event stream of a chat stream): settled once, by the stream the client reads."""
+        headers = {k: v for k, v in self.headers.items() if k.lower() not in ("content-length", "content-type")}
+        return GuardedStream(body, self._settle, media_type=self.media_type, headers=headers)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:

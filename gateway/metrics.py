@@ -22,6 +22,7 @@ class GatewayMetrics:
         self._requests(self.registry)
         self._routing(self.registry)
         self._adapters(self.registry)
+        self._responses(self.registry)
 
     def _requests(self, r: CollectorRegistry) -> None:
         """Per tenant: requests, tokens, refusals, streams, latency, goodput."""
@@ -125,6 +126,28 @@ class GatewayMetrics:
             "kvharbor_gateway_prefix_hit_ratio",
             "Matched / prompt blocks of routed requests, so far",
             ["model"],
+            registry=r,
+        )
+
+    def _responses(self, r: CollectorRegistry) -> None:
+        """The Responses API's store (gateway/response_store.py)."""
+        self.responses_evicted = Counter(
+            "kvharbor_gateway_responses_evicted",
+            "Stored responses dropped: past their TTL (counted at the tenant's next write), over the tenant's byte "
+            "budget, or larger than the whole budget (too_large)",
+            ["reason"],
+            registry=r,
+        )
+        self.responses_missed = Counter(
+            "kvharbor_gateway_responses_missed",
+            "Reads of a stored response that was not there: evicted (the 404 says why) or unknown (never stored, "
+            "past its TTL, deleted, or another tenant's)",
+            ["reason"],
+            registry=r,
+        )
+        self.responses_store_failures = Counter(
+            "kvharbor_gateway_responses_store_failures",
+            "Response store calls that failed (Redis away): a 503, or a stream that ends in response.failed",
             registry=r,
         )
 

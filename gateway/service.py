@@ -87,6 +87,7 @@ def build_state(config: Any, tracer: Any = None):
     from kvharbor.gateway.limits import RateLimiter
     from kvharbor.gateway.metrics import GatewayMetrics
     from kvharbor.gateway.proxy import EngineCaller
+    from kvharbor.gateway.response_store import MemoryResponseStore, RedisResponseStore
     from kvharbor.gateway.router import Router
     from kvharbor.gateway.tenants import TenantRegistry
 
@@ -119,6 +120,11 @@ def build_state(config: Any, tracer: Any = None):
         limiter_client = connect(config.tenancy.redis_url, timeout=0.5)  # one server or a Redis Cluster
         index = RedisIndex.from_url(config.tenancy.redis_url, timeout=config.routing.index_timeout)
     res = config.resilience
+    stored = config.responses
+    if limiter_client is not None:
+        responses = RedisResponseStore(limiter_client, stored.response_store_ttl, stored.response_store_budget_bytes)
+    else:
+        responses = MemoryResponseStore(stored.response_store_ttl, stored.response_store_budget_bytes)
     return GatewayState(
         models=models,
         tenants=tenants,
@@ -137,6 +143,8 @@ def build_state(config: Any, tracer: Any = None):
         stream_idle=res.stream_idle_timeout,
         max_migrations=res.max_migrations,
         index=index,
+        responses=responses,
+        responses_ttl=stored.response_store_ttl,
         discovery=_kubernetes_discovery(config, specs) if config.serving.discovery == "kubernetes" else None,
         discovery_interval=config.serving.discovery_interval,
     )
