@@ -12,7 +12,7 @@ gateway read them.
     kvharbor:blk:{s<shard>}:...           the shared KV block store (kvcache_service/block_store.py)
     kvharbor:rl:{T}:rpm|tpm|conc          one tenant's rate limits and slots (gateway/limits.py)
     kvharbor:reuse:M                      prefix-reuse counters (kvcache_service/reuse_stats.py)
-    kvharbor:resp:{T}:r:<id>|idx|sz|bytes|gone:<id>
+    kvharbor:resp:{T}:r:<id>|idx|sz|bytes|seq|gone:<id>
                                           one tenant's stored Responses (gateway/response_store.py)
 
 Why these tags: everything about one engine instance (its stream, lease, cursor, the blocks it

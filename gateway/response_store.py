@@ -51,11 +51,12 @@ class Found:
     gone: str | None = None  # why it is not there, when the store knows (a GONE_REASONS key)
 
 
-# KEYS: record, index (zset id -> written ms), sizes (hash id -> bytes), byte count. ARGV: id,
-# record, ttl ms, budget bytes, record key prefix, marker key prefix. Returns {expired, evicted, too_large}.
+# KEYS: record, index (zset id -> write sequence), sizes (hash id -> bytes), byte count, sequence.
+# ARGV: id, record, ttl ms, budget bytes, record key prefix, marker key prefix. Returns {expired,
+# evicted, too_large}. Every record has the same TTL, so those past it are the oldest in write order:
+# the ones at the index's head whose record key is gone. The index outlives the records (twice
+# their TTL) so that those are counted.
 _PUT = """
-local t = redis.call('TIME')
-local now = t[1] * 1000 + math.floor(t[2] / 1000)
 local id, doc, ttl, budget = ARGV[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local function forget(victim)
   local size = tonumber(redis.call('HGET', KEYS[3], victim) or '0')
@@ -64,16 +65,21 @@ local function forget(victim)
   redis.call('DECRBY', KEYS[4], size)
   return size
 end
-local expired = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', now - ttl)
-for _, victim in ipairs(expired) do forget(victim) end
+local expired = 0
+while true do
+  local oldest = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
+  if not oldest or redis.call('EXISTS', ARGV[5] .. oldest) == 1 then break end
+  forget(oldest)
+  expired = expired + 1
+end
 forget(id)
 if string.len(doc) > budget then
   redis.call('DEL', KEYS[1])
   redis.call('SET', ARGV[6] .. id, 'too_large', 'PX', ttl)
-  return {#expired, 0, 1}
+  return {expired, 0, 1}
 end
 redis.call('SET', KEYS[1], doc, 'PX', ttl)
-redis.call('ZADD', KEYS[2], now, id)
+redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[5]), id)
 redis.call('HSET', KEYS[3], id, string.len(doc))
 local total = redis.call('INCRBY', KEYS[4], string.len(doc))
 local evicted = 0
@@ -85,8 +91,8 @@ while total > budget do
   redis.call('SET', ARGV[6] .. oldest, 'budget', 'PX', ttl)
   evicted = evicted + 1
 end
-for i = 2, 4 do redis.call('PEXPIRE', KEYS[i], ttl) end
-return {#expired, evicted, 0}
+for i = 2, 5 do redis.call('PEXPIRE', KEYS[i], 2 * ttl) end
+return {expired, evicted, 0}
 """
 
 # KEYS: record, index, sizes, byte count. ARGV: id. Returns 1 if the record was there.
@@ -115,7 +121,7 @@ class RedisResponseStore:
     @staticmethod
     def _keys(tenant: str, rid: str) -> list[str]:
         return [response_key(tenant, "r:" + rid), response_key(tenant, "idx"), response_key(tenant, "sz"),
-                response_key(tenant, "bytes")]  # fmt: skip
+                response_key(tenant, "bytes"), response_key(tenant, "seq")]  # fmt: skip
 
     async def put(self, tenant: str, rid: str, record: dict[str, Any]) -> Written:
         prefixes = [response_key(tenant, "r:"), response_key(tenant, "gone:")]
