@@ -174,6 +174,28 @@ def test_tools_and_structured_outputs_over_vllm_servers(platform):
     assert json.loads(answer.choices[0].message.content) in ({"ok": True}, {"ok": False})
 
 
+def test_a_stored_two_turn_conversation_with_a_tool_call_over_vllm_servers(platform):
+    """Issue 48: the gateway's Responses API over vLLM pods. Turn 1 streams a forced call; turn 2
+    continues it by previous_response_id with the call's output, and is stored with both turns."""
+    llm = client(platform)
+    tool = {"type": "function", **WEATHER["function"]}
+    with llm.responses.stream(model=MODEL, input=ASK[0]["content"], tools=[tool], max_output_tokens=40,
+                              tool_choice={"type": "function", "name": "get_weather"}, temperature=0) as stream:
+        kinds = [event.type for event in stream]
+        first = stream.get_final_response()
+    (call,) = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "get_weather" and json.loads(call.arguments)["city"] in ("Paris", "Rome")
+    assert "response.function_call_arguments.done" in kinds and kinds[-1] == "response.completed"
+    second = llm.responses.create(model=MODEL, previous_response_id=first.id, tools=[tool],
+                                  input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}],
+                                  max_output_tokens=8, temperature=0)  # fmt: skip
+    # Random weights: auto may answer in words or call again.
+    assert second.status in ("completed", "incomplete") and second.output[0].type in ("message", "function_call")
+    # Turn 2's prompt carried turn 1 (the tools, the question, the call) and the call's output.
+    assert second.usage.input_tokens > first.usage.input_tokens
+    assert llm.responses.retrieve(second.id).previous_response_id == first.id
+
+
 def test_a_vllm_restart_clears_and_rebuilds_that_servers_entries(platform):
     """A vLLM server killed and restarted by `up`: the bridge clears the pod's entries when the
     event socket drops, and rebuilds from what the new server publishes (numbered from 0 again,
