@@ -101,8 +101,16 @@ class ChatMessage(BaseModel):
 
 
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them (unset fields left out)."""
-    return [m.model_dump(exclude_none=True) for m in messages]
+    """The messages as the chat template takes them (unset fields left out). An assistant's
+    earlier reasoning is taken under either name vLLM accepts, `reasoning` or `reasoning_content`,
+    and given to the template as `reasoning_content` (the name templates read, Qwen3's among them)."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if "reasoning" in d:
+            d.setdefault("reasoning_content", d.pop("reasoning"))
+        out.append(d)
+    return out
 
 
 class KVTransferParams(BaseModel):

@@ -17,7 +17,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from kvharbor.common.model_families import template_takes_tools
+from kvharbor.common.model_families import reasoning_parser, template_takes_tools, tool_call_parser
 from kvharbor.common.tool_calls import messages_for_template
 
 _GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
@@ -100,13 +100,25 @@ class Tokenizer:
         bos_token_id: int | None,
         eos_token_ids: Sequence[int],
         add_bos: bool,
+        model_type: str = "",
     ) -> None:
         self.backend = backend
+        self.model_type = model_type  # config.json's, or the GGUF's architecture: its family
         self.chat_template = chat_template
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.add_bos = add_bos
         self._template = None
+
+    @property
+    def tool_parser(self) -> str:
+        """How this model writes tool calls under kvharbor's prompts (common/model_families.py)."""
+        return tool_call_parser(self.model_type, template_takes_tools(self.chat_template))
+
+    @property
+    def reasoning_parser(self) -> str | None:
+        """How its reasoning is told from its answer; None: it writes none apart."""
+        return reasoning_parser(self.model_type)
 
     @property
     def vocab_size(self) -> int:
@@ -214,6 +226,7 @@ class Tokenizer:
             eos_token_ids=gguf_eos_ids(meta),
             # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")),
+            model_type=str(meta.get("general.architecture", "")),
         )
 
     @classmethod
@@ -236,6 +249,7 @@ class Tokenizer:
             bos_token_id=bos_token_id,
             eos_token_ids=eos_token_ids,
             add_bos=bool(config.get("add_bos_token", False)) and backend.post_processor is None,
+            model_type=str(_read_json(path / "config.json").get("model_type", "")),
         )
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -28,12 +27,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvharbor.common.field_error import FieldError
 from kvharbor.common.structured_outputs import closed_objects
+from kvharbor.common.tool_parsers import CLOSE, HERMES, OPEN, parser, tool_call
 
 TOOL_NAME = r"^[A-Za-z0-9_.-]{1,64}$"
 # Calls one `required` answer may hold: a small greedy model repeats the same call until its
 # context runs out (SmolLM2-135M did, 1,883 tokens of one call), and no caller wants more.
 MAX_PARALLEL_CALLS = 16
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
 class FunctionDef(BaseModel):
@@ -107,11 +106,13 @@ class ToolFields(BaseModel):
             return "named"
         return choice or "auto"
 
-    def tool_use(self) -> ToolUse:
-        """What the tools make of this request's output (ToolUse)."""
+    def tool_use(self, parser_name: str = HERMES) -> ToolUse:
+        """What the tools make of this request's output (ToolUse); `parser_name`: how the model
+        writes calls (its family's, common/model_families.py)."""
         mode = self.tool_mode()
         named = self.tool_choice.function.name if mode == "named" else None
-        return ToolUse(mode, named, frozenset(t.function.name for t in self.tools or ()), self.parallel_tool_calls)
+        names = frozenset(t.function.name for t in self.tools or ())
+        return ToolUse(mode, named, names, self.parallel_tool_calls, parser_name)
 
     def prompt_tools(self) -> list[dict[str, Any]] | None:
         """The tools the prompt shows the model (none for tool_choice "none")."""
@@ -204,16 +205,6 @@ def _text(content: Any) -> str:
 # -- outputs ----------------------------------------------------------------------------------------
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def tool_call(name: str, arguments: Any) -> dict[str, Any]:
-    """One entry of OpenAI's message.tool_calls: arguments as a JSON string."""
-    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
-
-
 @dataclass(frozen=True)
 class ToolUse:
     """What a chat request's tools make of its output: the mode (none | auto | required | named),
@@ -223,6 +214,7 @@ class ToolUse:
     named: str | None = None
     names: frozenset[str] = frozenset()
     parallel: bool = True
+    parser: str = HERMES  # how the model writes an `auto` call (common/tool_parsers.py, by family)
 
 
 def parse_output(text: str, use: ToolUse, finished: bool = True) -> tuple[str | None, list[dict[str, Any]]]:
@@ -236,7 +228,7 @@ def parse_output(text: str, use: ToolUse, finished: bool = True) -> tuple[str | 
         calls = _array_calls(text, finished)
         return (None, calls) if calls else (text, [])
     if use.mode == "auto":
-        content, calls = parse_hermes(text, closed_only=not finished)
+        content, calls = parser(use.parser).parse(text, not finished)
         if not all(_runnable(c, use.names) for c in calls):
             return text, []
         return content, calls if use.parallel else calls[:1]
@@ -287,29 +279,3 @@ def _whole_elements(text: str) -> list[Any]:
 
 
 _SPACE = re.compile(r"\s*")
-
-
-_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CLOSE) + r"|$)", re.S)
-_CLOSED_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
-
-
-def parse_hermes(text: str, closed_only: bool = False) -> tuple[str | None, list[dict[str, Any]]]:
-    """Hermes-style calls in `text`: (the text before the first call or the whole text, calls).
-    A last block with no closing tag counts, unless `closed_only` (an output cut short)."""
-    start = text.find(OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for body in (_CLOSED_BLOCK if closed_only else _BLOCK).findall(text, start):
-        try:
-            call = json.loads(body)
-            name, args = call["name"], call.get("arguments", call.get("parameters", {}))
-        except (ValueError, TypeError, KeyError):
-            return text, []  # not calls after all: the text stands as it is
-        if not isinstance(name, str) or not isinstance(args, dict | str):
-            return text, []
-        calls.append(tool_call(name, args))
-    if not calls:
-        return text, []
-    content = text[:start].strip()
-    return content or None, calls

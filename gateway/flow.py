@@ -50,8 +50,11 @@ class RequestFlow:
         self.state, self.call = state, call
         self.headers = inject({"x-request-id": call.rid})  # under the call's span
         # A stream of one sequence can move to another engine when its engine fails mid-way; not
-        # a tool call's: a second engine would open the call again (its id and name) mid-stream.
-        self.migratable = bool(state.max_migrations) and call.one_sequence and not call.calls_tools
+        # a tool call's: a second engine would open the call again (its id and name) mid-stream;
+        # nor a reasoning model's: the second would not know it was inside the reasoning.
+        tokenizer = call.model.tokenizer
+        reasons = bool(tokenizer and tokenizer.reasoning_parser)
+        self.migratable = bool(state.max_migrations) and call.one_sequence and not call.calls_tools and not reasons
         self.route: Route | None = None
         self.on = _OnEngine()
         self._moves = 0

@@ -59,7 +59,9 @@ def _has_text(choice: Any) -> bool:
     if not isinstance(choice, dict):
         return False
     delta = choice.get("delta")
-    return bool(choice.get("text") or (isinstance(delta, dict) and delta.get("content")))
+    if not isinstance(delta, dict):
+        return bool(choice.get("text"))
+    return bool(delta.get("content") or delta.get("reasoning") or delta.get("reasoning_content"))
 
 
 def error_line(message: str, type_: str = "service_unavailable", code: str | None = None) -> str:

@@ -136,15 +136,16 @@ def vllm_command(python: str, folder: Path, name: str, port: int, dtype: str, ma
 
 def tool_flags(folder: Path) -> list[str]:
     """vLLM's flags for `tools` with tool_choice auto (without them it answers 400), with the
-    parser of what the model writes under kvharbor's prompts (common/model_families.py)."""
-    from kvharbor.common.model_families import template_takes_tools, tool_call_parser, vllm_tool_args
+    parser of what the model writes under kvharbor's prompts, and its family's reasoning parser
+    (common/model_families.py)."""
+    from kvharbor.common.model_families import reasoning_parser, template_takes_tools, tool_call_parser, vllm_tool_args
 
     config = json.loads((folder / "config.json").read_text())
     tokenizer_config = folder / "tokenizer_config.json"
     template = json.loads(tokenizer_config.read_text()).get("chat_template") if tokenizer_config.exists() else None
     template = template if isinstance(template, str) else None  # a list of named templates: not read here
-    parser = tool_call_parser(str(config.get("model_type", "")), template_takes_tools(template))
-    return vllm_tool_args(parser)
+    model_type = str(config.get("model_type", ""))
+    return vllm_tool_args(tool_call_parser(model_type, template_takes_tools(template)), reasoning_parser(model_type))
 
 
 def vllm_env(kv_cache_bytes: int) -> dict[str, str]:

@@ -60,7 +60,7 @@ def engine_kind(spec: Mapping[str, Any]) -> str:
 # vLLM flags the operator sets and the kv-bridge, gateway and probes rely on: extraArgs may not move them.
 MANAGED_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--block-size", "--kv-events-config",
                  "--scheduling-policy", "--tensor-parallel-size", "--max-model-len", "--tool-call-parser",
-                 "--enable-auto-tool-choice", "--structured-outputs-config")  # fmt: skip
+                 "--enable-auto-tool-choice", "--structured-outputs-config", "--reasoning-parser")  # fmt: skip
 
 
 def check_vllm_spec(spec: Mapping[str, Any]) -> None:
@@ -119,7 +119,7 @@ def vllm_args(spec: Mapping[str, Any], port: int, gpus: int, lora: LoraSpec) -> 
         "--scheduling-policy", "priority", "--enable-prompt-tokens-details",
         "--kv-events-config", json.dumps(events, sort_keys=True),
         # tools with tool_choice auto: vLLM answers 400 without a parser (common/model_families.py)
-        *vllm_tool_args(vllm_section(spec).get("toolCallParser") or HERMES),
+        *vllm_tool_args(vllm_section(spec).get("toolCallParser") or HERMES, vllm_section(spec).get("reasoningParser")),
     ]  # fmt: skip
     if lora.adapters:
         args += ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank),

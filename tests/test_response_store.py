@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import pytest
-
 from kvharbor.common.redis_client import connect
 from kvharbor.gateway.response_store import RedisResponseStore
 

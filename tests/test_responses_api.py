@@ -24,7 +24,8 @@ from kvharbor.gateway.tenants import hash_key
 MODEL = "resp-m"
 TENANTS = {"tenants": [{"name": "acme", "api_keys": [hash_key("sk-acme")]},
                        {"name": "other", "api_keys": [hash_key("sk-other")]}]}  # fmt: skip
-USAGE = {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43, "prompt_tokens_details": {"cached_tokens": 32}}
+USAGE = {"prompt_tokens": 40, "completion_tokens": 3, "total_tokens": 43,
+         "prompt_tokens_details": {"cached_tokens": 32}}  # fmt: skip
 TOOL = {"type": "function", "name": "get_weather", "description": "the weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}  # fmt: skip
 
@@ -319,7 +320,8 @@ def test_the_memory_store_evicts_by_ttl_and_by_each_tenants_budget_and_says_why(
     ("body", "param"),
     [
         ({"input": [{"type": "image_generation_call", "id": "x"}]}, "input.0.type"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]}, "input.0.content.0.type"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+         "input.0.content.0.type"),
         ({"input": [{"type": "function_call_output", "call_id": "nope", "output": "1"}]}, "input.0.call_id"),
         ({"input": "hi", "background": True}, "background"),
         ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools.0.type"),

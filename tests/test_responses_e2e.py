@@ -90,8 +90,15 @@ def test_parse_returns_the_pydantic_model(stack):
 
 
 def test_an_openai_agents_agent_calls_its_function_tool_on_its_default_responses_model(stack):
-    from agents import Agent, AsyncOpenAI, ModelSettings, Runner, function_tool, set_default_openai_client
-    from agents import set_tracing_disabled
+    from agents import (
+        Agent,
+        AsyncOpenAI,
+        ModelSettings,
+        Runner,
+        function_tool,
+        set_default_openai_client,
+        set_tracing_disabled,
+    )
 
     set_tracing_disabled(True)
     set_default_openai_client(AsyncOpenAI(base_url=stack[0].url + "/v1", api_key="sk-acme", max_retries=0),

@@ -10,7 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from kvharbor.common.openai_api import ChatCompletionRequest
-from kvharbor.common.tool_calls import MAX_PARALLEL_CALLS, ToolUse, messages_for_template, parse_hermes, parse_output
+from kvharbor.common.tool_calls import MAX_PARALLEL_CALLS, ToolUse, messages_for_template, parse_output
+from kvharbor.common.tool_parsers import parse_hermes
 from kvharbor.engine.serve.tool_responses import ToolCallStream, tool_message
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

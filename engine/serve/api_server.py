@@ -336,7 +336,7 @@ class _Routes:
         builder = ResponseBuilder(
             kind, rid, lora or self.state.model, self.tokenizer, params.n, body.return_token_ids,
             getattr(body, "text_offset", 0),  # completions only: chat logprobs carry no offsets
-            _tools(body),
+            _tools(body, self.tokenizer), self.tokenizer.reasoning_parser if self.tokenizer else None,
         )  # fmt: skip
         run = _Run(self.state, streams, arrival, request.url.path, rid, span)
         if body.stream:
@@ -476,9 +476,11 @@ def step_error(failure: Failure) -> APIError:
     return APIError(500, f"the engine failed on this request: {failure.message}", type="internal_error")
 
 
-def _tools(body: Any) -> ToolUse:
-    """A chat request's tools (common/tool_calls.py); completions: none."""
-    return body.tool_use() if isinstance(body, ChatCompletionRequest) else ToolUse()
+def _tools(body: Any, tokenizer: Any) -> ToolUse:
+    """A chat request's tools (common/tool_calls.py), read in the model family's format; completions: none."""
+    if not isinstance(body, ChatCompletionRequest):
+        return ToolUse()
+    return body.tool_use(tokenizer.tool_parser) if tokenizer is not None else body.tool_use()
 
 
 class _Run:

@@ -6,6 +6,7 @@ import json
 import time
 from typing import Any
 
+from kvharbor.common.reasoning import ReasoningStream, split_reasoning
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.common.tool_calls import ToolUse
 from kvharbor.engine.outputs import CompletionOutput, RequestOutput
@@ -56,10 +57,14 @@ class ResponseBuilder:
         token_ids: bool = False,
         text_offset: int = 0,
         tools: ToolUse | None = None,
+        reasoning: str | None = None,
     ) -> None:
         self.kind = kind
         self.tools = tools or ToolUse()  # a chat's tools (common/tool_calls.py): what they make of its output
         self._tool_streams: dict[int, ToolCallStream] = {}
+        # A chat's reasoning parser (common/reasoning.py, by family): its reasoning goes apart.
+        self.reasoning = reasoning if kind == "chat" else None
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
         self.text_offset = text_offset  # where each choice's text starts in the client's (completions' logprobs)
         self.token_ids = token_ids  # vLLM's return_token_ids: each choice carries its (delta) token ids
         self.id = response_id
@@ -119,9 +124,12 @@ class ResponseBuilder:
     def _choice(self, index: int, sample: CompletionOutput, want_logprobs: bool, prefix: str) -> dict:
         lps = sample.logprobs or []
         if self.kind == "chat":
-            message, reason = {"role": "assistant", "content": sample.text}, finish_reason(sample)
+            thought, text = split_reasoning(sample.text, self.reasoning) if self.reasoning else (None, sample.text)
+            message, reason = {"role": "assistant", "content": text}, finish_reason(sample)
             if self.tools.mode != "none":
-                message, reason = tool_message(sample.text, reason, self.tools)
+                message, reason = tool_message(text, reason, self.tools)
+            if thought is not None:
+                message["reasoning"] = thought
             choice = {
                 "index": index,
                 "message": message,
@@ -158,12 +166,18 @@ class ResponseBuilder:
         reason = finish_reason(sample)
         if self.kind == "chat":
             lp = self.chat_logprobs(sample.delta_logprobs) if want_logprobs else None
-            delta = {"content": sample.delta_text} if sample.delta_text or reason is None else {}
+            thought, text = self._reasoning_delta(index, sample.delta_text, reason is not None)
+            if self.reasoning and sample.delta_text and not (thought or text or reason):
+                return None  # held back: it may be a tag
+            delta = {"content": text} if text or reason is None else {}
             if self.tools.mode != "none":
                 stream = self._tool_streams.setdefault(index, ToolCallStream(self.tools))
-                delta, reason = stream.delta(sample.delta_text, reason)
-                if delta is None:
+                delta, reason = stream.delta(text, reason)
+                if delta is None and not thought:
                     return None
+                delta = delta or {}
+            if thought:
+                delta = {"reasoning": thought, **{k: v for k, v in delta.items() if k != "content" or v}}
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
             lp = self.completion_logprobs(sample.delta_logprobs, text_offset) if want_logprobs else None
@@ -171,6 +185,13 @@ class ResponseBuilder:
         if self.token_ids:
             choice["token_ids"] = list(sample.delta_token_ids)
         return self._chunk([choice])
+
+    def _reasoning_delta(self, index: int, text: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, answer) of one choice's text delta."""
+        if self.reasoning is None:
+            return "", text
+        stream = self._reasoning_streams.setdefault(index, ReasoningStream(self.reasoning))
+        return stream.delta(text, finished)
 
     def text_chunk(self, index: int, text: str) -> dict:
         """A completion chunk of plain text (the echoed prompt)."""

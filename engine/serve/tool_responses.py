@@ -5,14 +5,16 @@ arguments in fragments).
 A named call streams its arguments as they are generated. `required` and `auto` calls are JSON
 that can only be told apart from text once whole, so their deltas wait for the sample's end;
 `auto` streams the text before a call as content as it comes, holding back only what could be
-the start of a `<tool_call>` tag.
+the start of a call in the model family's format (common/tool_parsers.py: a `<tool_call>` tag,
+`[TOOL_CALLS]`, or an output that opens with `{` or `[`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kvharbor.common.tool_calls import OPEN, ToolUse, new_call_id, parse_output
+from kvharbor.common.tool_calls import ToolUse, parse_output
+from kvharbor.common.tool_parsers import new_call_id, parser
 
 
 def tool_message(text: str, finish: str | None, use: ToolUse) -> tuple[dict[str, Any], str | None]:
@@ -34,6 +36,7 @@ class ToolCallStream:
     def __init__(self, use: ToolUse) -> None:
         self.use = use
         self.mode, self.named = use.mode, use.named
+        self.format = parser(use.parser)
         self._text = ""  # everything generated so far
         self._sent = 0  # of it, how much went out as content (auto)
         self._opened = False  # named: the call's id and name went out
@@ -50,7 +53,9 @@ class ToolCallStream:
         delta: dict[str, Any] = {}
         if calls:
             delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
-            before = self._text[self._sent : max(self._sent, self._text.find(OPEN))] if self.mode == "auto" else ""
+            before = ""
+            if self.mode == "auto":
+                before = self._text[self._sent : max(self._sent, self.format.call_start(self._text))]
             if before.strip():
                 delta["content"] = before
         else:
@@ -71,17 +76,10 @@ class ToolCallStream:
         """auto: text before any tool call goes out at once, but for a tail that may open a tag."""
         if self.mode != "auto":
             return None
-        start = self._text.find(OPEN)
-        end = start if start >= 0 else len(self._text) - _partial_tag(self._text)
+        start = self.format.call_start(self._text)
+        end = start if start < len(self._text) else len(self._text) - self.format.held_back(self._text)
         if end <= self._sent:
             return None
         piece, self._sent = self._text[self._sent : end], end
         return {"content": piece}
 
-
-def _partial_tag(text: str) -> int:
-    """How many trailing characters of `text` could begin the `<tool_call>` tag."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-k:]):
-            return k
-    return 0
