@@ -128,6 +128,10 @@ class ResponsesAPI:
         record = {"response": None, "input": stored_items(items), "context": context}
         try:
             call = await handler._call_from(request, "chat", tenant, Parsed(chat.body, chat.raw, parsed.ignored))
+            tokenizer = call.model.tokenizer
+            if req.reasoning is not None and not (tokenizer and tokenizer.reasoning_parser):
+                # A model that writes no reasoning apart: `reasoning` is accepted, and said to be ignored.
+                call.ignored = Parsed(None, {}, (*parsed.ignored, "reasoning")).headers()
             answer = await handler._run(request, call)
         except APIError as exc:
             raise _renamed(exc, req) from None

@@ -148,10 +148,11 @@ class RedisProcess(EmbeddedRedis):
         super().__init__(port=port, workdir=workdir)
 
 
-def make_tiny_chat_model(path: Path, tokenizer, **shape) -> Path:
-    """A random-weight tiny Llama that speaks SmolLM2's tokenizer and chat template: fast enough
-    for server tests that need many requests but no particular answer. `shape` overrides its
-    config (vLLM's CPU attention wants a head_dim of 32 or more)."""
+def make_tiny_chat_model(path: Path, tokenizer, kind: str = "llama", **shape) -> Path:
+    """A random-weight tiny Llama (or another `kind` of tiny_models.hf_model: its family's parsers
+    apply) that speaks SmolLM2's tokenizer and chat template: fast enough for server tests that
+    need many requests but no particular answer. `shape` overrides its config (vLLM's CPU
+    attention wants a head_dim of 32 or more)."""
 
     from tiny_models import hf_model
 
@@ -167,7 +168,7 @@ def make_tiny_chat_model(path: Path, tokenizer, **shape) -> Path:
         bos_token_id=1,
         eos_token_id=2,
     )
-    model = hf_model("llama", 0, **{**config, **shape})
+    model = hf_model(kind, 0, **{**config, **shape})
     model.save_pretrained(path)
     tokenizer.backend.save(str(path / "tokenizer.json"))
     (path / "tokenizer_config.json").write_text(

@@ -50,7 +50,9 @@ class ScriptedEngine:
         kind, *args = self.script.pop(0) if self.script else ("text", "Hello there")
         if body.get("stream"):
             return httpx.Response(200, content=_sse(kind, args).encode(), headers={"content-type": "text/event-stream"})
-        message: dict[str, Any] = {"role": "assistant", "content": args[0] if kind != "tool" else None}
+        message: dict[str, Any] = {"role": "assistant", "content": args[-1] if kind != "tool" else None}
+        if kind == "think":
+            message["reasoning"] = args[0]
         if kind == "tool":
             fn = {"name": args[0], "arguments": args[1]}
             message["tool_calls"] = [{"id": "call_1", "type": "function", "function": fn}]
@@ -75,7 +77,9 @@ def _sse(kind: str, args: list) -> str:
             chunks.append(chunk({"tool_calls": [{"index": 0, "function": {"arguments": part}}]}))
         chunks.append(chunk({}, "tool_calls"))
     else:
-        for word in args[0].split(" "):
+        if kind == "think":
+            chunks += [chunk({"reasoning": part}) for part in (args[0][:3], args[0][3:])]
+        for word in args[-1].split(" "):
             chunks.append(chunk({"content": word + " "}))
         if kind == "broken":
             chunks.append({"error": {"message": "the engine failed", "type": "server_error", "code": "engine_error"}})
@@ -363,3 +367,31 @@ def test_an_unknown_previous_response_id_is_a_404_naming_it_and_cancel_says_why_
     unknown, cancel = run(main())
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "previous_response_id"
     assert cancel.status_code == 400 and cancel.json()["error"]["code"] == "not_background"
+
+
+def test_reasoning_becomes_a_reasoning_item_before_the_message_whole_and_streamed(tokenizer):
+    gw = Gateway(tokenizer)
+    gw.engine.script = [("think", "let me see", "Paris."), ("think", "let me see", "Paris.")]
+
+    async def main():
+        client = gw.client()
+        whole = await client.responses.create(model=MODEL, input="Capital?", reasoning={"effort": "low"})
+        events = []
+        async with client.responses.stream(model=MODEL, input="Capital?") as stream:
+            async for event in stream:
+                events.append(event)
+        async with gw.raw() as http:
+            note = await http.post("/v1/responses", json={"model": MODEL, "input": "x", "reasoning": {}})
+        return whole, events, note
+
+    whole, events, note = run(main())
+    assert [i.type for i in whole.output] == ["reasoning", "message"]
+    assert whole.output[0].content[0].text == "let me see" and whole.output_text == "Paris."
+    kinds = [e.type for e in events]
+    assert kinds[2:6] == ["response.output_item.added", "response.reasoning_text.delta",
+                          "response.reasoning_text.delta", "response.reasoning_text.done"]  # fmt: skip
+    assert kinds[6] == "response.output_item.done" and kinds[7] == "response.output_item.added"
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == "Paris. "
+    # SmolLM2 (the tokenizer here) writes no reasoning apart: `reasoning` is accepted, and named as ignored
+    assert note.status_code == 200 and note.headers["x-kvharbor-ignored-fields"] == "reasoning"
