@@ -41,6 +41,14 @@ class ModelConfig:
         "linear layers; gguf (a GGUF model's own Q4_0/Q4_1/Q8_0 blocks, never stored dequantized)",
     )
     engine_seed: int = opt(0, "seed of the engine RNG that seeds requests without a seed of their own")
+    task: Literal["auto", "generate", "embed"] = opt(
+        "auto", "what the engine serves: generate (chat, completions) or embed (/v1/embeddings); auto: embed for a "
+        "model whose files declare pooling (sentence-transformers' 1_Pooling, or a bare ...Model architecture)",
+    )  # fmt: skip
+    pooling: Literal["auto", "last", "mean"] = opt(
+        "auto", "how an embedding pools its prompt's hidden states: last token or mean; auto: as the model declares, "
+        "else last",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:

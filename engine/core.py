@@ -103,11 +103,22 @@ class EngineCore:
         ks = {r.request_id: self.adaptive_k.k_for(r) for r in decoding}
         return self.proposer.propose([r for r in decoding if ks[r.request_id]], ks)
 
+    def _check_task(self, params: SamplingParams) -> None:
+        """An embedding engine pools, a generating one samples: a request for the other is refused."""
+        if self.pooling is not None and params.pooling is None:
+            raise FieldError("model", f"this engine serves embeddings (task embed) of {self.model_name!r}: ask "
+                             "/v1/embeddings, or start an engine with --task generate for chat and completions")
+        if self.pooling is None and params.pooling is not None:
+            raise FieldError("model", f"this engine generates with {self.model_name!r} (task generate): start one "
+                             "with --task embed (or an embedding model) for /v1/embeddings")
+
     def _warm_up(self) -> None:
         # One short request through the whole path, so the first user does not pay for lazy
         # initialization (oneDNN kernels, allocator). Its blocks are dropped from the cache.
         warm = "warmup-" + os.urandom(4).hex()
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        if self.pooling is not None:
+            params = SamplingParams(max_tokens=1, temperature=0.0, pooling=self.pooling.mode)
         self.add_request(EngineRequest(warm, [0] * min(8, self.max_model_len - 2), params))
         while self.has_unfinished():
             self.step()
@@ -133,6 +144,7 @@ class EngineCore:
         if request_id in self._groups:
             raise FieldError("request_id", f"request id {request_id!r} is already in use")
         ids = self._check_prompt(req.prompt_token_ids)
+        self._check_task(params)
         if params.n > self.config.limits.max_n:
             raise FieldError("n", f"n={params.n} exceeds the engine's limit of {self.config.limits.max_n} (--max-n)")
         params.check_vocab(self.arch.vocab_size)
@@ -391,7 +403,9 @@ class EngineCore:
             logprobs = request.logprobs[done:] if group.params.logprobs is not None else []
             samples.append(SampleDelta(index, new, logprobs, reason, stop))
         first = group.samples[0]
-        return CoreOutput(group.request_id, samples, group.finished, max(0, first.num_cached_tokens), group.error)
+        embedding = first.embedding.tolist() if first.embedding is not None and group.finished else None
+        return CoreOutput(group.request_id, samples, group.finished, max(0, first.num_cached_tokens), group.error,
+                          embedding)  # fmt: skip
 
     def import_prefix(
         self, hashes: Sequence[BlockHash], payloads: Sequence[bytes], prefix: Sequence[BlockHash] = ()

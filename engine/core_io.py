@@ -176,6 +176,7 @@ class CoreOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Failure | None = None
+    embedding: list[float] | None = None  # a pooling request's vector, with its last output
 
     def to_wire(self) -> list:
         samples = [
@@ -183,16 +184,16 @@ class CoreOutput:
             for s in self.samples
         ]
         error = self.error.to_wire() if self.error is not None else None
-        return [self.request_id, samples, self.finished, self.num_cached_tokens, error]
+        return [self.request_id, samples, self.finished, self.num_cached_tokens, error, self.embedding]
 
     @classmethod
     def from_wire(cls, data: list) -> CoreOutput:
-        request_id, samples, finished, cached, error = data
+        request_id, samples, finished, cached, error, embedding = data
         deltas = [
             SampleDelta(index, list(ids), [_logprob_from_wire(lp) for lp in lps], reason, stop)
             for index, ids, lps, reason, stop in samples
         ]
-        return cls(request_id, deltas, finished, cached, Failure.from_wire(error))
+        return cls(request_id, deltas, finished, cached, Failure.from_wire(error), embedding)
 
 
 def _logprob_wire(lp: Logprob) -> list:

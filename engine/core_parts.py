@@ -27,6 +27,7 @@ from kvharbor.engine.loader import LoadedModel, load_model
 from kvharbor.engine.lora.adapter import load_adapter
 from kvharbor.engine.lora.lora_manager import LoRAManager, reserved_bytes
 from kvharbor.engine.model import LlamaModel
+from kvharbor.engine.pooling import resolve_pooling
 from kvharbor.engine.quantize import QuantWeight
 from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import Sampler
@@ -99,6 +100,8 @@ class CoreParts:
         self.model_name = loaded.name
         self.arch = loaded.arch
         self.tokenizer: Tokenizer | None = loaded.tokenizer
+        # None: it generates; else its requests pool (engine/pooling.py)
+        self.pooling = resolve_pooling(loaded.path, config.model.task, config.model.pooling)
         check_max_model_len(config.model.max_model_len, self.arch.context_limit, self.model_name)
         say(
             f"building {self.arch.architecture} ({self.arch.num_parameters / 1e6:.1f}M parameters) "

@@ -12,6 +12,7 @@ from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.llm_engine import LLMEngine, Progress
 from kvharbor.engine.loader import LoadedModel
 from kvharbor.engine.outputs import RequestOutput
+from kvharbor.engine.pooling import finish_vector
 from kvharbor.engine.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict[str, Any]
@@ -101,6 +102,16 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": tokenizer.encode_chat(c)} for c in convs]
         return self.generate(prompts, sampling_params)
+
+    def embed(self, prompts: PromptInput | Sequence[PromptInput], dimensions: int | None = None) -> list[list[float]]:
+        """One embedding per prompt, in order, pooled as the engine's model declares (engine/pooling.py),
+        cut to `dimensions` and normalized where the model normalizes. The engine's task must be embed."""
+        pooling = self.engine.pooling
+        if pooling is None:
+            raise ValueError("this engine generates (task generate): build it with task='embed' or an embedding model")
+        params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling.mode)
+        outs = self.generate(prompts, params)
+        return [finish_vector(o.embedding, pooling.normalize, dimensions) for o in outs]
 
     def load_lora(self, name: str, path: str) -> None:
         """Serve the PEFT adapter at `path` as `name` (the engine must have LoRA on: enable_lora=True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,5 +63,10 @@ def _load_hf_dir(path: Path, name: str) -> LoadedModel:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    if state and not any(k.startswith("model.") for k in state):  # a bare ...Model checkpoint (embedding models)
+        state = {f"model.{k}": v for k, v in state.items()}
+    if "lm_head.weight" not in state and not arch.tie_word_embeddings:
+        # No head: an embedding model's, which pooling never uses; the embeddings stand in for it.
+        arch = dataclasses.replace(arch, tie_word_embeddings=True)
     tokenizer = Tokenizer.from_hf_dir(path, arch.eos_token_ids, arch.bos_token_id)
     return LoadedModel(name, path, arch, state, tokenizer)

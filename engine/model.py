@@ -369,6 +369,11 @@ class LlamaModel(nn.Module):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, self.ops, lora)
         return x.float() + residual  # float32, for the final norm (logits())
 
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 hidden rows after the final norm: what an embedding pools (engine/pooling.py),
+        as transformers' `last_hidden_state`."""
+        return F.rms_norm(hidden.float(), (hidden.shape[-1],), self.norm.float(), self.arch.rms_norm_eps)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, vocab] for the selected hidden rows. NOTE: the final norm and the
         LM head run in float32 whatever the model dtype (HF rounds both to the model dtype): a

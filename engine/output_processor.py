@@ -47,6 +47,7 @@ class _Tracked:
     params: SamplingParams
     samples: dict[int, _Sample] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    embedding: list[float] | None = None  # a pooling request's vector, once its prompt ran
     error: Failure | None = None
 
 
@@ -78,6 +79,8 @@ class OutputProcessor:
             if tracked is None:
                 continue
             tracked.num_cached_tokens, tracked.error = out.num_cached_tokens, out.error
+            if out.embedding is not None:
+                tracked.embedding = out.embedding
             for delta in out.samples:
                 stop = self._apply(tracked, delta)
                 if stop is not None:
@@ -145,4 +148,5 @@ class OutputProcessor:
             finished=finished,
             num_cached_tokens=tracked.num_cached_tokens,
             error=tracked.error,
+            embedding=tracked.embedding,
         )

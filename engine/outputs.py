@@ -35,3 +35,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: Failure | None = None  # set when finish_reason is "error": why, and whose fault
+    embedding: list[float] | None = None  # a pooling request's vector (engine/pooling.py), not normalized

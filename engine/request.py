@@ -73,6 +73,9 @@ class Request:
         lora: str | None = None,
     ) -> None:
         self.request_id = request_id
+        # A pooling request's vector once its prompt ran, and its mean's running sum (engine/pooling.py).
+        self.embedding = None
+        self.pool_sum = None
         self.lora = lora  # the LoRA adapter it runs on (engine/lora/lora_manager.py); None: the base model
         self.group_id = group_id if group_id is not None else request_id
         self.index = index

@@ -167,11 +167,13 @@ class ModelRunner:
         return chunks, self.model(input_ids, positions, self.kv_caches, meta, lora)
 
     def _sample(self, chunks: list[ScheduledChunk], hidden: torch.Tensor) -> StepOutput:
-        rows, last, spec = [], [], []
+        rows, last, spec, pooled = [], [], [], []
         offset = 0
         for chunk in chunks:
             offset += chunk.num_tokens
-            if chunk.draft:  # the target's prediction after the last token and after each draft token
+            if chunk.request.params.pooling is not None:
+                pooled.append((chunk, offset - chunk.num_tokens, offset))
+            elif chunk.draft:  # the target's prediction after the last token and after each draft token
                 spec.append((chunk, len(last)))
                 last.extend(range(offset - 1 - len(chunk.draft), offset))
             elif chunk.num_samples:
@@ -194,7 +196,28 @@ class ModelRunner:
                 out.tokens[rid] = tokens
                 if logprobs is not None:
                     out.logprobs[rid] = logprobs
+        for chunk, start, end in pooled:
+            self._pool(chunk, hidden[start:end], out)
         return out
+
+    def _pool(self, chunk: ScheduledChunk, hidden: torch.Tensor, out: StepOutput) -> None:
+        """A pooling request's chunk (engine/pooling.py): the mean's partial sum of its rows, kept
+        by the chunk's start (a chunk run again after a failed batch replaces its own part); once
+        the prompt is done, its vector and a placeholder token that ends it (max_tokens 1)."""
+        request = chunk.request
+        if request.params.pooling == "mean":
+            if chunk.start == 0 or request.pool_sum is None:
+                request.pool_sum = {}
+            request.pool_sum[chunk.start] = self.model.final_hidden(hidden).sum(0)
+        if not chunk.num_samples:
+            return
+        if request.params.pooling == "mean":
+            vector = torch.stack(list(request.pool_sum.values())).sum(0) / chunk.end
+            request.pool_sum = None
+        else:
+            vector = self.model.final_hidden(hidden[-1:])[0]
+        out.embeddings[request.request_id] = vector.cpu()
+        out.tokens[request.request_id] = [0]
 
     def _inputs(self, chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor]:
         ids: list[int] = []

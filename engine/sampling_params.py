@@ -56,6 +56,9 @@ class SamplingParams:
     # (common/openai_api.py builds it; engine/structured/ compiles it). None: free text.
     structured: dict | None = None
     continued_tokens: int = 0  # a migrated stream's output so far, at the prompt's end (its grammar walks it)
+    # An embedding, not a generation (engine/pooling.py): "last" | "mean". The request ends after
+    # its prompt with its pooled hidden state; it samples nothing.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -104,6 +107,10 @@ class SamplingParams:
             and self.structured["kind"] in ("json", "regex", "choice", "grammar")
         ):  # fmt: skip
             raise bad('structured must be {"kind": json|regex|choice|grammar, "value": ...}')
+        if self.pooling is not None and self.pooling not in ("last", "mean"):
+            raise bad(f'pooling must be "last" or "mean", got {self.pooling!r}')
+        if self.pooling is not None and (self.n != 1 or self.max_tokens != 1 or self.structured is not None):
+            raise bad("pooling requests take n = 1, max_tokens = 1 and no structured output")
         if not isinstance(self.continued_tokens, int) or self.continued_tokens < 0:
             raise bad(f"continued_tokens must be an integer >= 0, got {self.continued_tokens!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:

@@ -79,6 +79,8 @@ class StepOutput:
     # Requests whose own options failed them this step (a message each): they get no tokens, and
     # the core ends them alone (engine/core.py), the rest of the step going on.
     faults: dict[str, str] = field(default_factory=dict)
+    # Pooling requests whose prompt completed: their pooled hidden state (float32, final-normed).
+    embeddings: dict[str, Any] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -336,6 +338,8 @@ class Scheduler:
         request.num_computed_tokens = chunk.end
         if not tokens:
             return []
+        if request.request_id in output.embeddings:
+            request.embedding = output.embeddings[request.request_id]
         logprobs = output.logprobs.get(request.request_id) or [None] * len(tokens)
         forked = [] if request.forked else self._fork(request, tokens[1:], logprobs[1:])
         request.append_output(tokens[0], logprobs[0])

@@ -73,3 +73,26 @@ def longrope(head_dim: int, original: int, seed: int = 3) -> dict:
     long = (1 + 7 * torch.rand(half, generator=gen)).tolist()
     return {"rope_type": "longrope", "short_factor": short, "long_factor": long,
             "original_max_position_embeddings": original, "rope_theta": 10000.0}  # fmt: skip
+
+
+def tiny_embedding_model(path, pooling: str = "last", vocab_size: int = 512):
+    """A random-weight Qwen3 embedding model as Qwen3-Embedding ships: a bare Qwen3Model (no LM
+    head, no "model." prefix) with sentence-transformers' pooling and Normalize modules. Returns
+    the transformers model, the reference."""
+    import json
+
+    from transformers import Qwen3Config, Qwen3Model
+
+    shape = {**TINY, "vocab_size": vocab_size, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}
+    torch.manual_seed(1122)
+    model = Qwen3Model(Qwen3Config(**shape, rope_theta=1e6, tie_word_embeddings=True)).eval()
+    model.save_pretrained(path)
+    (path / "1_Pooling").mkdir(exist_ok=True)
+    modes = {"pooling_mode_lasttoken": pooling == "last", "pooling_mode_mean_tokens": pooling == "mean"}
+    (path / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": shape["hidden_size"],
+                                                                **modes}))  # fmt: skip
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+               {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
+    (path / "modules.json").write_text(json.dumps(modules))
+    return model

@@ -67,7 +67,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> PrefixHit:
         """The longest cached prefix of `request`, capped so its last token is always computed
         (the model must run on it to produce logits). Mutates nothing."""
-        if not self.pool.enable_caching:
+        if not self.pool.enable_caching or request.params.pooling == "mean":  # it needs every token's hidden state
             return PrefixHit([], 0)
         hashes = request.full_block_hashes(self.block_size)
         max_blocks = (request.num_tokens - 1) // self.block_size
