@@ -50,6 +50,7 @@ class LoadReport:
     kv_format: str = ""
     block_size: int = 0  # tokens per KV block: what prompts' block hashes are cut by (0: not reported)
     role: str = "both"  # P/D: both | prefill | decode (gateway/disagg.py)
+    task: str = "generate"  # generate (chat, completions) | embed (/v1/embeddings): where the gateway routes what
     kv_transfer_port: int = 0  # where decode engines pull hand-offs from (0: none)
     kv_pinned_blocks: int = 0  # blocks held for hand-offs not yet confirmed
     kv_transfer_bytes_per_s: float = 0.0  # hand-off pulls into this engine, measured (EWMA); 0: none yet

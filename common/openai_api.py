@@ -302,6 +302,36 @@ class CompletionRequest(SamplingFields):
         return list(p or [])
 
 
+class EmbeddingRequest(BaseModel):
+    """POST /v1/embeddings: text, texts, token ids, or lists of token ids (their count: max_prompts)."""
+
+    model: Annotated[str, Field(min_length=1)]
+    input: str | list[str] | list[TokenId] | list[list[TokenId]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1, lt=INT32)] | None = None
+    user: str | None = None
+    # kvharbor's extensions, as on chat and completions
+    cache_salt: str | None = None
+    priority: Annotated[int, Field(ge=-INT32, lt=INT32)] = 0
+    request_id: Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID)] | None = None
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> EmbeddingRequest:
+        inputs = self.inputs()
+        if not inputs or any(len(i) == 0 for i in inputs):
+            raise FieldError("input", "input must not be empty, nor any of its items")
+        return self
+
+    def inputs(self) -> list[str | list[int]]:
+        """Each input: a text or a prompt's token ids."""
+        given = self.input
+        if isinstance(given, str):
+            return [given]
+        if given and all(isinstance(x, int) for x in given):
+            return [list(given)]  # one input given as token ids
+        return list(given)
+
+
 class TokenizeRequest(BaseModel):
     model: str | None = None
     prompt: str | None = None

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest
+from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from kvharbor.common.request_limits import RequestLimits, json_depth
 
 IGNORED_HEADER = "X-Kvharbor-Ignored-Fields"
@@ -83,6 +83,8 @@ def parse_raw(raw: Any, model_cls: type[BaseModel], limits: RequestLimits) -> Pa
     ignored = tuple(sorted(set(raw) - known_fields(model_cls)))
     if isinstance(body, ChatCompletionRequest | CompletionRequest):
         check_limits(body, limits)
+    if isinstance(body, EmbeddingRequest):
+        _at_most("input", len(body.inputs()), limits.max_prompts, "max_prompts", "inputs")
     return Parsed(body, {k: v for k, v in raw.items() if k not in ignored}, ignored)
 
 

@@ -442,6 +442,7 @@ class EngineCore:
             kv_format=self.kv_io.format.tag,
             block_size=self.capacity.block_size,
             role=self.config.disagg.role,
+            task="generate" if self.pooling is None else "embed",
             kv_pinned_blocks=self.handoffs.num_blocks,
             kv_transfer_port=self.kv_transfer_port,
             kv_transfer_bytes_per_s=round(stats.kv_transfer_bytes_per_s, 1),

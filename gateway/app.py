@@ -26,13 +26,21 @@ from opentelemetry import trace
 from kvharbor.common.admin_listener import ListenerSplit
 from kvharbor.common.http_errors import BodyGuardMiddleware, install_error_handlers
 from kvharbor.common.logs import request_context
-from kvharbor.common.openai_api import APIError, ChatCompletionRequest, CompletionRequest, message_dicts, request_id
+from kvharbor.common.openai_api import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    message_dicts,
+    request_id,
+)
 from kvharbor.common.request_body import Parsed, document_bodies, read_body
 from kvharbor.common.request_limits import RequestLimits
 from kvharbor.common.responses_api import ResponsesRequest
 from kvharbor.gateway.admission import AdmissionQueue
 from kvharbor.gateway.call import Call, ModelEntry, count_rejected
 from kvharbor.gateway.catalog import listed_models, resolve
+from kvharbor.gateway.embeddings import EmbeddingsAPI
 from kvharbor.gateway.engines import Engine, EnginePool
 from kvharbor.gateway.flow import RequestFlow
 from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
@@ -90,6 +98,7 @@ def build_app(state: GatewayState, lifespan: Any = None, admin_port: int | None 
     app.post("/v1/chat/completions")(handler.chat)
     app.post("/v1/completions")(handler.completions)
     ResponsesAPI(handler).install(app)
+    EmbeddingsAPI(handler).install(app)
     app.get("/v1/models")(handler.models)
     app.get("/health")(handler.health)
     app.get("/ready")(handler.ready)
@@ -97,7 +106,8 @@ def build_app(state: GatewayState, lifespan: Any = None, admin_port: int | None 
     app.add_middleware(BodyGuardMiddleware, limit=state.max_body_bytes, prefixes=("/v1/",))
     app.add_middleware(ListenerSplit, admin_port=admin_port, admin_paths=ADMIN_PATHS)
     document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                          "/v1/responses": ResponsesRequest}, bearer=True)  # fmt: skip
+                          "/v1/responses": ResponsesRequest, "/v1/embeddings": EmbeddingRequest},
+                    bearer=True)  # fmt: skip
     return app
 
 

@@ -33,6 +33,7 @@ class ModelEntry:
     slo_itl_s: float
     block_size: int | None = None  # pinned by the models file; None: the engines' (router.block_size_for)
     mismatch: str | None = None  # the block-size disagreement last logged, if any
+    task: str = "generate"  # generate | embed, as the models file says (gateway/embeddings.py)
 
 
 @dataclass

@@ -35,6 +35,7 @@ class ModelSpec:
     slo_ttft_ms: float
     slo_itl_ms: float
     block_size: int | None = None  # tokens per KV block, if the models file pins it (else the engines')
+    task: str = "generate"  # generate | embed: what its engines serve (kvharbor engines also say so in /load)
 
 
 class Discovery(Protocol):
@@ -96,6 +97,9 @@ class StaticDiscovery:
             whole = isinstance(block_size, int) and not isinstance(block_size, bool)
             if block_size is not None and not (whole and block_size > 0):
                 raise ValueError(f"models[{i}].block_size in {path} must be a positive integer, got {block_size!r}")
+            task = raw.get("task", "generate")
+            if task not in ("generate", "embed"):
+                raise ValueError(f"models[{i}].task in {path} must be generate or embed, got {task!r}")
             specs.append(
                 ModelSpec(
                     raw.get("name"),
@@ -104,6 +108,7 @@ class StaticDiscovery:
                     float(slo.get("ttft_p95_ms", ttft_ms)),
                     float(slo.get("itl_p95_ms", itl_ms)),
                     block_size,
+                    task,
                 )
             )
         return cls(specs, require_engines)
@@ -152,7 +157,8 @@ class KubernetesDiscovery:
         )
         found = engines_from_slices(services, slices)
         self._current = [
-            ModelSpec(name, spec.files, tuple(found.get(name, ())), spec.slo_ttft_ms, spec.slo_itl_ms, spec.block_size)
+            ModelSpec(name, spec.files, tuple(found.get(name, ())), spec.slo_ttft_ms, spec.slo_itl_ms, spec.block_size,
+                      spec.task)
             for name, spec in sorted(self.specs.items())
         ]
         return self._current

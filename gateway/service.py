@@ -109,7 +109,8 @@ def build_state(config: Any, tracer: Any = None):
             flush=True,
         )
         name, tokenizer = load_tokenizer(spec.files, spec.name)
-        models[name] = ModelEntry(name, tokenizer, spec.slo_ttft_ms / 1000, spec.slo_itl_ms / 1000, spec.block_size)
+        models[name] = ModelEntry(name, tokenizer, spec.slo_ttft_ms / 1000, spec.slo_itl_ms / 1000, spec.block_size,
+                                  task=spec.task)  # fmt: skip
         pool.set_engines(name, list(spec.engines))
         specs[name] = spec
     limiter_client = index = None

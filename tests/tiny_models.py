@@ -75,14 +75,16 @@ def longrope(head_dim: int, original: int, seed: int = 3) -> dict:
             "original_max_position_embeddings": original, "rope_theta": 10000.0}  # fmt: skip
 
 
-def tiny_embedding_model(path, pooling: str = "last", vocab_size: int = 512):
+def tiny_embedding_model(path, pooling: str = "last", tokenizer=None):
     """A random-weight Qwen3 embedding model as Qwen3-Embedding ships: a bare Qwen3Model (no LM
-    head, no "model." prefix) with sentence-transformers' pooling and Normalize modules. Returns
-    the transformers model, the reference."""
+    head, no "model." prefix) with sentence-transformers' pooling and Normalize modules, and
+    `tokenizer`'s files when given (a kvharbor Tokenizer: its vocabulary sizes the model).
+    Returns the transformers model, the reference."""
     import json
 
     from transformers import Qwen3Config, Qwen3Model
 
+    vocab_size = tokenizer.vocab_size if tokenizer is not None else TINY["vocab_size"]
     shape = {**TINY, "vocab_size": vocab_size, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32}
     torch.manual_seed(1122)
     model = Qwen3Model(Qwen3Config(**shape, rope_theta=1e6, tie_word_embeddings=True)).eval()
@@ -95,4 +97,7 @@ def tiny_embedding_model(path, pooling: str = "last", vocab_size: int = 512):
                {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]
     (path / "modules.json").write_text(json.dumps(modules))
+    if tokenizer is not None:
+        tokenizer.backend.save(str(path / "tokenizer.json"))
+        (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": None, "add_bos_token": False}))
     return model

@@ -26,6 +26,7 @@ from kvharbor.common.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRARequest,
     TokenizeRequest,
     UnloadLoRARequest,
@@ -53,6 +54,7 @@ from kvharbor.engine.kv.handoff_handles import new_lease_key, sign_handle
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.sampling_params import SamplingParams
 from kvharbor.engine.serve.core_client import CoreClient, CoreStalled, RequestStream
+from kvharbor.engine.serve.embeddings_api import EmbeddingRoutes
 from kvharbor.engine.serve.metrics import ServerMetrics
 from kvharbor.engine.serve.openai_responses import SSE_DONE, ResponseBuilder, sse
 from kvharbor.engine.serve.slo_window import SLOWindow
@@ -123,6 +125,7 @@ def build_app(state: ServerState, lifespan: Any = None, admin_port: int | None =
     routes = _Routes(state)
     app.post("/v1/chat/completions")(routes.chat)
     app.post("/v1/completions")(routes.completions)
+    app.post("/v1/embeddings")(EmbeddingRoutes(routes, _Run).embeddings)
     app.get("/v1/models")(routes.models)
     if state.allow_runtime_lora:
         app.post("/v1/load_lora_adapter")(routes.load_lora)
@@ -136,7 +139,8 @@ def build_app(state: ServerState, lifespan: Any = None, admin_port: int | None =
     app.add_middleware(BodyGuardMiddleware, limit=state.max_body_bytes, prefixes=_GUARDED_PREFIXES)
     app.add_middleware(GateMiddleware, state=state)  # a draining engine reads no bodies
     app.add_middleware(ListenerSplit, admin_port=admin_port, admin_paths=ADMIN_PATHS, both=(*PROBES, "/load"))
-    document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest})
+    document_bodies(app, {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/v1/embeddings": EmbeddingRequest})  # fmt: skip
     return app
 
 

@@ -32,6 +32,7 @@ from kvharbor.common.process_stop import stop_process
 from kvharbor.engine.core_io import ERROR_KINDS, CoreOutput, CoreStats, EngineDead, EngineRequest
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput
+from kvharbor.engine.pooling import Pooling
 from kvharbor.engine.serve.core_link import LinkClosed, encode, read_message, read_message_sync
 
 log = logging.getLogger("kvharbor.engine.serve.core_client")
@@ -73,6 +74,8 @@ class CoreInfo:
     role: str = "both"
     kv_transfer_port: int = 0  # where decode engines pull this engine's hand-offs (0: none)
     kv_transfer_secret: bytes = dataclasses.field(default=b"", repr=False)  # signs the handles (handoff_handles.py)
+    pooling: Pooling | None = None  # an embedding engine's (engine/pooling.py); None: it generates
+    hidden_size: int = 0  # an embedding's length
 
 
 class CoreClient:
@@ -128,8 +131,9 @@ class CoreClient:
             raise ValueError(first[1])
         info = first[1]
         secret = bytes.fromhex(info["kv_transfer_secret"])
+        pooling = Pooling(*info["pooling"]) if info.get("pooling") else None
         self.info = CoreInfo(info["model"], info["max_model_len"], info["vocab_size"], info["block_size"],
-                             info["role"], info["kv_transfer_port"], secret)  # fmt: skip
+                             info["role"], info["kv_transfer_port"], secret, pooling, info["hidden_size"])  # fmt: skip
         return self.info
 
     async def attach(self) -> None:

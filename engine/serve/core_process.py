@@ -162,7 +162,9 @@ class CoreProcess:
         info = {"model": core.model_name, "max_model_len": core.max_model_len, "vocab_size": core.arch.vocab_size,
                 "block_size": core.capacity.block_size, "instance_id": self.instance_id,
                 "role": core.config.disagg.role, "kv_transfer_port": core.kv_transfer_port,
-                "kv_transfer_secret": self.handoff_secret.hex()}  # fmt: skip
+                "kv_transfer_secret": self.handoff_secret.hex(),
+                "pooling": [core.pooling.mode, core.pooling.normalize] if core.pooling else None,
+                "hidden_size": core.arch.hidden_size}  # fmt: skip
         self._send(["ready", info])
         if self.publisher is not None:
             self._spawn(self.publisher.run(self._snapshot, core.capacity.block_size))
