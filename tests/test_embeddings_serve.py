@@ -31,7 +31,8 @@ def stack(tmp_path_factory, smollm):
     models = {"models": [{"name": EMBED, "files": str(tmp / EMBED), "engines": [embed.url]},
                          {"name": CHAT, "files": str(chat_model), "engines": [chat.url]}]}  # fmt: skip
     (tmp / "models.yaml").write_text(yaml.safe_dump(models))
-    gateway = GatewayProcess(tmp, "--models-file", str(tmp / "models.yaml"), "--tenants-file", str(tmp / "tenants.yaml"))
+    files = ("--models-file", str(tmp / "models.yaml"), "--tenants-file", str(tmp / "tenants.yaml"))
+    gateway = GatewayProcess(tmp, *files)
     try:
         start_together([embed, chat])
         gateway.start()
