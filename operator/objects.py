@@ -122,6 +122,8 @@ def engine_config(spec: dict, redis_url: str | None, role: str = COLOCATED) -> d
     }
     if redis_url:
         config["redis_url"] = redis_url
+    if spec.get("task") == "embed":  # only then: a generating engine's config stays as it was (no rollout)
+        config["task"] = "embed"
     if role != COLOCATED:  # a colocated engine's config stays as it was: no rollout on upgrade
         config["role"] = role
     if role == "prefill":

@@ -62,6 +62,10 @@ def role_specs(spec: Mapping[str, Any]) -> tuple[RoleSpec, ...]:
     including one whose engine kind cannot run it (vLLM pods and disaggregation)."""
     engine_kind(spec)
     disaggregation = spec.get("disaggregation")
+    if spec.get("task", "generate") not in ("generate", "embed"):
+        raise ValueError(f"task must be generate or embed, got {spec.get('task')!r}")
+    if spec.get("task") == "embed" and (disaggregation is not None or spec.get("adapters")):
+        raise ValueError("task embed runs one prefill per input: it takes no disaggregation and no LoRA adapters")
     if disaggregation is None:
         return (colocated_role(spec),)
     if not isinstance(disaggregation, Mapping):

@@ -60,7 +60,8 @@ def engine_kind(spec: Mapping[str, Any]) -> str:
 # vLLM flags the operator sets and the kv-bridge, gateway and probes rely on: extraArgs may not move them.
 MANAGED_FLAGS = ("--model", "--served-model-name", "--host", "--port", "--block-size", "--kv-events-config",
                  "--scheduling-policy", "--tensor-parallel-size", "--max-model-len", "--tool-call-parser",
-                 "--enable-auto-tool-choice", "--structured-outputs-config", "--reasoning-parser")  # fmt: skip
+                 "--enable-auto-tool-choice", "--structured-outputs-config", "--reasoning-parser",
+                 "--runner", "--convert")  # fmt: skip
 
 
 def check_vllm_spec(spec: Mapping[str, Any]) -> None:
@@ -118,14 +119,22 @@ def vllm_args(spec: Mapping[str, Any], port: int, gpus: int, lora: LoraSpec) -> 
         "--enable-prefix-caching" if engine.get("prefixCaching", True) else "--no-enable-prefix-caching",
         "--scheduling-policy", "priority", "--enable-prompt-tokens-details",
         "--kv-events-config", json.dumps(events, sort_keys=True),
-        # tools with tool_choice auto: vLLM answers 400 without a parser (common/model_families.py)
-        *vllm_tool_args(vllm_section(spec).get("toolCallParser") or HERMES, vllm_section(spec).get("reasoningParser")),
+        *_task_args(spec),
     ]  # fmt: skip
     if lora.adapters:
         args += ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank),
                  "--max-cpu-loras", str(lora.max_cpu_loras),
                  "--lora-modules", *(f"{a.name}={a.folder}" for a in lora.adapters)]  # fmt: skip
     return args + [str(a) for a in vllm_section(spec).get("extraArgs") or []]
+
+
+def _task_args(spec: Mapping[str, Any]) -> list[str]:
+    """An embedding model runs vLLM's pooling runner; a generating one gets the tools' flags
+    (vLLM answers 400 to tool_choice auto without a parser: common/model_families.py)."""
+    if spec.get("task") == "embed":
+        return ["--runner", "pooling", "--convert", "embed"]
+    vllm = vllm_section(spec)
+    return vllm_tool_args(vllm.get("toolCallParser") or HERMES, vllm.get("reasoningParser"))
 
 
 def vllm_container(spec: Mapping[str, Any], image: str, port: int, gpus: int, lora: LoraSpec) -> dict[str, Any]:

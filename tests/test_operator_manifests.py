@@ -349,3 +349,26 @@ def test_events_the_operator_posts_are_valid_kubernetes(version):
     tenant = {"apiVersion": "kvharbor.io/v1alpha1", "kind": "Tenant",
               "metadata": {"name": "acme", "namespace": "inference", "uid": "u-1"}}  # fmt: skip
     kubernetes_validate.validate(event_manifest(tenant, Event("Warning", "Invalid", "x" * 5000)), version, strict=True)
+
+
+def test_an_embedding_service_runs_engines_with_task_embed_and_refuses_what_it_cannot_run(tmp_path):
+    """Issue 48: `task: embed` reaches the engine's config (through `kvharbor serve`'s own parser),
+    the CRD schema takes it, and an embedding service asks for no P/D or adapters."""
+    from kvharbor.common.config import config_from_argv
+    from kvharbor.engine.config import ServeConfig
+
+    base = example("inferenceservice")["spec"]
+    spec = base | {"task": "embed"}
+    jsonschema.validate({"spec": spec}, spec_schema("inferenceservices"))
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"spec": base | {"task": "rerank"}}, spec_schema("inferenceservices"))
+    configmap, deployment = objects_for(spec)[:2]
+    (tmp_path / "engine.yaml").write_text(configmap["data"]["engine.yaml"])
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    argv = [str(tmp_path / "engine.yaml") if a == "/etc/kvharbor/engine.yaml" else a for a in args[1:]]
+    assert config_from_argv(ServeConfig, argv, "test", "test").engine.model.task == "embed"
+    assert "task" not in yaml.safe_load(objects_for(base)[0]["data"]["engine.yaml"])  # generating: unchanged
+    for extra in ({"disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}},
+                  {"adapters": [{"name": "a", "source": "/a"}]}):  # fmt: skip
+        with pytest.raises(ValueError, match="task embed"):
+            role_specs(spec | extra)

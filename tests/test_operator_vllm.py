@@ -157,3 +157,13 @@ def test_a_kvharbor_service_is_unchanged_by_the_engine_kind():
     plan = place(KNOWN[spec["model"]["name"]], EngineShape("bfloat16", 8192, 32), [L4])
     objs = [desired_objects("x", "ns", "uid", s, plan, 1, "img", None) for s in (spec, explicit)]
     assert objs[0] == objs[1] and ENGINE_KIND_LABEL not in objs[0][2]["metadata"]["labels"]
+
+
+def test_a_vllm_embedding_service_runs_the_pooling_runner_without_tool_flags():
+    spec = {k: v for k, v in SPEC.items() if k != "adapters"} | {"task": "embed"}
+    args = vllm_objects(spec)["Deployment", "qwen-vllm-engine"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--runner") + 1] == "pooling" and args[args.index("--convert") + 1] == "embed"
+    assert "--enable-auto-tool-choice" not in args and "--tool-call-parser" not in args
+    reasoning = {**SPEC, "engine": {**SPEC["engine"], "vllm": {**SPEC["engine"]["vllm"], "reasoningParser": "qwen3"}}}
+    own = vllm_objects(reasoning)["Deployment", "qwen-vllm-engine"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert own[own.index("--reasoning-parser") + 1] == "qwen3"
