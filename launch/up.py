@@ -70,6 +70,10 @@ class UpConfig(TracedListenConfig):
     num_kv_blocks: int | None = opt(None, "KV pool of each engine in blocks of 16 tokens; overrides kv_cache_memory")
     max_model_len: int | None = opt(None, "context length of each engine (default: the model's, capped to the pool)")
     lora: tuple[str, ...] = opt((), "a LoRA adapter every engine serves, NAME=PATH (the demo tenant is granted it)")
+    embedding_model: str | None = opt(
+        None, "an embedding model (HF folder) to serve on /v1/embeddings: one engine with --task embed starts beside "
+        "the chat engines; without it, /v1/embeddings answers 404",
+    )  # fmt: skip
     max_loras: int = opt(4, "adapters one engine step runs (each engine's --max-loras)")
     routing: Literal["prefix", "round_robin", "least_loaded"] = opt("prefix", "the gateway's routing strategy")
     slo_ttft_ms: float = opt(2000.0, "TTFT p95 target (ms) the gateway admits against")
@@ -102,6 +106,9 @@ class UpConfig(TracedListenConfig):
             raise ValueError("prefill_engines needs decode_engines: prefill engines hand their KV to decode engines")
         if self.engine_kind == "vllm":
             self._check_vllm()
+        if self.embedding_model and self.engine_kind == "vllm":
+            raise ValueError("embedding_model starts a kvharbor engine beside kvharbor chat engines: leave it out "
+                             "with engine_kind vllm (or list a vLLM pooling server in a gateway models file)")
         if self.loadtest_tenants and self.host not in ("127.0.0.1", "localhost", "::1"):
             raise ValueError(f"loadtest_tenants loads public API keys: serve them on 127.0.0.1, not {self.host}")
 
@@ -271,12 +278,16 @@ class Platform:
         else:
             engines, bridges = self._engine_children(cli, traced), []
             addresses, model_files, name = [e.url for e in engines], c.model, None
+        serving = ["--engines", ",".join(addresses)] + (["--model", str(model_files)] if model_files else [])
+        if c.embedding_model:  # two models: the gateway reads them from a models file
+            embedder = self._embedding_child(cli, traced)
+            engines.append(embedder)
+            serving = ["--models-file", self._models_file(addresses, embedder)]
         gateway = Child(
             "gateway",
-            [*cli, "gateway", "--host", c.host, "--port", str(c.port), "--engines", ",".join(addresses),
+            [*cli, "gateway", "--host", c.host, "--port", str(c.port), *serving,
              "--admin-port", str(admin_port), "--tenants-file", self._tenants(), "--routing", c.routing,
              "--slo-ttft-ms", str(c.slo_ttft_ms), "--slo-itl-ms", str(c.slo_itl_ms), *traced]
-            + (["--model", str(model_files)] if model_files else [])
             + (["--served-model-name", name, "--vllm-priority"] if name else []),  # its vLLM servers rank by it
             f"http://{'127.0.0.1' if c.host in ('0.0.0.0', '::') else c.host}:{c.port}", "/ready",
             self.log_dir / "gateway.log", "the engines",
@@ -315,6 +326,26 @@ class Platform:
             engines.append(Child(f"engine-{i}", cmd, f"http://127.0.0.1:{port}", "/ready",
                                  self.log_dir / f"engine-{i}.log", "model load and warm-up"))  # fmt: skip
         return engines
+
+    def _embedding_child(self, cli: list[str], traced: list[str]) -> Child:
+        from kvharbor.launch.embedded_redis import free_port
+
+        c, port = self.config, free_port()
+        cmd = [*cli, "serve", "--port", str(port), "--instance-id", "embed-0", "--task", "embed", "--model",
+               c.embedding_model, "--kv-cache-memory", c.kv_cache_memory, "--dtype", c.dtype, *traced]  # fmt: skip
+        return Child("embed-0", cmd, f"http://127.0.0.1:{port}", "/ready", self.log_dir / "embed-0.log",
+                     "embedding model load and warm-up")  # fmt: skip
+
+    def _models_file(self, chat_engines: list[str], embedder: Child) -> str:
+        """The gateway's models: the chat model on its engines, the embedding model on its own."""
+        import yaml
+
+        c = self.config
+        models = [{"files": c.model, "engines": chat_engines},
+                  {"files": c.embedding_model, "engines": [embedder.url], "task": "embed"}]  # fmt: skip
+        path = self.tmp / "models.yaml"
+        path.write_text(yaml.safe_dump({"models": models}))
+        return str(path)
 
     def _vllm_children(
         self, cli: list[str], shared: list[str]

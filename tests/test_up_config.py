@@ -194,3 +194,22 @@ def test_a_crash_looping_part_is_marked_failed_and_the_rest_runs_on_unless_it_is
         for ch in platform.children:
             ch.stop(0)
         shutil.rmtree(platform.tmp, ignore_errors=True)
+
+
+def test_an_embedding_model_gets_its_own_engine_and_the_gateway_a_models_file_with_both(platform_for):
+    from kvharbor.gateway.discovery import StaticDiscovery
+
+    platform = platform_for(engines=2, embedding_model="/models/qwen3-embedding")
+    children = {child.name: child for child in platform._children()}
+    embed = children["embed-0"].cmd
+    assert embed[embed.index("--task") + 1] == "embed" and embed[embed.index("--model") + 1] == "/models/qwen3-embedding"
+    gateway = children["gateway"].cmd
+    assert "--engines" not in gateway
+    specs = StaticDiscovery.from_file(gateway[gateway.index("--models-file") + 1], 2000, 200).models()
+    assert [(s.files, s.task, len(s.engines)) for s in specs] == [(None, "generate", 2),
+                                                                 ("/models/qwen3-embedding", "embed", 1)]  # fmt: skip
+    assert specs[1].engines == (children["embed-0"].url,)
+    without = {child.name for child in platform_for(engines=1)._children()}
+    assert "embed-0" not in without
+    with pytest.raises(ConfigError, match="embedding_model"):
+        load_config(UpConfig, env={}, overrides={"embedding_model": "/m", "engine_kind": "vllm", "vllm_python": "/p"})
