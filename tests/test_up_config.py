@@ -202,7 +202,8 @@ def test_an_embedding_model_gets_its_own_engine_and_the_gateway_a_models_file_wi
     platform = platform_for(engines=2, embedding_model="/models/qwen3-embedding")
     children = {child.name: child for child in platform._children()}
     embed = children["embed-0"].cmd
-    assert embed[embed.index("--task") + 1] == "embed" and embed[embed.index("--model") + 1] == "/models/qwen3-embedding"
+    assert embed[embed.index("--task") + 1] == "embed"
+    assert embed[embed.index("--model") + 1] == "/models/qwen3-embedding"
     gateway = children["gateway"].cmd
     assert "--engines" not in gateway
     specs = StaticDiscovery.from_file(gateway[gateway.index("--models-file") + 1], 2000, 200).models()
