@@ -55,6 +55,19 @@ class Call:
     hashes: list[bytes] = field(default_factory=list)  # its prompt's block hashes (set on admission)
     transfer: dict | None = None  # P/D: the prefill engine's hand-off, for the decode engine
     ignored: dict[str, str] = field(default_factory=dict)  # the header naming fields it carried that were ignored
+    # A stored conversation's last turn: {"instance", "blocks", "last"} (gateway/responses.py):
+    # where it ran, and its prompt's full blocks, of which "last" is the final hash.
+    affinity: dict | None = None
+    served_by: str | None = None  # the instance id of the engine that answered (set by the flow)
+
+    def known_held(self) -> tuple[str, int] | None:
+        """(instance, blocks) of this prompt that the engine of `affinity` holds: its last turn's
+        prompt blocks, when they are a prefix of this prompt's (the hashes chain: one equal hash
+        at the same place means the whole prefix is equal). None otherwise."""
+        a = self.affinity
+        if not a or not a.get("instance") or not 0 < a["blocks"] <= len(self.hashes):
+            return None
+        return (a["instance"], a["blocks"]) if self.hashes[a["blocks"] - 1].hex() == a["last"] else None
 
     @property
     def adapter(self) -> str | None:

@@ -7,6 +7,7 @@ of each InferenceService's engine Service) behind the same interface.
         files: null                    # .gguf / HF folder for the tokenizer; null = bundled SmolLM2
         engines: [http://127.0.0.1:8001, http://127.0.0.1:8002]
         slo: {ttft_p95_ms: 2000, itl_p95_ms: 200}
+        task: generate                 # or embed: its engines serve /v1/embeddings (gateway/embeddings.py)
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ class RequestFlow:
             return None
         call, model = self.call, self.call.model
         return await self.state.router.choose(
-            model.name, engines, call.hashes, call.prompt_tokens, call.block_size, model.slo_itl_s, call.adapter
+            model.name, engines, call.hashes, call.prompt_tokens, call.block_size, model.slo_itl_s, call.adapter,
+            call.known_held(),
         )
 
     def send(self, engine: Engine, uncached: int | None = None) -> Sent:
@@ -171,7 +172,9 @@ class RequestFlow:
         async def run(engine: Engine) -> tuple[bytes, dict]:
             sent = self.send(engine)
             try:
-                return await state.caller.call(engine, call.path, self._body(engine), self.headers)
+                answer = await state.caller.call(engine, call.path, self._body(engine), self.headers)
+                call.served_by = engine.instance_id
+                return answer
             finally:
                 sent.done()
 
@@ -197,6 +200,7 @@ class RequestFlow:
             raise
         sent.first_token()
         self.on.engine, self.on.sent = engine, sent
+        self.call.served_by = engine.instance_id
         return stream
 
     async def _stream(self, limit_headers: dict[str, str]) -> Response:

@@ -111,12 +111,14 @@ class ResponsesAPI:
         parsed = await handler._parse(request, ResponsesRequest)
         req: ResponsesRequest = parsed.body
         context: list[dict[str, Any]] = []
+        affinity = None
         if req.previous_response_id is not None:
             before = await self._find(tenant, req.previous_response_id, "previous_response_id")
             if before["response"]["status"] == "failed":
                 raise APIError(400, f"response {req.previous_response_id!r} failed: continue from one that "
                                "completed", param="previous_response_id", code="response_failed")  # fmt: skip
             context = conversation(before)
+            affinity = before.get("served")
         items = req.input_items()
         try:
             chat = parse_raw(chat_request(req, context, items), ChatCompletionRequest, self.state.limits)
@@ -128,6 +130,7 @@ class ResponsesAPI:
         record = {"response": None, "input": stored_items(items), "context": context}
         try:
             call = await handler._call_from(request, "chat", tenant, Parsed(chat.body, chat.raw, parsed.ignored))
+            call.affinity = affinity  # routed where the last turn ran, if its prefix is this one's
             tokenizer = call.model.tokenizer
             if req.reasoning is not None and not (tokenizer and tokenizer.reasoning_parser):
                 # A model that writes no reasoning apart: `reasoning` is accepted, and said to be ignored.
@@ -138,6 +141,9 @@ class ResponsesAPI:
 
         async def settle(response: dict[str, Any]) -> str | None:
             record["response"] = response
+            if call.served_by and call.hashes:  # where this turn's prompt is cached: the next turn goes there
+                last = call.hashes[-1].hex()
+                record["served"] = {"instance": call.served_by, "blocks": len(call.hashes), "last": last}
             return await self._store(tenant, record) if req.store else None
 
         if isinstance(answer, GuardedStream):

@@ -87,9 +87,12 @@ class Router:
         block_size: int = DEFAULT_BLOCK_SIZE,
         slo_itl_s: float = 0.0,
         adapter: str | None = None,
+        known: tuple[str, int] | None = None,
     ) -> Route | None:
         """The engine for a request among `engines` (for a LoRA `adapter`, by name: only engines
-        that serve it); `model` is the base model, whose KV index the hashes are looked up in."""
+        that serve it); `model` is the base model, whose KV index the hashes are looked up in.
+        `known`: (instance id, blocks) the gateway knows that engine holds of this prompt (a
+        stored conversation's last turn ran there), whatever the index says yet."""
         if not engines:
             return None
         strategy = self.config.routing
@@ -99,6 +102,9 @@ class Router:
         if strategy == "least_loaded":
             return Route(_least_loaded(engines), "least_loaded", prompt_blocks=len(hashes))
         matches = await self.matches(model, hashes, engines)
+        if known is not None:  # the index may not have that turn's blocks yet: its KV events are in flight
+            matches = dict(matches or {})
+            matches[known[0]] = max(matches.get(known[0], 0), min(known[1], len(hashes)))
         route = self.by_prefix(engines, hashes, matches, adapter)
         return faster_elsewhere(route, engines, prompt_tokens, block_size, slo_itl_s, adapter)
 

@@ -114,6 +114,52 @@ COMPLETION: dict[str, list[tuple[str, Any]]] = {
                ("empty list", []), ("empty ids", [[]]), ("int32 id", [[2**31]]), ("past vocab", [[99_999_999]]),
                ("long", "word " * 1500)],
 }  # fmt: skip
+RESP_TOOL = {"type": "function", "name": "get_weather", "parameters": CITY}
+TOOL_TURN = [{"role": "user", "content": "weather?"},
+             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+             {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]  # fmt: skip
+# The Responses API at the gateway (issue 48): its own fields, translated to chat there.
+RESPONSES: dict[str, list[tuple[str, Any]]] = {
+    "input": [("text", "Say something."),
+              ("parts", [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}]),
+              ("tool turn", TOOL_TURN),
+              ("dangling output", [{"type": "function_call_output", "call_id": "z", "output": "1"}]),
+              ("unknown type", [{"type": "computer_call", "id": "x"}]),
+              ("image", [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]),
+              ("empty", ""), ("long", "word " * 1500), ("500 items", [{"role": "user", "content": "hi"}] * 500),
+              ("bad role", [{"role": "tool", "content": "x"}])],
+    "instructions": [("short", "Be brief."), ("long", "rule " * 1500)],
+    "tools": [("one", [RESP_TOOL]), ("hosted", [{"type": "web_search"}]),
+              ("129", [{"type": "function", "name": f"f{i}"} for i in range(129)]),
+              ("bad name", [{"type": "function", "name": "bad name!"}]),
+              ("deep params", [{"type": "function", "name": "deep", "parameters": nested(60)}])],
+    "tool_choice": [("auto", "auto"), ("required", "required"), ("named", {"type": "function", "name": "get_weather"}),
+                    ("unknown", {"type": "function", "name": "nope"})],
+    "text": [("json_object", {"format": {"type": "json_object"}}),
+             ("schema", {"format": {"type": "json_schema", "name": "v", "schema": SCHEMA}}),
+             ("no schema", {"format": {"type": "json_schema", "name": "v"}}),
+             ("deep 300", {"format": {"type": "json_schema", "name": "v", "schema": nested(300)}}),
+             ("bad type", {"format": {"type": "xml"}})],
+    "max_output_tokens": [("1", 1), ("24", 24), ("zero", 0), ("int32", 2**31)],
+    "temperature": [("greedy", 0), ("max+", 2.0001)],
+    "top_p": [("zero", 0), ("0.5", 0.5)],
+    "previous_response_id": [("unknown", "resp_nothere"), ("bad chars", "../../etc")],
+    "store": [("false", False)],
+    "stream": [("true", True)],
+    "background": [("true", True)],
+    "truncation": [("auto", "auto")],
+    "metadata": [("16", {str(i): "v" for i in range(16)}), ("17", {str(i): "v" for i in range(17)})],
+    "reasoning": [("high", {"effort": "high"})],
+    "unknown": [("typo", ("temprature", 0.1))],
+}  # fmt: skip
+RESPONSES_BAD: dict[str, set[str]] = {
+    "input": {"dangling output", "unknown type", "image", "empty", "long", "500 items", "bad role"},
+    "instructions": {"long"}, "tools": {"hosted", "129", "bad name", "deep params"},
+    "tool_choice": {"unknown", "required", "named"}, "text": {"no schema", "deep 300", "bad type"},
+    "max_output_tokens": {"zero", "int32"}, "temperature": {"max+"}, "top_p": {"zero"},
+    "previous_response_id": {"unknown", "bad chars"}, "background": {"true"}, "truncation": {"auto"},
+    "metadata": {"17"},
+}  # fmt: skip
 BODIES = ["huge body", "deep body", "not json"]  # whole-body cases, drawn now and then instead of a request
 # The values refused on their own: the sweep puts each value beside others that are not, so that
 # what it gets is its own doing.
@@ -145,6 +191,9 @@ BAD: dict[str, set[str]] = {
 }
 
 
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "responses": "/v1/responses"}
+
+
 @dataclass
 class Hostile:
     kind: str  # chat | completion
@@ -154,10 +203,12 @@ class Hostile:
 
     @property
     def path(self) -> str:
-        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
+        return PATHS[self.kind]
 
 
 def template(kind: str, model: str) -> dict:
+    if kind == "responses":
+        return {"model": model, "input": "Say something.", "max_output_tokens": 8}
     if kind == "chat":
         return {"model": model, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 8}
     return {"model": model, "prompt": "Once upon a time", "max_tokens": 8}
@@ -190,6 +241,24 @@ def sweep(model: str, rng: random.Random) -> list[Hostile]:
     return cases
 
 
+def responses_sweep(model: str, rng: random.Random) -> list[Hostile]:
+    """Every Responses value once, each refused value beside one that is fine (of another field),
+    and the whole-body cases: half the requests of one value per case."""
+    bad, fine = [], []
+    for name in sorted(RESPONSES):
+        for choice in RESPONSES[name]:
+            (bad if choice[0] in RESPONSES_BAD.get(name, ()) else fine).append((name, choice))
+    rng.shuffle(fine)
+    cases = []
+    for name, choice in bad:
+        partner = next(((n, c) for n, c in fine if n != name), None)
+        if partner is not None:
+            fine.remove(partner)
+        cases.append(build("responses", model, {name: choice, **dict([partner] if partner else [])}))
+    cases += [build("responses", model, {name: choice}) for name, choice in fine]
+    return cases + [whole_body(build("responses", model, {}), which) for which in BODIES]
+
+
 def whole_body(h: Hostile, which: str) -> Hostile:
     """`h` with its whole body replaced: too large, nested too deep, or cut (not JSON)."""
     raw = {"huge body": lambda: h.raw[:-1] + b', "pad": "' + b"x" * 4_200_000 + b'"}',
@@ -199,9 +268,9 @@ def whole_body(h: Hostile, which: str) -> Hostile:
 
 
 @st.composite
-def hostile(draw, model: str) -> Hostile:
-    kind = draw(st.sampled_from(["chat", "completion"]))
-    table = CHAT if kind == "chat" else COMPLETION
+def hostile(draw, model: str, kinds: tuple[str, ...] = ("chat", "completion")) -> Hostile:
+    kind = draw(st.sampled_from(kinds))
+    table = {"chat": CHAT, "completion": COMPLETION, "responses": RESPONSES}[kind]
     names = draw(st.lists(st.sampled_from(sorted(table)), min_size=1, max_size=5, unique=True))
     built = build(kind, model, {name: draw(st.sampled_from(table[name])) for name in names})
     whole = draw(st.sampled_from([None] * 24 + BODIES))
@@ -214,6 +283,8 @@ def judge(h: Hostile, status: int, text: str) -> str | None:
         return f"{status}: {text[:300]}"
     if status >= 400:
         return _refusal(h, status, text)
+    if h.kind == "responses":
+        return _response(h, text)
     if h.body.get("stream") is True and "body" not in h.labels:
         return _stream(h, text)
     try:
@@ -221,6 +292,39 @@ def judge(h: Hostile, status: int, text: str) -> str | None:
     except ValueError:
         return f"200 with a body that is not JSON: {text[:200]}"
     return _promise(h, answer.get("choices") or [])
+
+
+def _response(h: Hostile, text: str) -> str | None:
+    """A Response (or its event stream, in order, ending completed or incomplete) whose calls
+    are of offered functions and whose finished text keeps its format."""
+    if h.body.get("stream") is True:
+        events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+        if [e.get("sequence_number") for e in events] != list(range(len(events))):
+            return f"a Responses stream out of sequence: {[e.get('type') for e in events][:20]}"
+        if not events or events[-1].get("type") not in ("response.completed", "response.incomplete"):
+            return f"a Responses stream that ends in {events[-1] if events else None}"
+        response = events[-1]["response"]
+    else:
+        try:
+            response = json.loads(text)
+        except ValueError:
+            return f"200 with a body that is not JSON: {text[:200]}"
+    if response.get("object") != "response" or response.get("status") not in ("completed", "incomplete"):
+        return f"200 with a Response {response.get('status')!r}: {str(response)[:200]}"
+    names = {t.get("name") for t in h.body.get("tools") or []}
+    for item in response["output"]:
+        if item["type"] != "function_call":
+            continue
+        if item["name"] not in names or not isinstance(json.loads(item["arguments"] or "{}"), dict):
+            return f"a function call that is not one of the offered functions: {item}"
+    fmt = (h.body.get("text") or {}).get("format") or {}
+    content = "".join(p["text"] for item in response["output"] if item["type"] == "message" for p in item["content"])
+    if response["status"] == "completed" and content and fmt.get("type") == "json_schema":
+        try:
+            jsonschema.validate(json.loads(content), fmt["schema"])
+        except (ValueError, jsonschema.ValidationError) as exc:
+            return f"a Response that breaks its text.format ({type(exc).__name__}): {content[:200]!r}"
+    return None
 
 
 def _refusal(h: Hostile, status: int, text: str) -> str | None:

@@ -3,7 +3,7 @@ tenant's request. Hypothesis draws hostile requests that combine fields (tests/h
 and extreme numbers in every numeric field, n, sampling on and off, min_tokens, grammars, tools,
 logprobs, stops, long and malformed messages, prompt lists, huge and deep bodies). Each is sent while
 three greedy bystander streams decode in the same batches, to a real `kvharbor serve` and through a
-real gateway in front of it. Properties:
+real gateway in front of it, and (issue 48) to the gateway's Responses API. Properties:
 
 - every bystander's text equals its text alone (the engine runs batch-invariant, in bfloat16);
 - the hostile request gets a 4xx naming a field it sent, or a 200 that keeps its promise;
@@ -25,7 +25,7 @@ import time
 import httpx
 import pytest
 import session_report
-from hostile import Coverage, Hostile, hostile, judge, sweep
+from hostile import Coverage, Hostile, hostile, judge, responses_sweep, sweep
 from hypothesis import HealthCheck, example, given, seed, settings
 from servers import EngineServerProcess, GatewayProcess, start_together, wait_for, write_tenants
 
@@ -38,7 +38,8 @@ SEED = int(os.environ.get("KVHARBOR_HOSTILE_SEED", "47"))
 BYSTANDERS = ["Tell me about the sea.", "List three colours.", "What is a cat?"]
 BYSTANDER_TOKENS = 32
 DEADLINE_S = 60.0  # for any one request: past it, the example fails as a hang
-COVERAGE = {"engine": Coverage(), "gateway": Coverage()}
+COVERAGE = {"engine": Coverage(), "gateway": Coverage(), "responses": Coverage()}
+RESPONSES_EXAMPLES = int(os.environ.get("KVHARBOR_HOSTILE_RESPONSES_EXAMPLES", "4"))
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +116,19 @@ async def send_beside(url: str, headers: dict, h: Hostile) -> tuple[int, str, li
 
 def run_examples(surface: str, url: str, headers: dict, health: str, want: list[tuple], half: int) -> None:
     """The sweep's cases of this `half` (every value of every field meets one surface), then
-    EXAMPLES combinations Hypothesis draws."""
+    EXAMPLES combinations Hypothesis draws. Surface "responses": the Responses sweep (every value
+    once), then RESPONSES_EXAMPLES drawn."""
     coverage = COVERAGE[surface]
     started = time.monotonic()
-    cases = sweep(MODEL, random.Random(SEED))[half::2]
+    if surface == "responses":
+        cases, drawn, kinds = responses_sweep(MODEL, random.Random(SEED)), RESPONSES_EXAMPLES, ("responses",)
+    else:
+        cases, drawn, kinds = sweep(MODEL, random.Random(SEED))[half::2], EXAMPLES, ("chat", "completion")
 
     @seed(SEED)
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=os.environ.get("KVHARBOR_HOSTILE_SEED") is None,
+    @settings(max_examples=drawn, deadline=None, derandomize=os.environ.get("KVHARBOR_HOSTILE_SEED") is None,
               database=None, suppress_health_check=list(HealthCheck))  # fmt: skip
-    @given(h=hostile(MODEL))
+    @given(h=hostile(MODEL, kinds))
     def one(h: Hostile) -> None:
         status, text, texts = asyncio.run(send_beside(url, headers, h))
         coverage.record(h, status)
@@ -136,7 +141,7 @@ def run_examples(surface: str, url: str, headers: dict, health: str, want: list[
         one = example(h=case)(one)
     one()
     spent = time.monotonic() - started
-    report = f"{len(cases)} swept and {EXAMPLES} drawn examples in {spent:.0f} s"
+    report = f"{len(cases)} swept and {drawn} drawn examples in {spent:.0f} s"
     session_report.add(f"hostile neighbours ({surface}): time", report)
 
 
@@ -146,6 +151,11 @@ def test_hostile_requests_beside_bystanders_at_the_engine(servers, alone):
 
 def test_hostile_requests_beside_bystanders_through_the_gateway(servers, alone):
     run_examples("gateway", servers["gateway"].url, {"authorization": f"Bearer {KEY}"}, "/ready", alone, half=1)
+
+
+def test_hostile_responses_requests_beside_bystanders_through_the_gateway(servers, alone):
+    """Issue 48: the Responses API's fields, alone and combined, beside the same bystanders."""
+    run_examples("responses", servers["gateway"].url, {"authorization": f"Bearer {KEY}"}, "/ready", alone, half=0)
 
 
 def test_the_engine_holds_nothing_after_the_hostile_requests(servers):

@@ -6,6 +6,7 @@ event types), the store's tenant isolation, eviction, and the 400s naming their 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from typing import Any
 
@@ -43,10 +44,12 @@ class ScriptedEngine:
     def __init__(self) -> None:
         self.script: list[tuple] = []
         self.bodies: list[dict[str, Any]] = []
+        self.hosts: list[str] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
         self.bodies.append(body)
+        self.hosts.append(request.url.host)
         kind, *args = self.script.pop(0) if self.script else ("text", "Hello there")
         if body.get("stream"):
             return httpx.Response(200, content=_sse(kind, args).encode(), headers={"content-type": "text/event-stream"})
@@ -90,13 +93,14 @@ def _sse(kind: str, args: list) -> str:
 
 
 class Gateway:
-    """The app in front of one scripted engine; `client(key)` is an AsyncOpenAI on it."""
+    """The app in front of scripted engines (one by default); `client(key)` is an AsyncOpenAI on it."""
 
-    def __init__(self, tokenizer, store: Any = None) -> None:
+    def __init__(self, tokenizer, store: Any = None, engines: tuple[str, ...] = ("http://a",),
+                 index: Any = None) -> None:  # fmt: skip
         self.engine = ScriptedEngine()
         self.http = httpx.AsyncClient(transport=httpx.MockTransport(self.engine))
-        pool = polled_pool(self.http, MODEL, ["http://a"])
-        self.state = gateway_state(self.http, pool, {MODEL: tokenizer}, TENANTS)
+        self.pool = polled_pool(self.http, MODEL, list(engines))
+        self.state = gateway_state(self.http, self.pool, {MODEL: tokenizer}, TENANTS, index)
         if store is not None:
             self.state.responses = store
         self.transport = httpx.ASGITransport(app=build_app(self.state))
@@ -395,3 +399,37 @@ def test_reasoning_becomes_a_reasoning_item_before_the_message_whole_and_streame
     assert [i.type for i in final.output] == ["reasoning", "message"] and final.output_text == "Paris. "
     # SmolLM2 (the tokenizer here) writes no reasoning apart: `reasoning` is accepted, and named as ignored
     assert note.status_code == 200 and note.headers["x-kvharbor-ignored-fields"] == "reasoning"
+
+
+class EmptyIndex:
+    """A KV index that has heard of no block yet (the last turn's KV events are still in flight)."""
+
+    async def lookup(self, model, hashes, ids):
+        return {}
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_continuation_goes_where_its_last_turn_ran_before_the_index_knows(tokenizer):
+    gw = Gateway(tokenizer, engines=("http://a", "http://b"), index=EmptyIndex())
+    document = "Read this carefully. " + "The harbor crane lifts cargo onto the ship. " * 12
+
+    async def main():
+        client = gw.client()
+        one = await client.responses.create(model=MODEL, input=document, instructions="Be brief.")
+        first = gw.engine.hosts[-1]
+        # The engine that ran turn 1 now has the longer queue: by load alone the other would win.
+        for engine in gw.pool.all(MODEL):
+            engine.load = dataclasses.replace(engine.load, waiting=3 if engine.url.endswith(first) else 0)
+        await client.responses.create(model=MODEL, input="And then?", instructions="Be brief.",
+                                      previous_response_id=one.id)  # fmt: skip
+        followed = gw.engine.hosts[-1]
+        # Other instructions: the new prompt does not start with turn 1's, so nothing is cached there.
+        await client.responses.create(model=MODEL, input="And then?", instructions="Be verbose.",
+                                      previous_response_id=one.id)  # fmt: skip
+        return first, followed, gw.engine.hosts[-1]
+
+    first, followed, changed = run(main())
+    assert followed == first
+    assert changed != first
