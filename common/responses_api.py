@@ -248,6 +248,8 @@ class ResponsesRequest(BaseModel):
                                                     "kvharbor runs function tools only")  # fmt: skip
             try:
                 tools.append(FunctionTool.model_validate(raw))
-            except ValueError as exc:
-                raise FieldError(f"tools.{i}", f"tools.{i}: {str(exc).splitlines()[-1][:200]}") from None
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                field = ".".join([f"tools.{i}", *(str(p) for p in first.get("loc", ()))])
+                raise FieldError(field, f"{field}: {first.get('msg')}") from None
         return tools

@@ -242,20 +242,16 @@ def sweep(model: str, rng: random.Random) -> list[Hostile]:
 
 
 def responses_sweep(model: str, rng: random.Random) -> list[Hostile]:
-    """Every Responses value once, each refused value beside one that is fine (of another field),
-    and the whole-body cases: half the requests of one value per case."""
+    """Every Responses value once, each beside a value of another field that is fine on its own
+    (so what a refused value gets is its own doing), and the whole-body cases."""
     bad, fine = [], []
     for name in sorted(RESPONSES):
         for choice in RESPONSES[name]:
             (bad if choice[0] in RESPONSES_BAD.get(name, ()) else fine).append((name, choice))
-    rng.shuffle(fine)
     cases = []
-    for name, choice in bad:
-        partner = next(((n, c) for n, c in fine if n != name), None)
-        if partner is not None:
-            fine.remove(partner)
-        cases.append(build("responses", model, {name: choice, **dict([partner] if partner else [])}))
-    cases += [build("responses", model, {name: choice}) for name, choice in fine]
+    for name, choice in bad + fine:  # each beside a fine value of another field, drawn
+        partner = rng.choice([(n, c) for n, c in fine if n != name])
+        cases.append(build("responses", model, {name: choice, partner[0]: partner[1]}))
     return cases + [whole_body(build("responses", model, {}), which) for which in BODIES]
 
 
