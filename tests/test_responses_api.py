@@ -433,3 +433,40 @@ def test_a_continuation_goes_where_its_last_turn_ran_before_the_index_knows(toke
     first, followed, changed = run(main())
     assert followed == first
     assert changed != first
+
+
+class DownStore:
+    """A store whose Redis is away: every call fails."""
+
+    async def put(self, tenant, rid, record):
+        raise ConnectionError("redis is away")
+
+    async def get(self, tenant, rid):
+        raise ConnectionError("redis is away")
+
+    async def delete(self, tenant, rid):
+        raise ConnectionError("redis is away")
+
+
+def test_when_the_store_is_away_no_answer_is_handed_out_as_continuable(tokenizer):
+    gw = Gateway(tokenizer, DownStore())
+
+    async def main():
+        client = gw.client()
+        with pytest.raises(openai.InternalServerError) as unary:
+            await client.responses.create(model=MODEL, input="hi")
+        events = []
+        async with client.responses.stream(model=MODEL, input="hi") as stream:
+            async for event in stream:
+                events.append(event)
+        with pytest.raises(openai.InternalServerError) as read:
+            await client.responses.retrieve("resp_any")
+        unstored = await client.responses.create(model=MODEL, input="hi", store=False)
+        return unary.value, events, read.value, unstored
+
+    unary, events, read, unstored = run(main())
+    assert unary.status_code == 503 and unary.body["code"] == "store_unavailable"
+    assert events[-1].type == "response.failed" and events[-1].response.error.code == "store_unavailable"
+    assert read.status_code == 503 and unstored.output_text == "Hello there"  # store: false needs no store
+    text = gw.state.metrics.render([MODEL]).decode()
+    assert "kvharbor_gateway_responses_store_failures_total 3.0" in text
