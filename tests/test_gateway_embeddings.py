@@ -11,6 +11,7 @@ import struct
 
 import httpx
 import openai
+import pytest
 from gateway_state import gateway_state, polled_pool
 
 from kvharbor.common.load_report import LoadReport
@@ -90,3 +91,31 @@ def test_grants_tpm_and_a_model_without_embedding_engines():
     assert out["not-granted"][0] == 403
     assert out["first"] == 200 and out["second"][:2] == (429, "rate_limit_tpm")
     assert [host for host, _ in engines.got] == ["e"]  # only the one admitted call reached an engine
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": ""}, "input"),
+        ({"input": []}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": [[2**31]]}, "input"),
+        ({"input": ["x"] * 65}, "input"),
+        ({"input": "x", "dimensions": 0}, "dimensions"),
+        ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ({"input": "x", "model": "lora-nope"}, "model"),
+    ],
+)
+def test_bad_embedding_input_is_a_4xx_naming_its_field(body, param):
+    engines = Engines()
+    transport = gateway(engines)
+
+    async def main():
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            return await http.post("/v1/embeddings", json={"model": "emb", **body},
+                                   headers={"Authorization": "Bearer sk-acme"})  # fmt: skip
+
+    reply = asyncio.run(main())
+    assert 400 <= reply.status_code < 500, reply.text
+    assert str(reply.json()["error"]["param"]).split(".")[0] == param, reply.json()
+    assert engines.got == []
