@@ -1,8 +1,15 @@
-"""Embeddings served: a real engine on a random-weight Qwen3 embedding model (SmolLM2's tokenizer)
-and a real gateway in front of it and of a chat engine, driven by the `openai` SDK's
-`embeddings.create` (base64, its default, and float), against transformers on the same weights."""
+"""Each task and family parser served, behind one real gateway (issue 48):
+
+- embeddings: a real engine on a random-weight Qwen3 embedding model (SmolLM2's tokenizer), driven
+  by the `openai` SDK's `embeddings.create` (base64, its default, and float), against transformers
+  on the same weights;
+- reasoning: a real engine on a random-weight tiny Qwen3 chat model (its family's reasoning parser
+  applies) whose output a regex holds to a think block and an answer: `reasoning` apart from
+  `content`, whole and streamed, at the engine and through the gateway."""
 
 from __future__ import annotations
+
+import re
 
 import httpx
 import openai
@@ -15,7 +22,9 @@ from tiny_models import tiny_embedding_model
 
 pytestmark = pytest.mark.slow  # two engines and a gateway
 
-EMBED, CHAT = "tiny-embed", "tiny-chat"
+EMBED, CHAT = "tiny-embed", "tiny-qwen3-chat"
+THINK = r"<think>[a-z]{2,8}</think>[A-Z][a-z]{1,6}\."
+ASK = [{"role": "user", "content": "Capital of France?"}]
 TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors.", "short"]
 
 
@@ -23,7 +32,7 @@ TEXTS = ["The capital of France is Paris.", "Embeddings map text to vectors.", "
 def stack(tmp_path_factory, smollm):
     tmp = tmp_path_factory.mktemp("embed-serve")
     reference = tiny_embedding_model(tmp / EMBED, "last", smollm.tokenizer)
-    chat_model = make_tiny_chat_model(tmp / CHAT, smollm.tokenizer)
+    chat_model = make_tiny_chat_model(tmp / CHAT, smollm.tokenizer, kind="qwen3", head_dim=16)
     write_tenants(tmp / "tenants.yaml", [{"name": "acme", "key": "sk-acme"}])
     common = ("--num-kv-blocks", "64", "--dtype", "float32")
     embed = EngineServerProcess(tmp, "--model", str(tmp / EMBED), *common)
@@ -89,3 +98,31 @@ def test_a_model_without_embedding_engines_is_a_404_that_says_how_to_start_one(s
     assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "model"
     generate = httpx.post(stack["embed"].url + "/v1/completions", json={"model": EMBED, "prompt": "hi"}, timeout=30)
     assert generate.status_code == 400 and "serves embeddings" in generate.json()["error"]["message"]
+
+
+def chat(url: str, **kw):
+    llm = openai.OpenAI(base_url=url + "/v1", api_key="sk-acme", max_retries=0, timeout=60)
+    return llm.chat.completions.create(model=CHAT, messages=ASK, max_tokens=24, temperature=0,
+                                       extra_body={"structured_outputs": {"regex": THINK}}, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("where", ["chat", "gateway"])
+def test_the_think_block_is_the_answers_reasoning_whole_and_streamed(stack, where):
+    url = stack[where].url
+    whole = chat(url).choices[0].message
+    reasoning = whole.model_extra["reasoning"]
+    assert re.fullmatch(r"[a-z]{2,8}", reasoning) and re.fullmatch(r"[A-Z][a-z]{1,6}\.", whole.content)
+    thought, answer = "", ""
+    for chunk in chat(url, stream=True):
+        for choice in chunk.choices:
+            thought += (choice.delta.model_extra or {}).get("reasoning") or ""
+            answer += choice.delta.content or ""
+    assert (thought, answer) == (reasoning, whole.content)  # greedy: the same answer, split the same way
+
+
+def test_an_earlier_turns_reasoning_is_accepted_under_either_name(stack):
+    llm = openai.OpenAI(base_url=stack["gateway"].url + "/v1", api_key="sk-acme", max_retries=0, timeout=60)
+    for name in ("reasoning", "reasoning_content"):
+        history = [*ASK, {"role": "assistant", "content": "Paris.", name: "easy"}, {"role": "user", "content": "Why?"}]
+        answer = llm.chat.completions.create(model=CHAT, messages=history, max_tokens=4, temperature=0)
+        assert answer.choices[0].finish_reason in ("stop", "length")
