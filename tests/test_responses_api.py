@@ -470,3 +470,22 @@ def test_when_the_store_is_away_no_answer_is_handed_out_as_continuable(tokenizer
     assert read.status_code == 503 and unstored.output_text == "Hello there"  # store: false needs no store
     text = gw.state.metrics.render([MODEL]).decode()
     assert "kvharbor_gateway_responses_store_failures_total 3.0" in text
+
+
+def test_a_stored_conversation_that_no_longer_fits_names_previous_response_id(tokenizer):
+    gw = Gateway(tokenizer)  # the gateway here accepts prompts of up to 1,000 tokens
+    long_turn = "harbor crane cargo " * 100  # ~300 tokens a turn
+
+    async def main():
+        client = gw.client()
+        rid = (await client.responses.create(model=MODEL, input=long_turn)).id
+        for _ in range(4):
+            try:
+                rid = (await client.responses.create(model=MODEL, input=long_turn, previous_response_id=rid)).id
+            except openai.BadRequestError as exc:
+                return exc.body
+        return None
+
+    refused = run(main())
+    assert refused is not None and refused["param"] == "previous_response_id" and refused["code"] == "prompt_too_long"
+    assert "no longer fits" in refused["message"]
