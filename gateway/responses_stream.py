@@ -22,6 +22,8 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import anyio
+
 from kvharbor.gateway import sse
 from kvharbor.gateway.responses_chat import (
     ResponseShape,
@@ -205,7 +207,9 @@ class ResponseEvents:
         yield self._event(f"response.{status}", response=response)
 
     async def _store_quietly(self, response: dict[str, Any]) -> None:
-        try:
-            await self.settle(response)
-        except Exception as exc:  # the stream is gone; nothing is left to tell
-            log.warning("could not store a stream the client left", extra={"error": repr(exc)})
+        """Shielded: it runs while Starlette cancels the stream of a client that left."""
+        with anyio.CancelScope(shield=True):
+            try:
+                await self.settle(response)
+            except Exception as exc:  # the stream is gone; nothing is left to tell
+                log.warning("could not store a stream the client left", extra={"error": repr(exc)})

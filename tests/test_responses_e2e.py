@@ -5,6 +5,7 @@ SDK (create, stream, parse), an openai-agents Agent with a function tool, and py
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -132,3 +133,30 @@ def test_pydantic_ai_with_the_openai_responses_model(stack):
     result = agent.run_sync("Name a color.", model_settings={"max_tokens": 8, "temperature": 0})
     assert isinstance(result.output, str) and result.output
     assert result.usage.input_tokens > 0
+
+
+def test_a_stream_the_client_leaves_is_stored_as_failed(stack):
+    one, two = stack
+    body = {"model": MODEL, "input": "Write a long story about the sea.", "stream": True, "max_output_tokens": 200,
+            "temperature": 0}  # fmt: skip
+    rid = None
+    with httpx.stream("POST", one.url + "/v1/responses", json=body, headers={"Authorization": "Bearer sk-acme"},
+                      timeout=60) as resp:  # fmt: skip
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                rid = rid or event["response"]["id"]
+                if event["type"] == "response.output_text.delta":
+                    break  # the client leaves mid-answer
+    wait_for(lambda: _status(two, rid) == "failed", 30, "the abandoned response to be stored as failed")
+    stored = client(two).responses.retrieve(rid)
+    assert stored.error.code == "client_closed" and stored.output  # what was streamed before it left
+    with pytest.raises(openai.BadRequestError):
+        client(one).responses.create(model=MODEL, input="go on", previous_response_id=rid)
+
+
+def _status(gateway, rid: str) -> str | None:
+    try:
+        return client(gateway).responses.retrieve(rid).status
+    except openai.NotFoundError:
+        return None
