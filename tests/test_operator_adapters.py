@@ -426,15 +426,10 @@ def test_a_bad_adapter_grant_leaves_the_tenant_out_and_says_why(adapters, messag
 
 
 def test_the_gateway_reads_a_tenant_granted_adapters():
-    from kvharbor.gateway.tenants import TenantsError, parse_tenants
+    from kvharbor.gateway.tenants import parse_tenants
 
     entry = gateway_tenant(example("tenant-lora"), SECRET)
-    try:
-        (tenant,) = parse_tenants({"tenants": [entry]}).values()
-    except TenantsError as exc:
-        if "unknown fields ['adapters']" in str(exc):
-            pytest.skip("the gateway's side of issue 18 (a tenant's adapters) is not in gateway/tenants.py yet")
-        raise
+    (tenant,) = parse_tenants({"tenants": [entry]}).values()
     assert "'sql'" in repr(tenant)  # granted, whatever the gateway names the field
 
 
@@ -444,8 +439,6 @@ def test_the_engine_accepts_the_lora_config_the_operator_gives_it(tmp_path):
     from kvharbor.engine.config import ServeConfig
 
     by_leaf = {leaf.name: leaf.path for leaf in leaves(ServeConfig)}
-    if not {"lora", "max_loras", "max_lora_rank", "max_cpu_loras"} <= set(by_leaf):
-        pytest.skip("the engine's LoRA options (issue 18, engine side) are not in ServeConfig yet")
     objs = by_name(placed_objects(lora_example()["spec"]))
     (tmp_path / "engine.yaml").write_text(objs["ConfigMap", "llama-8b-lora-engine-config"]["data"]["engine.yaml"])
     config = config_from_argv(ServeConfig, ["--config", str(tmp_path / "engine.yaml")], "test", "test")
