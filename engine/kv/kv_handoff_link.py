@@ -1,7 +1,7 @@
 """P/D hand-off transfers: a decode engine pulls a prefill's KV blocks straight from the prefill
 engine's core process over TCP, with no Redis round trip per block (engine/README.md, Prefill/decode disaggregation).
 
-The prefill engine's core process serves `--kv-transfer-port`; frames are core_link's (4-byte
+The prefill engine's core process serves `--kv-transfer-port`; frames are engine/link_frames.py's (4-byte
 length, msgpack list):
 
     decode -> prefill                          prefill -> decode
@@ -34,7 +34,7 @@ from typing import Any
 from kvharbor.common.block_hash import BlockHash
 from kvharbor.engine.core_io import HandoffFailed, KVTransfer
 from kvharbor.engine.kv.handoff_handles import handle_lease, unverified_request_id
-from kvharbor.engine.serve.core_link import LinkClosed, encode, read_message
+from kvharbor.engine.link_frames import LinkClosed, encode, read_message
 from kvharbor.kvcache_service.block_store import BlockFormat, BlockRefused, decode_block, encode_block
 
 log = logging.getLogger("kvharbor.engine.kv.kv_handoff")

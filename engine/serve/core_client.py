@@ -1,9 +1,23 @@
 """CoreClient: the API server's side of its engine core process.
 
 It starts `python -m kvharbor.engine.serve.core_process` as a child joined by a socket pair
-(engine/serve/core_link.py), sends it requests as token ids and sampling options, and turns the token
-deltas it sends back into RequestOutputs (engine/output_processor.py: text, stop strings), one
-RequestStream per request. A stop string is told back to the core, which retires the sample.
+(framed by engine/link_frames.py), sends it requests as token ids and sampling options, and turns
+the token deltas it sends back into RequestOutputs (engine/output_processor.py: text, stop
+strings), one RequestStream per request. A stop string is told back to the core, which retires the
+sample. The messages:
+
+    API server -> core                        core -> API server
+    ["config", pickled ServeConfig] (first)   ["ready", info] (or ["failed", reason])
+    ["add", EngineRequest wire]               ["added", id, imported | None, error | None,
+                                                core_io.error_kind | None, field | None]
+    ["lora", op, "load"|"unload", name,       ["lora_done", op, error | None, error kind | None,
+     path | None]                               LoadReport json | None]
+    ["abort", id] / ["abort_all"]             ["out", now, [CoreOutput wire, ...], LoadReport json,
+                                                CoreStats wire]
+    ["stop", id, index, n_tokens, string]     ["load", LoadReport json, CoreStats wire]
+    ["reuse", prompt, cached, pulled]         ["dead", error]
+    ["shutdown"]
+
 
 Death is loud on both sides: when the core process dies, every open stream ends with EngineDead,
 `alive` turns false (so /ready and /health say 503) and new requests get 503; when this process
@@ -33,7 +47,7 @@ from kvharbor.engine.core_io import ERROR_KINDS, CoreOutput, CoreStats, EngineDe
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.pooling import Pooling
-from kvharbor.engine.serve.core_link import LinkClosed, encode, read_message, read_message_sync
+from kvharbor.engine.link_frames import LinkClosed, encode, read_message, read_message_sync
 
 log = logging.getLogger("kvharbor.engine.serve.core_client")
 

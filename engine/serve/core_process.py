@@ -1,5 +1,5 @@
 """The engine core process of `kvharbor serve`: the EngineCore on its thread (engine_loop.py), and
-an asyncio loop for everything else the core owns: the link to the API server (core_link.py), the
+an asyncio loop for everything else the core owns: the link to the API server (engine/link_frames.py), the
 KV event publisher and the shared block store client (both talk to Redis).
 
     python -m kvharbor.engine.serve.core_process --link-fd N
@@ -34,7 +34,7 @@ from kvharbor.engine.core_io import (
     StructuredOutputError,
     error_kind,
 )
-from kvharbor.engine.serve.core_link import LinkClosed, encode, read_message
+from kvharbor.engine.link_frames import LinkClosed, encode, read_message
 from kvharbor.engine.serve.engine_loop import EngineLoop
 from kvharbor.engine.serve.metrics import CounterBoard
 

@@ -1,22 +1,12 @@
-"""The link between the API server and its engine core process: one Unix socket pair, messages of
-msgpack-encoded lists, each framed by a 4-byte big-endian length.
+"""The framing of kvharbor's engine links: msgpack-encoded lists, each framed by a 4-byte
+big-endian length, over a socket. The core link (API server <-> engine core process:
+engine/serve/core_client.py lists its messages) and the P/D hand-off link (engine <-> engine:
+engine/kv/kv_handoff_link.py) both use it; it imports nothing of either.
 
 NOTE: chosen over ZMQ (one more native dependency, and its own I/O threads on two cores) and over
 multiprocessing queues (pickle per message). A message carries only ids, token ids and small
-structs; the only bulk bytes are KV blocks pulled from the shared store, and those move inside the
-core process. A closed socket is the other side's death: each side treats EOF as such.
-
-    API server -> core                        core -> API server
-    ["config", pickled ServeConfig] (first)   ["ready", info] (or ["failed", reason])
-    ["add", EngineRequest wire]               ["added", id, imported | None, error | None,
-                                                core_io.error_kind | None, field | None]
-    ["lora", op, "load"|"unload", name,       ["lora_done", op, error | None, error kind | None,
-     path | None]                               LoadReport json | None]
-    ["abort", id] / ["abort_all"]             ["out", now, [CoreOutput wire, ...], LoadReport json,
-                                                CoreStats wire]
-    ["stop", id, index, n_tokens, string]     ["load", LoadReport json, CoreStats wire]
-    ["reuse", prompt, cached, pulled]         ["dead", error]
-    ["shutdown"]
+structs; the only bulk bytes are KV blocks. A closed socket is the other side's death: each side
+treats EOF as such.
 """
 
 from __future__ import annotations
