@@ -12,9 +12,9 @@ import msgpack
 import pytest
 
 from kvharbor.engine.core_io import EngineError, EngineRequest, StructuredOutputError
+from kvharbor.engine.link_frames import HEADER, encode
 from kvharbor.engine.sampling_params import SamplingParams
 from kvharbor.engine.serve.core_client import CoreClient, CoreStalled
-from kvharbor.engine.link_frames import HEADER, encode
 from kvharbor.engine.serve.core_process import CoreProcess
 
 

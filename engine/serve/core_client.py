@@ -44,10 +44,10 @@ from kvharbor.common.load_report import LoadReport
 from kvharbor.common.model_files import load_tokenizer
 from kvharbor.common.process_stop import stop_process
 from kvharbor.engine.core_io import ERROR_KINDS, CoreOutput, CoreStats, EngineDead, EngineRequest
+from kvharbor.engine.link_frames import LinkClosed, encode, read_message, read_message_sync
 from kvharbor.engine.output_processor import OutputProcessor
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.pooling import Pooling
-from kvharbor.engine.link_frames import LinkClosed, encode, read_message, read_message_sync
 
 log = logging.getLogger("kvharbor.engine.serve.core_client")
 
