@@ -17,7 +17,7 @@ import torch
 
 from kvharbor.engine.core_io import fault_message
 from kvharbor.engine.request import Logprob, Request, sample_id
-from kvharbor.engine.spec.rejection import accept_greedy, accept_sampled
+from kvharbor.engine.rejection import accept_greedy, accept_sampled
 
 
 @dataclass
@@ -111,7 +111,7 @@ class Sampler:
     def verify(
         self, logits: torch.Tensor, request: Request, draft: list[int], draft_probs: torch.Tensor | None
     ) -> tuple[list[int], list[Logprob] | None]:
-        """Accept or reject `draft` (engine/spec/rejection.py). `logits` [k + 1, vocab] float32: row j
+        """Accept or reject `draft` (engine/rejection.py). `logits` [k + 1, vocab] float32: row j
         is the target's prediction after draft[:j]. Every sampling option is applied to each row
         as if draft[:j] had already been generated, so speculation changes no distribution."""
         params = request.params

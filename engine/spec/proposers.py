@@ -1,7 +1,7 @@
 """Speculative decoding proposers, behind one interface, and the adaptive k.
 
 A proposer looks at decoding requests and proposes up to k tokens for each; the target model
-then scores them in the step's one forward pass (engine/runner.py) and engine/spec/rejection.py keeps
+then scores them in the step's one forward pass (engine/runner.py) and engine/rejection.py keeps
 what the target's own distribution would have produced. `Proposal.probs` is the draft
 distribution q per proposed token, or None for a deterministic proposer (q = delta).
 
