@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvharbor.engine.core_io import fault_message
-from kvharbor.engine.request import Logprob, Request, sample_id
 from kvharbor.engine.rejection import accept_greedy, accept_sampled
+from kvharbor.engine.request import Logprob, Request, sample_id
 
 
 @dataclass

@@ -13,8 +13,8 @@ import torch
 
 from kvharbor.common.block_hash import block_hashes
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.spec.proposers import AdaptiveK, NgramProposer, Proposal, ngram_lookup
 from kvharbor.engine.rejection import accept_greedy, accept_sampled
+from kvharbor.engine.spec.proposers import AdaptiveK, NgramProposer, Proposal, ngram_lookup
 
 # Chi-square critical values at alpha = 0.001 by degrees of freedom (scipy.stats.chi2.ppf(0.999, df)).
 CHI2_999 = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467, 5: 20.515, 6: 22.458, 7: 24.322, 8: 26.124, 9: 27.877,
