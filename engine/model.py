@@ -9,6 +9,7 @@ the per-op overhead of 30 layers x a dozen ops is what a decode step is made of.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,9 +18,11 @@ from torch import nn
 from kvharbor.engine.attention import AttentionMetadata, paged_attention
 from kvharbor.engine.cpu import cpu_linear
 from kvharbor.engine.cpu.layer_ops import CPU_MAX_ROWS, CpuOps, TorchOps
-from kvharbor.engine.lora.lora_slots import LoRAStep
 from kvharbor.engine.model_arch import ModelArch
 from kvharbor.engine.quantize import QuantWeight, concat
+
+if TYPE_CHECKING:  # a step's adapters, passed in by the runner: lora/ builds on the model, not under it
+    from kvharbor.engine.lora.lora_slots import LoRAStep
 
 # Rows up to which quantized projections go through the kernel on their quantized bytes; larger
 # inputs are dequantized a slice at a time for MKL. Measured on the AMD EPYC (2 threads,

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvharbor.common.config import parse_bytes
 from kvharbor.engine.config import CacheConfig
 from kvharbor.engine.kv.kv_quant import row_bytes
-from kvharbor.engine.model_arch import ModelArch
+
+if TYPE_CHECKING:  # the model's shape, read for sizing: the model wing sits above kv/
+    from kvharbor.engine.model_arch import ModelArch
 
 GiB = 1024**3
 # On CPU the pool shares RAM with everything else: default to a fifth of what is free, at most 2 GiB.
