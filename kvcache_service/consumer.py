@@ -37,7 +37,6 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvharbor.common.kv_events import MalformedEvent, from_fields
@@ -51,6 +50,7 @@ from kvharbor.common.redis_keys import (
     stream_registry_key,
 )
 from kvharbor.kvcache_service.index import IndexUnavailable, LeadershipLost, StreamEvent
+from kvharbor.kvcache_service.layout_migration import LayoutMigration
 
 log = logging.getLogger("kvharbor.kvcache.intake")
 
@@ -85,10 +85,6 @@ return 0
 )
 
 RING_POINTS = 64
-# The leader's removal of an older index layout's keys (~600k at 10M entries): SCAN calls of this
-# COUNT, this many a sweep (every 2 s), each page's old keys UNLINKed.
-OLD_SCAN_PAGE = 1000
-OLD_PAGES_PER_SWEEP = 4
 
 
 def default_consumer_name() -> str:
@@ -168,8 +164,7 @@ class EventConsumer:
         self._registry: dict[str, tuple[str, str]] = {}  # every registered stream -> (model, instance)
         self._marked: set[str] = set()  # models whose shard markers this replica has put or seen
         self._layout_claimed = False  # whether this replica recorded the index layout it writes
-        self._old_keys: AsyncIterator[list[bytes]] | None = None  # the leader's pass over an older layout's keys
-        self._old_pass_removed = 0  # keys that pass removed
+        self.layout = LayoutMigration(index)  # the index's key layout across upgrades
         self._slots = SlotPipelines(client)
         self._stopping = asyncio.Event()
         self._next_rebalance = 0.0
@@ -230,7 +225,7 @@ class EventConsumer:
             await self._slots.run([Call(k, (self.consumer,), _RELEASE, (k,)) for k in owned])
             await self.client.zrem(self.members_key, self.consumer)
         self.streams.clear()
-        await self._drop_old_key_scan()
+        await self.layout.drop_pass()
         await self._slots.close()
 
     async def _sleep(self, seconds: float) -> None:
@@ -384,41 +379,11 @@ class EventConsumer:
         await self._remove_old_layout()
 
     async def _remove_old_layout(self) -> None:
-        """Keys of an older index layout (left by an upgrade, never read again) go a few SCAN calls
-        a sweep (OLD_PAGES_PER_SWEEP of COUNT OLD_SCAN_PAGE: bounded, so intake stays on time). A
-        pass over every node that removed nothing clears the mark (replicas of the older build may
-        still write some during a rolling upgrade). A failure drops the pass; the next sweep, or
-        the next leader, starts over. The mark is read each sweep while no pass runs."""
-        if self._old_keys is None:
-            if not await self.index.old_layout_left():
-                return
-            self._old_keys, self._old_pass_removed = self.index.old_layout_pages(OLD_SCAN_PAGE), 0
+        """The leader's few SCAN calls a sweep over an older layout's keys (layout_migration.py)."""
         try:
-            for _ in range(OLD_PAGES_PER_SWEEP):
-                try:
-                    keys = await anext(self._old_keys)
-                except StopAsyncIteration:
-                    await self._old_pass_ended()
-                    return
-                if keys:
-                    removed = await self.index.unlink(keys)
-                    self._old_pass_removed += removed
-                    self.stats.old_layout_removed += removed
-        except BaseException:
-            await self._drop_old_key_scan()
-            raise
-
-    async def _old_pass_ended(self) -> None:
-        self._old_keys = None
-        if not self._old_pass_removed:
-            await self.index.old_layout_removed()
-            log.info("the older index layout's keys are gone", extra={"removed": self.stats.old_layout_removed})
-
-    async def _drop_old_key_scan(self) -> None:
-        scan, self._old_keys = self._old_keys, None
-        if scan is not None:
-            with contextlib.suppress(Exception):
-                await scan.aclose()
+            await self.layout.sweep()
+        finally:
+            self.stats.old_layout_removed = self.layout.removed_total
 
     async def _check_shards(self) -> None:
         """Ask every engine to re-sync when a block shard of a model this replica had marked
@@ -437,7 +402,7 @@ class EventConsumer:
     async def _claim_layout(self) -> None:
         """Before this replica applies anything: name the index's key layout, and ask every engine
         to re-sync if Redis holds an index in another one (blocks this build cannot read)."""
-        if await self.index.claim_layout():
+        if await self.layout.claim():
             log.warning("the KV index in Redis has another key layout; asking every engine to re-sync")
             await self._request_resync()
         self._layout_claimed = True

@@ -19,8 +19,10 @@ from kvharbor.common.redis_client import Call, connect, connect_sync
 from kvharbor.common.redis_keys import INDEX_PREFIX, resync_key, stream_key
 from kvharbor.kvcache_service.consumer import EventConsumer, Ring
 from kvharbor.kvcache_service.index import IndexUnavailable
+from kvharbor.kvcache_service.index_scripts import SHARDS
+from kvharbor.kvcache_service.layout_migration import LAYOUT, LayoutMigration
 from kvharbor.kvcache_service.memory_index import MemoryIndex
-from kvharbor.kvcache_service.redis_index import LAYOUT, SHARDS, RedisIndex
+from kvharbor.kvcache_service.redis_index import RedisIndex
 
 MODEL = "intake-model"
 
@@ -294,10 +296,10 @@ def test_the_leader_removes_an_older_layouts_keys_a_batch_per_sweep_and_nothing_
     """Layout 1's block shard keys (`:b:<bucket>`, `:b:m`), left by an upgrade, go a few SCAN pages
     per sweep, on every node; the index's own keys stay and still answer. A failed batch drops
     the pass and the mark stays, so a later sweep starts again; a pass that removes nothing ends it."""
-    import kvharbor.kvcache_service.consumer as intake
+    import kvharbor.kvcache_service.layout_migration as layout
 
-    monkeypatch.setattr(intake, "OLD_SCAN_PAGE", 50)
-    monkeypatch.setattr(intake, "OLD_PAGES_PER_SWEEP", 2)
+    monkeypatch.setattr(layout, "OLD_SCAN_PAGE", 50)
+    monkeypatch.setattr(layout, "OLD_PAGES_PER_SWEEP", 2)
     sync = connect_sync(any_redis.url, timeout=2)
     sync.set(INDEX_PREFIX + "layout", "1")
     old = [f"{INDEX_PREFIX}{{{m}:{t}{s:02d}}}:b:{b}" for m in ("m1", "m2") for t in "ds" for s in range(SHARDS)
@@ -315,7 +317,7 @@ def test_the_leader_removes_an_older_layouts_keys_a_batch_per_sweep_and_nothing_
     async def main():
         c = consumer(any_redis.url, "a", sweep_interval=0.0)
         failed = []
-        real_unlink = c.index.unlink
+        real_unlink = c.layout.unlink
 
         async def unlink_failing_once(keys):
             if not failed and c.stats.old_layout_removed >= 100:
@@ -323,7 +325,7 @@ def test_the_leader_removes_an_older_layouts_keys_a_batch_per_sweep_and_nothing_
                 raise IndexUnavailable("injected")
             return await real_unlink(keys)
 
-        c.index.unlink = unlink_failing_once
+        c.layout.unlink = unlink_failing_once
         try:
             await steps(1, c)  # claims the layout (a resync) and applies the engine's events
             for _ in range(200):
@@ -347,7 +349,7 @@ def test_a_new_redis_gets_the_layout_named_without_a_resync(any_redis):
     async def main():
         index = RedisIndex.from_url(any_redis.url, timeout=2)
         try:
-            return await index.claim_layout(), await index.claim_layout()
+            return await LayoutMigration(index).claim(), await LayoutMigration(index).claim()
         finally:
             await index.close()
 
@@ -363,7 +365,7 @@ def test_a_new_redis_gets_the_layout_named_without_a_resync(any_redis):
         try:
             await index.apply([engine.envelope(engine.stored(chains(MODEL, 1, 2)[0]))])
             sync.delete(INDEX_PREFIX + "layout")
-            return await index.claim_layout()
+            return await LayoutMigration(index).claim()
         finally:
             await index.close()
 
