@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -35,57 +33,19 @@ from kvharbor.common.openai_api import (
     request_id,
 )
 from kvharbor.common.request_body import Parsed, document_bodies, read_body
-from kvharbor.common.request_limits import RequestLimits
 from kvharbor.common.responses_api import ResponsesRequest
-from kvharbor.gateway.admission import AdmissionQueue
 from kvharbor.gateway.call import Call, ModelEntry, count_rejected
 from kvharbor.gateway.catalog import listed_models, resolve
 from kvharbor.gateway.embeddings import EmbeddingsAPI
-from kvharbor.gateway.engines import Engine, EnginePool
+from kvharbor.gateway.engines import Engine
 from kvharbor.gateway.flow import RequestFlow
-from kvharbor.gateway.limits import LimiterUnavailable, RateLimiter
-from kvharbor.gateway.metrics import GatewayMetrics
-from kvharbor.gateway.proxy import EngineCaller, EngineRefused
-from kvharbor.gateway.response_store import MemoryResponseStore
+from kvharbor.gateway.limits import LimiterUnavailable
+from kvharbor.gateway.proxy import EngineRefused
 from kvharbor.gateway.responses import ResponsesAPI
-from kvharbor.gateway.router import Router
-from kvharbor.gateway.tenants import Tenant, TenantRegistry, over_cap
+from kvharbor.gateway.state import GatewayState
+from kvharbor.gateway.tenants import Tenant, over_cap
 
 log = logging.getLogger("kvharbor.gateway.api")
-
-
-@dataclass
-class GatewayState:
-    models: dict[str, ModelEntry]
-    tenants: TenantRegistry
-    limiter: RateLimiter
-    pool: EnginePool
-    router: Router
-    admission: AdmissionQueue
-    caller: EngineCaller
-    metrics: GatewayMetrics
-    tracer: Any
-    max_attempts: int
-    max_prompt_tokens: int
-    max_body_bytes: int
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    stream_deadline: float = 1800.0  # seconds a streamed answer may run (ResilienceConfig)
-    stream_idle: float = 60.0  # seconds a stream may go without a token
-    max_migrations: int = 2  # times one stream may move to another engine when its engine fails
-    index: Any = None
-    # The Responses API's store (gateway/response_store.py); service.build_state picks Redis's.
-    responses: Any = field(default_factory=lambda: MemoryResponseStore(2_592_000.0, 64 * 2**20))
-    responses_ttl: float = 2_592_000.0
-    discovery: Any = None  # KubernetesDiscovery, followed by a lifespan task; None for static engines
-    discovery_interval: float = 5.0
-    _tenants_checked: float = field(default=0.0)
-
-    def tenants_fresh(self) -> TenantRegistry:
-        now = time.monotonic()
-        if now - self._tenants_checked > 1.0:  # a stat() per second, not per request
-            self._tenants_checked = now
-            self.tenants.refresh()
-        return self.tenants
 
 
 ADMIN_PATHS = ("/metrics",)  # on the admin listener only (common/admin_listener.py)

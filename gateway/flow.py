@@ -31,6 +31,7 @@ from kvharbor.gateway.predict import uncached_tokens
 from kvharbor.gateway.proxy import EngineFailed, with_retries
 from kvharbor.gateway.relay import Continuation, EngineStream, StreamRelay, StreamStats
 from kvharbor.gateway.router import Route, block_size_for
+from kvharbor.gateway.state import GatewayState
 
 log = logging.getLogger("kvharbor.gateway.api")
 
@@ -44,9 +45,9 @@ class _OnEngine:
 
 
 class RequestFlow:
-    """One call from admission to its answer. `state` is the gateway's GatewayState."""
+    """One call from admission to its answer."""
 
-    def __init__(self, state: Any, call: Call) -> None:
+    def __init__(self, state: GatewayState, call: Call) -> None:
         self.state, self.call = state, call
         self.headers = inject({"x-request-id": call.rid})  # under the call's span
         # A stream of one sequence can move to another engine when its engine fails mid-way; not

@@ -12,24 +12,36 @@ import json
 import logging
 import math
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import urlsplit
 
 from opentelemetry import trace
 
 from kvharbor.common.openai_api import APIError
 from kvharbor.common.tracing import inject
+from kvharbor.gateway.call import Call
 from kvharbor.gateway.catalog import handoff_peers
 from kvharbor.gateway.disagg import Decision, decide, prefill_pool
 from kvharbor.gateway.disagg import Request as PDRequest
 from kvharbor.gateway.engine_body import engine_body, prefill_body
-from kvharbor.gateway.engines import Engine
+from kvharbor.gateway.engines import Engine, Sent
 from kvharbor.gateway.predict import uncached_tokens
 from kvharbor.gateway.proxy import EngineFailed, EngineRefused
 from kvharbor.gateway.router import Route
+from kvharbor.gateway.state import GatewayState
 
-if TYPE_CHECKING:
-    from kvharbor.gateway.flow import RequestFlow
+
+class CallPath(Protocol):
+    """What the P/D step reads of a call's path (gateway/flow.py's RequestFlow, which calls it):
+    the gateway's state, the call, its headers, whether its stream may migrate, and how in-flight
+    work goes on an engine."""
+
+    state: GatewayState
+    call: Call
+    headers: dict[str, str]
+    migratable: bool
+
+    def send(self, engine: Engine, uncached: int | None = None) -> Sent: ...
 
 log = logging.getLogger("kvharbor.gateway.api")
 
@@ -55,7 +67,7 @@ class PrefillStalled(Exception):
     """A P/D prefill engine did not answer within its deadline."""
 
 
-async def disaggregate(flow: RequestFlow, route: Route) -> Route:
+async def disaggregate(flow: CallPath, route: Route) -> Route:
     """Runs the call's P/D step, leaving a hand-off on `flow.call.transfer` when a prefill ran
     elsewhere. Returns the route the request takes: the routed one, or one to the prefill engine
     that serves a short output whole (with what that engine holds of the prompt, and its KV format)."""
@@ -89,7 +101,7 @@ async def disaggregate(flow: RequestFlow, route: Route) -> Route:
     return replace(route, held=held, kv_formats=formats).to(decision.whole, "short_output")
 
 
-async def _decision(flow: RequestFlow, route: Route) -> tuple[Decision, dict[str, int]]:
+async def _decision(flow: CallPath, route: Route) -> tuple[Decision, dict[str, int]]:
     """The decision, and the blocks of the prompt each engine holds (the prefill pool's too)."""
     state, call = flow.state, flow.call
     config = state.router.config
@@ -110,7 +122,7 @@ async def _decision(flow: RequestFlow, route: Route) -> tuple[Decision, dict[str
     return decision, held
 
 
-async def _prefill(flow: RequestFlow, route: Route, engine: Engine, deadline: float) -> dict | None:
+async def _prefill(flow: CallPath, route: Route, engine: Engine, deadline: float) -> dict | None:
     """The prompt's prefill on `engine`, kept there for the decode engine: its hand-off, or None
     when the engine fails it. Raises PrefillStalled, counting a failure against the engine (as
     a stream that never starts does; enough of them, or failed /load polls, eject it), when it

@@ -81,7 +81,6 @@ def build_state(config: Any, tracer: Any = None):
     from kvharbor.common.model_files import load_tokenizer
     from kvharbor.common.tracing import setup_tracing
     from kvharbor.gateway.admission import AdmissionQueue
-    from kvharbor.gateway.app import GatewayState
     from kvharbor.gateway.call import ModelEntry
     from kvharbor.gateway.engines import EnginePool
     from kvharbor.gateway.limits import RateLimiter
@@ -89,6 +88,7 @@ def build_state(config: Any, tracer: Any = None):
     from kvharbor.gateway.proxy import EngineCaller
     from kvharbor.gateway.response_store import MemoryResponseStore, RedisResponseStore
     from kvharbor.gateway.router import Router
+    from kvharbor.gateway.state import GatewayState
     from kvharbor.gateway.tenants import TenantRegistry
 
     if not config.tenancy.tenants_file:

@@ -12,7 +12,6 @@ from opentelemetry import trace
 
 from kvharbor.common.load_report import LoadReport
 from kvharbor.gateway.admission import AdmissionQueue
-from kvharbor.gateway.app import GatewayState
 from kvharbor.gateway.call import ModelEntry
 from kvharbor.gateway.config import RoutingConfig
 from kvharbor.gateway.engines import EnginePool
@@ -20,6 +19,7 @@ from kvharbor.gateway.limits import RateLimiter
 from kvharbor.gateway.metrics import GatewayMetrics
 from kvharbor.gateway.proxy import EngineCaller
 from kvharbor.gateway.router import Router
+from kvharbor.gateway.state import GatewayState
 from kvharbor.gateway.tenants import TenantRegistry, parse_tenants
 
 
