@@ -25,7 +25,7 @@ from pathlib import Path
 
 from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.engine import LLM, SamplingParams
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.loader import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODES = ("off", "on")

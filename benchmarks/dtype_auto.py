@@ -31,7 +31,7 @@ from batch_invariant import prompts, run
 
 from kvharbor.common.machine import CpuInfo, auto_cpu_dtype, machine_record, machine_title
 from kvharbor.engine import LLM, SamplingParams
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.loader import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = ("float32", "bfloat16")

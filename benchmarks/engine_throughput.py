@@ -28,8 +28,8 @@ import torch
 
 from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.engine import LLM, SamplingParams
-from kvharbor.engine.hf_reference import hf_reference_model
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.hf_reference import hf_reference_model
+from kvharbor.engine.model.loader import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

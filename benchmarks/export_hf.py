@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvharbor.engine.hf_reference import hf_reference_model
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.hf_reference import hf_reference_model
+from kvharbor.engine.model.loader import load_model
 
 
 def export(out: Path, model: str | None = None) -> Path:

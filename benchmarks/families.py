@@ -40,8 +40,8 @@ import serve as serve_bench
 from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.common.model_files import GEMMA3_270M, chunked_model_path
 from kvharbor.engine import LLM
-from kvharbor.engine.hf_reference import hf_reference_model
-from kvharbor.engine.loader import LoadedModel, load_model
+from kvharbor.engine.model.hf_reference import hf_reference_model
+from kvharbor.engine.model.loader import LoadedModel, load_model
 from kvharbor.launch.embedded_redis import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -41,8 +41,8 @@ import torch
 
 from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.engine import LLM, SamplingParams
-from kvharbor.engine.loader import load_model
 from kvharbor.engine.lora.adapter import load_adapter, sub_shapes
+from kvharbor.engine.model.loader import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NUM_ADAPTERS, RANK = 8, 16

@@ -32,9 +32,9 @@ import torch
 
 from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.engine import LLM, SamplingParams
-from kvharbor.engine import model as model_module
 from kvharbor.engine import runner as runner_module
-from kvharbor.engine.model import LlamaModel
+from kvharbor.engine.model import decoder as model_module
+from kvharbor.engine.model.decoder import LlamaModel
 from kvharbor.engine.quantize import QUANTIZATIONS
 from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import Sampler

@@ -61,7 +61,7 @@ from personas import QUESTIONS, SYSTEM_PROMPTS
 from kvharbor.common.block_hash import namespace_hash
 from kvharbor.common.machine import machine_record, machine_title
 from kvharbor.engine import LLM, SamplingParams
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.loader import load_model
 from kvharbor.engine.request import Request
 from kvharbor.engine.scheduler import ScheduledChunk
 
@@ -167,7 +167,7 @@ def build(options: dict, loaded) -> LLM:
 def measure_hf(name: str, loaded, dtype: torch.dtype, texts: list[list[int]], chats: list[list[int]], steps: int):
     """The same measures for transformers on the same weights in `dtype`: logits of one forward
     over each text, and greedy tokens through its own KV cache (EOS ignored, as for the engine)."""
-    from kvharbor.engine.hf_reference import hf_reference_model
+    from kvharbor.engine.model.hf_reference import hf_reference_model
 
     model = hf_reference_model(loaded, dtype)
     # transformers 5 renamed past_key_values to cache.

@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="auto", help="auto (what serving uses), bfloat16 or float32")
     parser.add_argument("--out", type=Path, default=RESULTS / "speculative.json", help="JSON output (.png beside)")
     args = parser.parse_args(argv)
-    from kvharbor.engine.loader import load_model
+    from kvharbor.engine.model.loader import load_model
 
     print("[speculative] loading SmolLM2 ...", file=sys.stderr)
     loaded = load_model(None)

@@ -115,7 +115,7 @@ def parse_cpu_list(text: str) -> set[int]:
 def pin_to_cpus(text: str | None) -> set[int] | None:
     """Run this process (and the children it starts from now on) on these CPUs only; None: as is.
     Why: engines sharing a machine's few cores (P/D measured on 2 cores) must not steal each
-    other's; a pinned engine also sizes its torch threads to the CPUs it got (engine/device.py)."""
+    other's; a pinned engine also sizes its torch threads to the CPUs it got (engine/model/device.py)."""
     if not text:
         return None
     cpus = parse_cpu_list(text)

@@ -34,9 +34,9 @@ from kvharbor.engine.core_io import (
 )
 from kvharbor.engine.core_parts import CoreParts, Progress
 from kvharbor.engine.engine_stats import EngineStats
-from kvharbor.engine.loader import LoadedModel
 from kvharbor.engine.lora.adapter import AdapterError, LoRAAdapter
 from kvharbor.engine.lora.lora_manager import AdapterBusy, UnknownAdapter
+from kvharbor.engine.model.loader import LoadedModel
 from kvharbor.engine.request import FinishReason, Request
 from kvharbor.engine.sampling_params import SamplingParams
 from kvharbor.engine.scheduler import SchedulerPlan, StepOutput

@@ -15,18 +15,18 @@ import torch
 
 from kvharbor.common.machine import pin_to_cpus
 from kvharbor.common.tokenizer import Tokenizer
-from kvharbor.engine.attention_triton import resolve_backend
 from kvharbor.engine.config import EngineConfig, LoRAConfig
-from kvharbor.engine.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
 from kvharbor.engine.kv.block_pool import BlockPool
 from kvharbor.engine.kv.capacity import KVCapacity, check_max_model_len, plan_capacity
 from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv.kv_handoff import HandoffLeases
 from kvharbor.engine.kv.kv_transfer import KVBlockIO, weights_fingerprint
-from kvharbor.engine.loader import LoadedModel, load_model
 from kvharbor.engine.lora.adapter import load_adapter
 from kvharbor.engine.lora.lora_manager import LoRAManager, reserved_bytes
-from kvharbor.engine.model import LlamaModel
+from kvharbor.engine.model.attention_triton import resolve_backend
+from kvharbor.engine.model.decoder import LlamaModel
+from kvharbor.engine.model.device import cpu_threads, resolve_device, resolve_dtype, set_cpu_threads
+from kvharbor.engine.model.loader import LoadedModel, load_model
 from kvharbor.engine.pooling import resolve_pooling
 from kvharbor.engine.quantize import QuantWeight
 from kvharbor.engine.runner import ModelRunner

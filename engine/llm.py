@@ -10,7 +10,7 @@ from kvharbor.common.config import load_config
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.llm_engine import LLMEngine, Progress
-from kvharbor.engine.loader import LoadedModel
+from kvharbor.engine.model.loader import LoadedModel
 from kvharbor.engine.outputs import RequestOutput
 from kvharbor.engine.pooling import finish_vector
 from kvharbor.engine.sampling_params import SamplingParams

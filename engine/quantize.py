@@ -8,7 +8,7 @@ group of 32 in decode-sized products, below):
 - `q4`: 4 bits in groups of 32 along the input, a float scale and min per group,
   w = q * scale + min, q in 0..15. `--quantization int4` makes it from float weights (min/max
   of each group, as llama.cpp's Q4_1); `gguf` repacks the file's Q4_0 (min = -8 scale) and Q4_1
-  blocks into it, bit for bit (engine/gguf_blocks.py).
+  blocks into it, bit for bit (engine/model/gguf_blocks.py).
 - `q8`: int8 in groups of 32 with a float scale per group: GGUF's Q8_0, repacked.
 
 The LM head: in `int8` and `int4` it is made q8 (int8 in groups of 32, GGUF's Q8_0; a tied

@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
-from kvharbor.engine.attention import build_metadata
 from kvharbor.engine.core_io import fault_message
 from kvharbor.engine.kv.block_pool import Save
 from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv.kv_quant import SCALE_BYTES
-from kvharbor.engine.model import LlamaModel
+from kvharbor.engine.model.attention import build_metadata
+from kvharbor.engine.model.decoder import LlamaModel
 from kvharbor.engine.sampler import Sampler, SampleRow
 from kvharbor.engine.scheduler import ScheduledChunk, SchedulerPlan, StepOutput
 
@@ -39,7 +39,7 @@ class ModelRunner:
         attention_backend: str = "torch",
         cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decode attention through its kernel
         kv_dtype: str = "auto",  # int8 / fp8: the cache holds 8-bit rows (engine/kv/kv_quant.py)
-        invariant: bool = False,  # batch-invariant attention: every row through cpu_kernels (engine/attention.py)
+        invariant: bool = False,  # batch-invariant attention: every row through cpu_kernels (engine/model/attention.py)
     ) -> None:
         arch = model.arch
         self.attention_backend = attention_backend

@@ -35,7 +35,7 @@ def hf_folder(model: str | None, out: Path) -> tuple[Path, str]:
             f"--engine-kind vllm serves Hugging Face folders (config.json and safetensors); {model} is not one: "
             "pass --model DIR, or leave --model out for the bundled SmolLM2"
         )
-    from kvharbor.engine.loader import load_model
+    from kvharbor.engine.model.loader import load_model
 
     loaded = load_model(None)
     write_hf_folder(loaded, out)

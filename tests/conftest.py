@@ -22,8 +22,8 @@ from process_guard import pytest_configure, pytest_unconfigure  # noqa: F401 - t
 from tiny_models import TINY, hf_model, longrope
 
 from kvharbor.engine import LLM
-from kvharbor.engine.hf_reference import hf_reference_model
-from kvharbor.engine.loader import LoadedModel, load_model
+from kvharbor.engine.model.hf_reference import hf_reference_model
+from kvharbor.engine.model.loader import LoadedModel, load_model
 
 torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
 
@@ -33,7 +33,7 @@ def pytest_sessionstart(session):
     # starts the C compiler (the process guard would fail it). A machine that cannot build them
     # simply runs without them, as users' machines do.
     from kvharbor.engine.cpu import cpu_kernels
-    from kvharbor.engine.device import physical_cores
+    from kvharbor.engine.model.device import physical_cores
 
     cpu_kernels.load(physical_cores())
     # matplotlib builds its font cache on first import, running fc-list: on a fresh machine (CI's)

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from kvharbor.engine.attention import MAX_GROUP_POSITIONS, build_metadata, decode_groups, paged_attention
+from kvharbor.engine.model.attention import MAX_GROUP_POSITIONS, build_metadata, decode_groups, paged_attention
 
 BS, KVH, G, D = 4, 2, 3, 8
 

@@ -5,7 +5,7 @@ import torch
 
 from kvharbor.engine.config import CacheConfig
 from kvharbor.engine.kv.capacity import check_max_model_len, plan_capacity
-from kvharbor.engine.model_arch import ModelArch
+from kvharbor.engine.model.arch import ModelArch
 
 
 def arch(layers, kv_heads, head_dim, heads=None):

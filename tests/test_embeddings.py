@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from tiny_models import tiny_embedding_model
 
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.loader import load_model
 from kvharbor.engine.pooling import Pooling, model_pooling
 from kvharbor.engine.sampling_params import SamplingParams
 

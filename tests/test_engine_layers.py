@@ -12,12 +12,11 @@ ENGINE = Path(__file__).resolve().parent.parent / "engine"
 
 # Bottom to top. A root module by its name, a subpackage by its folder.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("contracts and basics", {"config", "sampling_params", "request", "core_io", "outputs", "quantize", "device",
-                              "pooling", "decode_fit", "link_frames", "detokenizer"}),
-    ("kernels", {"cpu", "kernels", "gguf_blocks"}),
+    ("contracts and basics", {"config", "sampling_params", "request", "core_io", "outputs", "quantize", "pooling",
+                              "decode_fit", "link_frames", "detokenizer"}),
+    ("kernels", {"cpu", "kernels"}),
     ("the KV cache", {"kv"}),
-    ("the model", {"attention_triton", "attention", "model_arch", "gguf_loader", "loader", "model", "hf_reference",
-                   "lora"}),
+    ("the model", {"model", "lora"}),
     ("one step", {"sampler", "rejection", "scheduler", "runner", "output_processor", "engine_stats", "structured"}),
     ("speculation", {"spec"}),
     ("the core", {"core_parts", "core", "llm_engine", "llm", "cli", "__init__"}),
@@ -27,7 +26,7 @@ LAYER_OF = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
 
 
 def unit_of(module: str) -> str:
-    """`kvharbor.engine.kv.block_pool` -> "kv"; `kvharbor.engine.model` -> "model"."""
+    """`kvharbor.engine.kv.block_pool` -> "kv"; `kvharbor.engine.model.decoder` -> "model"."""
     parts = module.split(".")[2:]
     return parts[0] if parts else "__init__"
 

@@ -27,7 +27,7 @@ def test_bad_arguments_are_refused(argv, match, capsys):
 
 
 def test_every_family_the_engine_runs_is_measured():
-    from kvharbor.engine.model_arch import SUPPORTED_ARCHITECTURES
+    from kvharbor.engine.model.arch import SUPPORTED_ARCHITECTURES
 
     assert families.parse_args([]).families == list(families.FAMILIES)
     measured = {"llama", "gemma3_text", *families.RANDOM_FAMILIES}

@@ -10,7 +10,7 @@ import torch
 from conftest import assert_near_reference
 
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.loader import load_model
 from kvharbor.engine.quantize import QuantWeight
 
 pytestmark = pytest.mark.slow  # a 268M-parameter model in float32, twice (~25 s)

@@ -11,7 +11,7 @@ from conftest import hf_greedy
 
 from kvharbor.common.model_files import default_model_path
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.loader import load_model
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from test_quantize import MAX_LOGIT_MOVE, kernel_bound
 
 from kvharbor.engine import SamplingParams
 from kvharbor.engine.cpu.cpu_kernels import load
-from kvharbor.engine.gguf_blocks import BLOCK_BYTES, repack
-from kvharbor.engine.hf_reference import hf_reference_model
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.gguf_blocks import BLOCK_BYTES, repack
+from kvharbor.engine.model.hf_reference import hf_reference_model
+from kvharbor.engine.model.loader import load_model
 from kvharbor.engine.quantize import QuantLinear, QuantWeight, concat, quantize_int4, quantize_q8
 
 GEMM = load(2)

@@ -202,7 +202,7 @@ def test_the_kernels_refuse_slots_and_rows_they_cannot_take():
 
 
 def test_fp8_decodes_never_reach_the_int8_kernel(tiny_llama):
-    from kvharbor.engine.attention import build_metadata
+    from kvharbor.engine.model.attention import build_metadata
 
     meta = build_metadata([[0]], [3], [1], 1, 16, torch.float32, torch.device("cpu"), cpu_kernels=GEMM or object(),
                           kv_dtype="fp8")  # fmt: skip

@@ -11,8 +11,8 @@ from conftest import hf_greedy
 
 from kvharbor.common import model_files
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.device import resolve_device, resolve_dtype
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.device import resolve_device, resolve_dtype
+from kvharbor.engine.model.loader import load_model
 
 
 def _tiny_mistral(path, sliding_window=None):

@@ -12,7 +12,7 @@ from kvharbor.engine.cpu import cpu_kernels
 from kvharbor.engine.lora import lora_slots
 from kvharbor.engine.lora.adapter import LoRAAdapter, sub_shapes
 from kvharbor.engine.lora.lora_slots import MODULES_OF, LoRASlots, LoRAStep
-from kvharbor.engine.model_arch import ModelArch
+from kvharbor.engine.model.arch import ModelArch
 
 ARCH = ModelArch(
     architecture="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,

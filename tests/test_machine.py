@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvharbor.common.machine import ISA_FLAGS, cpu_info, machine_record, machine_title, parse_cpuinfo
-from kvharbor.engine.device import resolve_dtype
+from kvharbor.engine.model.device import resolve_dtype
 
 X86_BASE = "fpu vme sse sse2 ssse3 sse4_1 sse4_2 avx f16c fma avx2 bmi1 bmi2"
 CPUINFO = {

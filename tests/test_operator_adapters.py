@@ -228,7 +228,7 @@ def test_the_operator_counts_what_the_engine_reserves():
     """ModelProfile.lora_bytes is the engine's own reservation (engine/lora/lora_manager.py), for a
     model the engine builds from a config.json with the profile's dimensions."""
     from kvharbor.engine.lora.lora_manager import reserved_bytes
-    from kvharbor.engine.model_arch import ModelArch
+    from kvharbor.engine.model.arch import ModelArch
 
     for profile, vocab in ((SMOL, 49152), (LLAMA, 128256)):
         arch = ModelArch("llama", vocab, profile.hidden_size, profile.intermediate_size, profile.layers,

@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import profile_step
 
-from kvharbor.engine import model as model_module
+from kvharbor.engine.model import decoder as model_module
 
 
 @pytest.mark.slow  # two engines load and run, ~10 s here

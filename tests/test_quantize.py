@@ -15,8 +15,8 @@ from kvharbor.common.config import ConfigError, load_config
 from kvharbor.engine import SamplingParams
 from kvharbor.engine.config import EngineConfig
 from kvharbor.engine.cpu.cpu_kernels import load
-from kvharbor.engine.hf_reference import hf_reference_model
-from kvharbor.engine.model import QUANT_MAX_ROWS
+from kvharbor.engine.model.decoder import QUANT_MAX_ROWS
+from kvharbor.engine.model.hf_reference import hf_reference_model
 from kvharbor.engine.quantize import (
     INT_ROWS,
     QuantLinear,

@@ -9,7 +9,7 @@ import torch
 from conftest import hf_greedy
 
 from kvharbor.engine import SamplingParams
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.loader import load_model
 
 SCALINGS = {
     "llama3": {
@@ -109,7 +109,7 @@ def test_longrope_takes_the_long_factors_past_the_original_context(tiny_phi3):
     """Phi-3's LongRoPE, per position: before original_max_position_embeddings the short factors
     (the reference tests cover those end to end), from it on the long ones, both times the attention
     factor, each as transformers' rotary embedding computes them for a sequence that long."""
-    from kvharbor.engine.model import LlamaModel
+    from kvharbor.engine.model.decoder import LlamaModel
 
     arch = tiny_phi3.loaded.arch
     model = LlamaModel(arch, torch.float32, torch.device("cpu"))
@@ -134,7 +134,7 @@ def test_yarn_serves_the_original_context_times_its_factor():
     engine serves 131,072 tokens, as vLLM does, not the unscaled length."""
     from dataclasses import replace
 
-    from kvharbor.engine.model_arch import ModelArch
+    from kvharbor.engine.model.arch import ModelArch
 
     base = ModelArch.from_hf_config(scaled_llama("linear").config.to_dict())
     yarn = (("factor", 4.0), ("original_max_position_embeddings", 32768), ("rope_type", "yarn"))

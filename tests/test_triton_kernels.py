@@ -174,7 +174,7 @@ def test_the_engine_with_triton_attention_generates_the_torch_backends_tokens(ti
 
 
 def test_backend_choice_and_its_errors():
-    from kvharbor.engine.attention_triton import resolve_backend
+    from kvharbor.engine.model.attention_triton import resolve_backend
 
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu, 16) == "torch"

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from kvharbor.common.config import ConfigError, load_config
-from kvharbor.engine.loader import load_model
+from kvharbor.engine.model.loader import load_model
 from kvharbor.launch.up import Platform, UpConfig
 from kvharbor.launch.vllm_engines import VLLM_BLOCK_SIZE, write_hf_folder
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the `triton` attention backend (engine/attention_triton.py): they read and write the paged KV
+"""Triton kernels of the `triton` attention backend (engine/model/attention_triton.py): they read and write the paged KV
 cache `[2 (K/V), kv_heads, num_blocks * block_size, head_dim]` in place, through slot mappings and
 block tables, with no gathering into contiguous tensors.
 

@@ -13,7 +13,7 @@ from kvharbor.engine.config import CacheConfig
 from kvharbor.engine.kv.kv_quant import row_bytes
 
 if TYPE_CHECKING:  # the model's shape, read for sizing: the model wing sits above kv/
-    from kvharbor.engine.model_arch import ModelArch
+    from kvharbor.engine.model.arch import ModelArch
 
 GiB = 1024**3
 # On CPU the pool shares RAM with everything else: default to a fifth of what is free, at most 2 GiB.

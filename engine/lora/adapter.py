@@ -4,7 +4,7 @@ A PEFT folder holds `adapter_config.json` (rank r, lora_alpha, target modules) a
 `adapter_model.safetensors` with, per targeted module of each layer, `lora_A` [r, in] and
 `lora_B` [out, r]. The module's output becomes `base(x) + scaling * B(A(x))`, scaling =
 alpha / r (alpha / sqrt(r) with use_rslora). kvharbor fuses q/k/v into `qkv` and gate/up into
-`gate_up` (engine/model.py), so each PEFT module is a *sub-projection*: a column range of a
+`gate_up` (engine/model/decoder.py), so each PEFT module is a *sub-projection*: a column range of a
 fused output. The scaling is folded into B once here, so serving adds `(x A^T) B'^T`.
 
 Validation is whole before anything is kept: a bad folder, an unsupported PEFT feature, a rank
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kvharbor.common.lora import adapter_identity, check_adapter_name
-from kvharbor.engine.model_arch import ModelArch
+from kvharbor.engine.model.arch import ModelArch
 
 # PEFT module name -> (kvharbor's fused projection, position of the sub-projection in it).
 SUB_PROJECTIONS: dict[str, tuple[str, int]] = {

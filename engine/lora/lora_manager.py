@@ -19,7 +19,7 @@ from kvharbor.engine.core_io import AdapterInUse, UnknownModel
 from kvharbor.engine.cpu.cpu_kernels import CpuKernels
 from kvharbor.engine.lora.adapter import AdapterError, LoRAAdapter, sub_shapes
 from kvharbor.engine.lora.lora_slots import LoRASlots, LoRAStep
-from kvharbor.engine.model_arch import ModelArch
+from kvharbor.engine.model.arch import ModelArch
 
 
 class UnknownAdapter(UnknownModel):

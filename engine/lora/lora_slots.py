@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from kvharbor.engine.cpu.cpu_kernels import CpuKernels
 from kvharbor.engine.lora.adapter import SUB_PROJECTIONS, LoRAAdapter, SubShape, sub_shapes
-from kvharbor.engine.model_arch import ModelArch
+from kvharbor.engine.model.arch import ModelArch
 
 # Decode rows up to which the deltas go through the CPU kernel (cpu_kernels.lora_decode), as
 # SkinnyLinear's rows do; more rows go through torch's masked products.

@@ -20,8 +20,8 @@ import torch
 from kvharbor.common.block_hash import namespace_hash
 from kvharbor.engine.kv.block_pool import BlockPool
 from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
-from kvharbor.engine.loader import load_model
-from kvharbor.engine.model import LlamaModel
+from kvharbor.engine.model.decoder import LlamaModel
+from kvharbor.engine.model.loader import load_model
 from kvharbor.engine.request import Request
 from kvharbor.engine.runner import ModelRunner
 from kvharbor.engine.sampler import filtered_probs

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kvharbor.engine.loader import LoadedModel
+from kvharbor.engine.model.loader import LoadedModel
 
 
 def hf_reference_model(loaded: LoadedModel, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

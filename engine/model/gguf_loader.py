@@ -13,8 +13,8 @@ import torch
 
 from kvharbor.common.gguf_file import GGUFError, TensorInfo, read_gguf_header
 from kvharbor.common.tokenizer import gguf_eos_ids
-from kvharbor.engine import gguf_blocks
-from kvharbor.engine.model_arch import GEMMA3_LOCAL_ROPE_THETA, ModelArch, gemma_layer_types
+from kvharbor.engine.model import gguf_blocks
+from kvharbor.engine.model.arch import GEMMA3_LOCAL_ROPE_THETA, ModelArch, gemma_layer_types
 from kvharbor.engine.quantize import QuantWeight
 
 # GGUF tensor name -> Hugging Face name ("{i}" is the layer index).
@@ -124,7 +124,7 @@ def _rope_scaling(meta: dict[str, Any], name: str) -> tuple[tuple[str, Any], ...
 def _with_freq_factors(arch: ModelArch, factors: torch.Tensor, path: str | Path) -> ModelArch:
     """llama.cpp writes Llama 3.1+'s RoPE scaling as rope_freqs.weight: one divisor per frequency
     (1 for the fast ones, the factor for the slow ones, a blend between), which it divides each
-    inverse frequency by. Kept as the `freq_factors` scaling (engine/model.py)."""
+    inverse frequency by. Kept as the `freq_factors` scaling (engine/model/decoder.py)."""
     if arch.rope_scaling is not None:
         raise ValueError(f"{path} gives both rope_freqs.weight and a {arch.rope_scaling_dict} RoPE scaling")
     if factors.numel() != arch.head_dim // 2:
@@ -190,7 +190,7 @@ def _dequantize(data: np.memmap, info: TensorInfo) -> torch.Tensor:
 
 
 def _blocks(data: np.memmap, info: TensorInfo) -> QuantWeight:
-    """A 2-D tensor's blocks repacked for the kernels (engine/gguf_blocks.py), never dequantized."""
+    """A 2-D tensor's blocks repacked for the kernels (engine/model/gguf_blocks.py), never dequantized."""
     if info.ggml_type not in gguf_blocks.BLOCK_BYTES:
         from gguf import GGMLQuantizationType
 

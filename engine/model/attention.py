@@ -12,7 +12,7 @@ reads without another copy; slot = block_id * block_size + offset. Every layer w
 first, then attends, so a sequence may read blocks that another sequence of the same step is
 writing (prefix hits on blocks registered this step).
 
-Layers differ (`LayerAttention`, from engine/model_arch.py's ModelArch.attention): a
+Layers differ (`LayerAttention`, from engine/model/arch.py's ModelArch.attention): a
 sliding-window layer attends to the last `window` positions only, and a layer may have its own
 score scale (Gemma's query_pre_attn_scalar) and a soft-cap on its scores (Gemma 2). The step's
 metadata carries the decode groups' and prefill chunks' masks once per window the model has
@@ -147,7 +147,7 @@ def build_metadata(
     cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decodes through its attention kernel
     kv_dtype: str = "auto",  # the cache's --kv-cache-dtype
     invariant: bool = False,  # batch-invariant: every row through cpu_kernels' kernel
-    windows: tuple[int, ...] = (),  # the model's sliding windows (engine/model_arch.py)
+    windows: tuple[int, ...] = (),  # the model's sliding windows (engine/model/arch.py)
 ) -> AttentionMetadata:
     """Metadata for sequences (decodes first) with these block tables, computed prefixes
     (`starts`) and new-token counts (`lengths`)."""
@@ -159,7 +159,7 @@ def build_metadata(
         meta.windowed = {w: ([], []) for w in windows}  # the kernel takes every row, windowed by its argument
         return meta
     if backend == "triton":
-        from kvharbor.engine.attention_triton import build_triton_metadata
+        from kvharbor.engine.model.attention_triton import build_triton_metadata
 
         slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
         tmeta = build_triton_metadata(block_tables, starts, lengths, num_decodes, block_size, *kv_shape, device)
@@ -326,7 +326,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend. Returns [T, heads, dim]."""
     if meta.triton is not None:
-        from kvharbor.engine.attention_triton import triton_paged_attention
+        from kvharbor.engine.model.attention_triton import triton_paged_attention
 
         return triton_paged_attention(
             q, k, v, kv_cache, meta.slot_mapping, meta.num_decodes, meta.block_size, meta.triton

@@ -11,7 +11,7 @@ import torch
 
 from kvharbor.common.model_files import resolve_model
 from kvharbor.common.tokenizer import Tokenizer
-from kvharbor.engine.model_arch import ModelArch
+from kvharbor.engine.model.arch import ModelArch
 from kvharbor.engine.quantize import QuantWeight
 
 
@@ -26,7 +26,7 @@ class LoadedModel:
 
 def load_model(model: str | None, served_name: str | None = None, keep_blocks: bool = False) -> LoadedModel:
     """Read weights, architecture and tokenizer. `keep_blocks` (--quantization gguf): keep a GGUF
-    file's quantized blocks (engine/gguf_loader.py). Raises FileNotFoundError/ValueError with a hint."""
+    file's quantized blocks (engine/model/gguf_loader.py). Raises FileNotFoundError/ValueError with a hint."""
     path, name = resolve_model(model, served_name)
     if path.suffix == ".gguf":
         return _load_gguf(path, name, keep_blocks)
@@ -39,7 +39,7 @@ def load_model(model: str | None, served_name: str | None = None, keep_blocks: b
 
 
 def _load_gguf(path: Path, name: str, keep_blocks: bool) -> LoadedModel:
-    from kvharbor.engine.gguf_loader import load_gguf
+    from kvharbor.engine.model.gguf_loader import load_gguf
 
     gguf = load_gguf(path, keep_blocks)
     return LoadedModel(name, path, gguf.arch, gguf.state_dict, Tokenizer.from_gguf_metadata(gguf.metadata))

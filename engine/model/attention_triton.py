@@ -1,6 +1,6 @@
 """The `triton` attention backend: the paged cache read and written in place by the kernels in
 engine/kernels/, never gathered into contiguous tensors (that is the torch backend,
-engine/attention.py, which stays the reference and what runs on CPU).
+engine/model/attention.py, which stays the reference and what runs on CPU).
 
 Per step: `write_kv` scatters the new K/V through the slot mapping, then decodes (first in the
 flat batch) go to `decode_attention`, split-KV when `choose_splits` says the grid is too small

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvharbor.engine.attention import LayerAttention
+from kvharbor.engine.model.attention import LayerAttention
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 GEMMA = ("gemma2", "gemma3_text")
@@ -70,7 +70,7 @@ class ModelArch:
         return self.layer_types is None or self.layer_types[layer] == SLIDING
 
     def attention(self, layer: int) -> LayerAttention:
-        """What layer `layer`'s attention needs beyond the step's metadata (engine/attention.py)."""
+        """What layer `layer`'s attention needs beyond the step's metadata (engine/model/attention.py)."""
         scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
         window = self.sliding_window if self.is_sliding(layer) else None
         return LayerAttention(window, scale, self.attn_softcap)

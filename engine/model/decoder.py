@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvharbor.engine.attention import AttentionMetadata, paged_attention
 from kvharbor.engine.cpu import cpu_linear
 from kvharbor.engine.cpu.layer_ops import CPU_MAX_ROWS, CpuOps, TorchOps
-from kvharbor.engine.model_arch import ModelArch
+from kvharbor.engine.model.arch import ModelArch
+from kvharbor.engine.model.attention import AttentionMetadata, paged_attention
 from kvharbor.engine.quantize import QuantWeight, concat
 
 if TYPE_CHECKING:  # a step's adapters, passed in by the runner: lora/ builds on the model, not under it
@@ -67,7 +67,7 @@ def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
         return _longrope(arch, inv_freq, "short_factor")
     if kind == "yarn":
         return _yarn(arch, inv_freq)
-    if kind == "freq_factors":  # a GGUF's rope_freqs.weight (engine/gguf_loader.py)
+    if kind == "freq_factors":  # a GGUF's rope_freqs.weight (engine/model/gguf_loader.py)
         return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope, yarn)")
 
