@@ -42,9 +42,10 @@ class ModelArch:
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None  # the sliding layers' own RoPE base, unscaled (Gemma 3)
     hidden_act: str = "silu"  # the MLP's gate activation: silu, or gelu_tanh (Gemma)
-    # Gemma: norms after attention and after the MLP too, and weights stored as w - 1 (the norm
-    # multiplies by 1 + w, in float32); the embedding scaled by sqrt(hidden).
-    gemma_norms: bool = False
+    # Three features Gemma has (each named for what it does, not for the family):
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (their own weights)
+    norm_plus_one: bool = False  # norm weights stored as w - 1: the norm multiplies by 1 + w, in float32
+    embed_scale: bool = False  # the embedding scaled by sqrt(hidden)
     query_pre_attn_scalar: float | None = None  # attention scale query_pre_attn_scalar ** -0.5 (Gemma)
     attn_softcap: float | None = None  # Gemma 2: scores soft-capped, cap * tanh(score / cap)
     final_softcap: float | None = None  # Gemma 2: logits soft-capped
@@ -135,7 +136,7 @@ class ModelArch:
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.attention_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
-        per_layer = attn + 3 * h * i + (4 if self.gemma_norms else 2) * h + (2 * d if self.qk_norm else 0)
+        per_layer = attn + 3 * h * i + (4 if self.sandwich_norms else 2) * h + (2 * d if self.qk_norm else 0)
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * per_layer + embed + h
 
@@ -180,7 +181,9 @@ class ModelArch:
                 layer_types=layer_types,
                 local_rope_theta=local_theta,
                 hidden_act=act,
-                gemma_norms=gemma,
+                sandwich_norms=gemma,
+                norm_plus_one=gemma,
+                embed_scale=gemma,
                 query_pre_attn_scalar=float(cfg["query_pre_attn_scalar"]) if gemma else None,
                 attn_softcap=_positive(cfg.get("attn_logit_softcapping")),
                 final_softcap=_positive(cfg.get("final_logit_softcapping")),

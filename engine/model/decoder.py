@@ -8,7 +8,6 @@ the per-op overhead of 30 layers x a dozen ops is what a decode step is made of.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +18,7 @@ from kvharbor.engine.cpu import cpu_linear
 from kvharbor.engine.cpu.layer_ops import CPU_MAX_ROWS, CpuOps, TorchOps
 from kvharbor.engine.model.arch import ModelArch
 from kvharbor.engine.model.attention import AttentionMetadata, paged_attention
+from kvharbor.engine.model.rope import base_inv_freq, rope_extension, rope_inv_freq
 from kvharbor.engine.quantize import QuantWeight, concat
 
 if TYPE_CHECKING:  # a step's adapters, passed in by the runner: lora/ builds on the model, not under it
@@ -40,107 +40,6 @@ def _param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Paramete
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def _base_inv_freq(theta: float, d: int) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-
-
-def rope_inv_freq(arch: ModelArch) -> torch.Tensor:
-    """Inverse RoPE frequencies (float32), with Llama 3 / linear scaling applied."""
-    inv_freq = _base_inv_freq(arch.rope_theta, arch.head_dim)
-    scaling = arch.rope_scaling_dict
-    if not scaling:
-        return inv_freq
-    kind = arch.rope_kind
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(is_mid, mid, scaled)
-    if kind == "longrope":
-        return _longrope(arch, inv_freq, "short_factor")
-    if kind == "yarn":
-        return _yarn(arch, inv_freq)
-    if kind == "freq_factors":  # a GGUF's rope_freqs.weight (engine/model/gguf_loader.py)
-        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
-    raise ValueError(f"rope scaling {kind!r} is not supported (supported: linear, llama3, longrope, yarn)")
-
-
-def _yarn(arch: ModelArch, inv_freq: torch.Tensor) -> torch.Tensor:
-    """YaRN (Qwen2.5's long context): frequencies that turn fewer than beta_slow times over the
-    original context are interpolated (divided by the factor), those that turn more than
-    beta_fast times kept, a linear ramp between, over dimension indices (rounded out unless
-    `truncate` is false)."""
-    scaling = arch.rope_scaling_dict
-    factor, original = arch.yarn_stretch()
-    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
-    d, base = arch.head_dim, arch.rope_theta
-
-    def dim_of(turns: float) -> float:  # the dimension index whose frequency turns `turns` times
-        return d * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = dim_of(fast), dim_of(slow)
-    if scaling.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, d - 1)
-    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
-    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
-
-
-def _yarn_attention_factor(arch: ModelArch) -> float:
-    """The cos/sin scale YaRN asks for: attention_factor, else 0.1 ln(factor) + 1 (with DeepSeek's
-    mscale / mscale_all_dim ratio where both are given)."""
-    scaling = arch.rope_scaling_dict
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    factor, _ = arch.yarn_stretch()
-
-    def mscale(m: float = 1.0) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    return mscale(m) / mscale(m_all) if m and m_all else mscale()
-
-
-def _longrope(arch: ModelArch, inv_freq: torch.Tensor, which: str) -> torch.Tensor:
-    """Phi-3's LongRoPE: each frequency divided by its own factor (short_factor within the original
-    context, long_factor beyond it)."""
-    factors = torch.tensor(arch.rope_scaling_dict[which], dtype=torch.float32)
-    if factors.shape != inv_freq.shape:
-        raise ValueError(f"longrope {which} has {factors.numel()} factors, the heads need {inv_freq.numel()}")
-    return inv_freq / factors
-
-
-def rope_extension(arch: ModelArch) -> tuple[torch.Tensor | None, int, float]:
-    """LongRoPE's and YaRN's other half: (the long-context inverse frequencies, the position from
-    which they apply, the cos/sin scale). YaRN has one set of frequencies: (None, 0, its scale).
-    (None, 0, 1.0) for every other RoPE.
-
-    NOTE: per position, as vLLM does: positions past original_max_position_embeddings take the
-    long factors, earlier ones the short. transformers switches every position once a sequence
-    passes that length, which a KV cache (its keys rotated already) cannot follow; the two agree
-    on every sequence within the original context."""
-    scaling = arch.rope_scaling_dict
-    kind = arch.rope_kind
-    if kind == "yarn":
-        return None, 0, _yarn_attention_factor(arch)
-    if kind != "longrope":
-        return None, 0, 1.0
-    base = _base_inv_freq(arch.rope_theta, arch.head_dim)
-    original = int(scaling["original_max_position_embeddings"])
-    factor = scaling.get("factor") or arch.max_position_embeddings / original
-    scale = scaling.get("attention_factor")
-    if scale is None:
-        scale = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-    return _longrope(arch, base, "long_factor"), original, float(scale)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ModelArch, dtype: torch.dtype, device: torch.device, index: int = 0) -> None:
         super().__init__()
@@ -153,15 +52,15 @@ class DecoderLayer(nn.Module):
         self.act = arch.hidden_act
         qkv_rows = (arch.num_heads + 2 * arch.num_kv_heads) * d
         # Gemma's norms multiply by (1 + w) in float32: kept as float32 1 + w (load_hf_state_dict)
-        norm_dtype = torch.float32 if arch.gemma_norms else dtype
+        norm_dtype = torch.float32 if arch.norm_plus_one else dtype
         self.input_norm = _param(h, dtype=norm_dtype, device=device)
         self.qkv = _param(qkv_rows, h, dtype=dtype, device=device)
         self.qkv_bias = _param(qkv_rows, dtype=dtype, device=device) if arch.attention_bias else None
         self.o_proj = _param(h, arch.num_heads * d, dtype=dtype, device=device)
         self.post_norm = _param(h, dtype=norm_dtype, device=device)  # before the MLP
         # Gemma's sandwich: the attention's and the MLP's outputs normed before the residual add
-        self.attn_out_norm = _param(h, dtype=norm_dtype, device=device) if arch.gemma_norms else None
-        self.mlp_out_norm = _param(h, dtype=norm_dtype, device=device) if arch.gemma_norms else None
+        self.attn_out_norm = _param(h, dtype=norm_dtype, device=device) if arch.sandwich_norms else None
+        self.mlp_out_norm = _param(h, dtype=norm_dtype, device=device) if arch.sandwich_norms else None
         # Qwen3, Gemma 3: each query and key head RMS-normed before RoPE (weights over head_dim)
         self.q_norm = _param(d, dtype=norm_dtype, device=device) if arch.qk_norm else None
         self.k_norm = _param(d, dtype=norm_dtype, device=device) if arch.qk_norm else None
@@ -222,7 +121,7 @@ class LlamaModel(nn.Module):
         self.arch = arch
         self.embed = _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(DecoderLayer(arch, dtype, device, i) for i in range(arch.num_layers))
-        self.norm = _param(arch.hidden_size, dtype=torch.float32 if arch.gemma_norms else dtype, device=device)
+        self.norm = _param(arch.hidden_size, dtype=torch.float32 if arch.norm_plus_one else dtype, device=device)
         self.lm_head = (
             self.embed
             if arch.tie_word_embeddings
@@ -231,9 +130,9 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch).to(device), persistent=False)
         long, self.rope_switch, self.rope_scale = rope_extension(arch)
         self.register_buffer("inv_freq_long", None if long is None else long.to(device), persistent=False)
-        local = None if arch.local_rope_theta is None else _base_inv_freq(arch.local_rope_theta, arch.head_dim)
+        local = None if arch.local_rope_theta is None else base_inv_freq(arch.local_rope_theta, arch.head_dim)
         self.register_buffer("inv_freq_local", None if local is None else local.to(device), persistent=False)
-        self.embed_scale = arch.hidden_size**0.5 if arch.gemma_norms else None  # Gemma scales its embedding
+        self.embed_scale = arch.hidden_size**0.5 if arch.embed_scale else None
         self.lm_head_fast: cpu_linear.FastLinear | None = None
         # GGUF blocks kept as they are (--quantization gguf) for the embedding and the LM head.
         self.embed_blocks: QuantWeight | None = None
@@ -422,7 +321,7 @@ class LlamaModel(nn.Module):
                 return concat(parts)
             return torch.cat(parts)
 
-        shift = 1.0 if self.arch.gemma_norms else 0.0
+        shift = 1.0 if self.arch.norm_plus_one else 0.0
 
         def norm(dst: torch.Tensor, name: str) -> None:
             """A norm weight; Gemma's stored as w - 1, kept as 1 + w (in float32, as HF computes it)."""

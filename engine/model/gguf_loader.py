@@ -145,7 +145,9 @@ def _gemma_fields(meta: dict[str, Any], name: str, layers: int, per_head: int, h
         layer_types=gemma_layer_types(_HF_NAMES.get(name, name), layers) if window else None,
         local_rope_theta=GEMMA3_LOCAL_ROPE_THETA if name == "gemma3" else None,
         hidden_act="gelu_tanh",
-        gemma_norms=True,
+        sandwich_norms=True,
+        norm_plus_one=True,
+        embed_scale=True,
         query_pre_attn_scalar=float(per_head if layers == _GEMMA_27B_LAYERS[name] else head_dim),
         attn_softcap=soft.get("attn_logit_softcapping"),
         final_softcap=soft.get("final_logit_softcapping"),
@@ -223,8 +225,7 @@ def load_gguf(path: str | Path, keep_blocks: bool = False) -> GGUFModel:
     meta = header.metadata
     arch = arch_from_metadata(meta)
     state: dict[str, torch.Tensor] = {}
-    gemma = arch.gemma_norms
-    layer_names = _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES
+    layer_names = _GEMMA_LAYER_NAMES if arch.sandwich_norms else _LAYER_NAMES
     for tensor in header.tensors:
         name = tensor.name
         if name == "rope_freqs.weight":
@@ -242,7 +243,7 @@ def load_gguf(path: str | Path, keep_blocks: bool = False) -> GGUFModel:
             weight = _unpermute(weight, arch.num_heads)
         elif arch.architecture == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
             weight = _unpermute(weight, arch.num_kv_heads)
-        elif gemma and name.endswith("norm.weight"):  # llama.cpp stores Gemma's norms as 1 + w; HF's are w
+        elif arch.norm_plus_one and name.endswith("norm.weight"):  # llama.cpp stores these norms as 1 + w; HF as w
             weight = weight - 1.0
         state[hf_name] = weight
     if "model.embed_tokens.weight" not in state:
