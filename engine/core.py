@@ -18,6 +18,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvharbor.common.block_hash import BlockHash, namespace_hash
 from kvharbor.common.field_error import FieldError
@@ -42,6 +43,26 @@ from kvharbor.engine.sampling_params import SamplingParams
 from kvharbor.engine.scheduler import SchedulerPlan, StepOutput
 from kvharbor.engine.spec.proposers import Proposal
 
+if TYPE_CHECKING:  # the parts' types
+    import torch
+
+    from kvharbor.common.tokenizer import Tokenizer
+    from kvharbor.engine.cpu.cpu_kernels import CpuKernels
+    from kvharbor.engine.kv.block_pool import BlockPool
+    from kvharbor.engine.kv.capacity import KVCapacity
+    from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
+    from kvharbor.engine.kv.kv_handoff import HandoffLeases
+    from kvharbor.engine.kv.kv_transfer import KVBlockIO
+    from kvharbor.engine.lora.lora_manager import LoRAManager
+    from kvharbor.engine.model.arch import ModelArch
+    from kvharbor.engine.model.decoder import LlamaModel
+    from kvharbor.engine.pooling import Pooling
+    from kvharbor.engine.runner import ModelRunner
+    from kvharbor.engine.sampler import Sampler
+    from kvharbor.engine.scheduler import Scheduler
+    from kvharbor.engine.spec.proposers import AdaptiveK, Proposer
+    from kvharbor.engine.structured.guides import GuideFactory
+
 log = logging.getLogger("kvharbor.engine")
 
 
@@ -65,6 +86,37 @@ class _Group:
 
 
 class EngineCore:
+    """Requests and the step, over its parts: built in start-up order by engine/core_parts.py, and
+    declared here, each a field the core process, the KV publisher, the metrics and the tests read."""
+
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    model_name: str
+    arch: ModelArch
+    tokenizer: Tokenizer | None
+    pooling: Pooling | None  # an embedding engine's (engine/pooling.py); None: it generates
+    model: LlamaModel
+    attention_backend: str
+    batch_invariant: bool
+    weight_bytes: int
+    draft_model: LlamaModel | None
+    loras: LoRAManager | None
+    capacity: KVCapacity
+    max_model_len: int
+    pool: BlockPool
+    kv: KVCacheManager
+    eos_token_ids: frozenset[int]
+    scheduler: Scheduler
+    sampler: Sampler
+    cpu_kernels: CpuKernels | None  # decode attention's CPU kernels, where they run
+    runner: ModelRunner
+    kv_io: KVBlockIO
+    handoffs: HandoffLeases
+    guides: GuideFactory
+    proposer: Proposer | None
+    adaptive_k: AdaptiveK | None
+
     def __init__(
         self, config: EngineConfig, progress: Progress | None = None, loaded_model: LoadedModel | None = None
     ) -> None:
@@ -73,9 +125,7 @@ class EngineCore:
         start-up phase."""
         say = progress or (lambda msg: log.info(msg))
         t0 = time.monotonic()
-        # The parts become the core's own attributes (core.scheduler, core.pool, core.runner, ...):
-        # what the core process, the KV publisher, the metrics and the tests read.
-        vars(self).update(vars(CoreParts(config, say, loaded_model)))
+        self._take(CoreParts(config, say, loaded_model))
         self.kv_transfer_port = 0  # set by the core process once its hand-off server listens
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
@@ -84,6 +134,36 @@ class EngineCore:
         say("warming up ...")
         self._warm_up()
         say(f"ready in {time.monotonic() - t0:.1f}s")
+
+    def _take(self, parts: CoreParts) -> None:
+        """Each part, by name, into the field declared for it."""
+        self.config = parts.config
+        self.device = parts.device
+        self.dtype = parts.dtype
+        self.model_name = parts.model_name
+        self.arch = parts.arch
+        self.tokenizer = parts.tokenizer
+        self.pooling = parts.pooling
+        self.model = parts.model
+        self.attention_backend = parts.attention_backend
+        self.batch_invariant = parts.batch_invariant
+        self.weight_bytes = parts.weight_bytes
+        self.draft_model = parts.draft_model
+        self.loras = parts.loras
+        self.capacity = parts.capacity
+        self.max_model_len = parts.max_model_len
+        self.pool = parts.pool
+        self.kv = parts.kv
+        self.eos_token_ids = parts.eos_token_ids
+        self.scheduler = parts.scheduler
+        self.sampler = parts.sampler
+        self.cpu_kernels = parts.cpu_kernels
+        self.runner = parts.runner
+        self.kv_io = parts.kv_io
+        self.handoffs = parts.handoffs
+        self.guides = parts.guides
+        self.proposer = parts.proposer
+        self.adaptive_k = parts.adaptive_k
 
     def _propose(self) -> dict[str, Proposal]:
         """Guesses for the running requests that decode this step and have not opted out."""

@@ -88,3 +88,30 @@ def test_the_check_sees_an_upward_import():
               "def f():\n    from kvharbor.engine.serve import core_client\n")  # fmt: skip
     found = runtime_imports(ast.parse(source), "kvharbor.engine.kv.x")
     assert [unit_of(t) for _, t in found] == ["serve"]
+
+
+def test_every_part_core_parts_builds_is_a_field_engine_core_declares():
+    """Issue 49: the core's parts are visible in core.py: each attribute engine/core_parts.py
+    builds is declared on EngineCore (annotated) and assigned there by name."""
+    parts_tree = ast.parse((ENGINE / "core_parts.py").read_text())
+    built = set()
+    for node in ast.walk(parts_tree):
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        else:
+            continue
+        for target in targets:
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    built.add(t.attr)
+    core_tree = ast.parse((ENGINE / "core.py").read_text())
+    (core,) = [n for n in core_tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineCore"]
+    declared = {n.target.id for n in core.body if isinstance(n, ast.AnnAssign)}
+    def from_parts(n: ast.AST) -> bool:
+        value = getattr(n, "value", None)
+        return isinstance(n, ast.Assign) and isinstance(value, ast.Attribute) and getattr(value.value, "id", "") == "parts"
+
+    taken = {n.targets[0].attr for n in ast.walk(core) if from_parts(n)}
+    assert built == declared == taken, (built ^ declared, built ^ taken)
