@@ -111,7 +111,8 @@ def test_every_part_core_parts_builds_is_a_field_engine_core_declares():
     declared = {n.target.id for n in core.body if isinstance(n, ast.AnnAssign)}
     def from_parts(n: ast.AST) -> bool:
         value = getattr(n, "value", None)
-        return isinstance(n, ast.Assign) and isinstance(value, ast.Attribute) and getattr(value.value, "id", "") == "parts"
+        assigned = isinstance(n, ast.Assign) and isinstance(value, ast.Attribute)
+        return assigned and getattr(value.value, "id", "") == "parts"
 
     taken = {n.targets[0].attr for n in ast.walk(core) if from_parts(n)}
     assert built == declared == taken, (built ^ declared, built ^ taken)
