@@ -28,6 +28,7 @@ from kvharbor.engine.core_io import (
     ENGINE_FAULT,
     REQUEST_FAULT,
     CoreOutput,
+    CoreStats,
     EngineRequest,
     Failure,
     SampleDelta,
@@ -529,6 +530,20 @@ class EngineCore:
             kv_transfer_age_s=stats.kv_transfer_age_s(),
             **self._lora_report(),
         )
+
+    def counters(self, aborted: int = 0) -> CoreStats:
+        """The core's counters, read in one place from the parts that own them: the KV manager's
+        prefix lookups, the step's speculation and time, the LoRA slots' swaps, the sampler's
+        masking. `aborted` is counted by whoever aborts (the engine loop); the core process adds
+        its CounterBoard (`board`) when the counters cross the link."""
+        kv, stats, loras = self.kv, self.stats, self.loras
+        return CoreStats(
+            prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits, aborted=aborted,
+            spec_verifications=stats.spec_verifications, spec_proposed=stats.spec_proposed,
+            spec_accepted=stats.spec_accepted, lora_swaps=loras.swaps if loras is not None else 0,
+            lora_swap_seconds=loras.swap_seconds if loras is not None else 0.0, step_seconds=stats.step_seconds,
+            mask_seconds=self.sampler.mask_seconds,
+        )  # fmt: skip
 
     def _lora_report(self) -> dict:
         if self.loras is None:

@@ -18,7 +18,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from kvharbor.common.load_report import LoadReport
@@ -48,6 +47,7 @@ class EngineLoop:
         self.error: BaseException | None = None
         self.load: LoadReport = engine.load()  # replaced (atomically) after every step
         self.stats = CoreStats()  # replaced (atomically) with the load report
+        self._aborted = 0  # requests cancelled in flight (their count is this loop's to keep)
 
     # -- control (any thread) ---------------------------------------------------------------------
 
@@ -136,13 +136,13 @@ class EngineLoop:
                 self._add(*command[1:])
             elif kind == "abort":
                 if command[1] in self._in_flight:
-                    self.stats = replace(self.stats, aborted=self.stats.aborted + 1)
+                    self._aborted += 1
                 self.engine.abort(command[1])
             elif kind == "stop":
                 self.engine.stop_sample(*command[1:])
             elif kind == "abort_all":
                 for request_id in list(self._in_flight):
-                    self.stats = replace(self.stats, aborted=self.stats.aborted + 1)
+                    self._aborted += 1
                     self.engine.abort(request_id)
             elif kind == "call":
                 _, fn, done = command
@@ -182,14 +182,7 @@ class EngineLoop:
 
     def _refresh(self) -> None:
         # Readers on other threads see whole objects: each is replaced, never mutated.
-        kv, stats, loras = self.engine.kv, self.engine.stats, self.engine.loras
-        self.stats = replace(
-            self.stats, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
-            spec_verifications=stats.spec_verifications, spec_proposed=stats.spec_proposed,
-            spec_accepted=stats.spec_accepted, lora_swaps=loras.swaps if loras is not None else 0,
-            lora_swap_seconds=loras.swap_seconds if loras is not None else 0.0, step_seconds=stats.step_seconds,
-            mask_seconds=self.engine.sampler.mask_seconds,
-        )  # fmt: skip
+        self.stats = self.engine.counters(self._aborted)
         self.load = self.engine.load()
 
     def _fail_inbox(self, exc: BaseException) -> None:
