@@ -34,11 +34,6 @@ HOW_TO_START = ("start one with `kvharbor up --embedding-model PATH`, an Inferen
                 "engine with `kvharbor serve --task embed` listed in the models file with `task: embed`")  # fmt: skip
 
 
-def serves_embeddings(engine: Engine, task: str) -> bool:
-    """A kvharbor engine says what it serves in /load; a vLLM server's task is its model's."""
-    return engine.load.task == "embed" if engine.kind == "kvharbor" else task == "embed"
-
-
 class EmbeddingsAPI:
     """The endpoint; `handler` is the app's front matter (gateway/app.py)."""
 
@@ -50,7 +45,7 @@ class EmbeddingsAPI:
 
     def _engines(self, model: str) -> list[Engine]:
         task = self.state.models[model].task
-        return [e for e in self.state.pool.routable(model) if serves_embeddings(e, task)]
+        return [e for e in self.state.pool.routable(model) if e.kind.serves_embeddings(e, task)]
 
     async def embeddings(self, request: Request) -> Response:
         state, handler = self.state, self.handler
@@ -145,7 +140,7 @@ def _engine_body(engine: Engine, body: EmbeddingRequest, prompts: list[list[int]
                            "user": tenant.name}  # fmt: skip
     if body.dimensions is not None:
         out["dimensions"] = body.dimensions
-    if engine.kind == "kvharbor":
+    if engine.kind.takes_kvharbor_fields:
         unique = f"{rid[:200]}.{uuid.uuid4().hex[:8]}"
         out.update(cache_salt=tenant.cache_salt, priority=tenant.priority, request_id=unique)
     return out

@@ -66,7 +66,7 @@ def engine_body(call: Call, route: Route, engine: Engine, migratable: bool) -> d
         body["stream_options"] = {"include_usage": True}  # the gateway counts tokens
         if migratable:
             body["return_token_ids"] = True
-    return vllm_body(call, body, engine.priority_scheduling) if engine.kind == "vllm" else body
+    return engine.kind.shape(call, body, engine)
 
 
 def vllm_body(call: Call, body: dict, priority_scheduling: bool = False) -> dict:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvharbor.common.load_report import LoadReport, LoadReportError
-from kvharbor.common.vllm_metrics import load_from_vllm_metrics, with_vllm_adapters
+from kvharbor.gateway.engine_kinds import KINDS, KVHARBOR, EngineKind, engine_kind
 
 log = logging.getLogger("kvharbor.gateway.engines")
 COOLDOWN_S = 5.0
@@ -64,7 +64,7 @@ class Engine:
     cooldown_until: float = 0.0  # after failed calls, a good /load alone does not bring it back before this
     polled_at: float = 0.0  # when the poll that brought `load` was sent
     sent: set[Sent] = field(default_factory=set)  # requests this gateway has open on it
-    kind: str = "kvharbor"  # kvharbor | vllm: how its load is read and what its requests carry
+    kind: EngineKind = KVHARBOR  # how its load is read, what its requests carry, what it can do (engine_kinds.py)
     priority_scheduling: bool = False  # a vLLM engine run with --scheduling-policy priority (--vllm-priority)
     answered_at: float = field(default_factory=time.monotonic)  # its /load's last answer (or when it was added)
     progressed_at: float = field(default_factory=time.monotonic)  # its steps last moved (or it had no work)
@@ -178,8 +178,9 @@ class EnginePool:
         written `vllm+http://host:port#instance-id` is a vLLM server (its instance id: the one its
         kv-bridge publishes under)."""
         specs = [parse_engine(u) for u in urls]
-        for url, kind, instance in specs:
-            priority = kind == "vllm" and self.vllm_priority
+        for url, name, instance in specs:
+            kind = engine_kind(name)
+            priority = kind.priority_by_flag and self.vllm_priority
             engine = Engine(url, model, instance_id=instance, kind=kind, priority_scheduling=priority)
             self._engines.setdefault(url, engine)
         keep = {url for url, _, _ in specs}
@@ -253,7 +254,7 @@ class EnginePool:
         or its steps still that long while it has requests."""
         if load.core_silent_s >= self.stall_timeout:
             return f"stalled: its engine core silent for {load.core_silent_s:.0f} s"
-        moved = load.steps != engine.load.steps or load.queue == 0 or engine.kind != "kvharbor"
+        moved = load.steps != engine.load.steps or load.queue == 0 or not engine.kind.counts_steps
         if moved or not engine.polled:
             engine.progressed_at = now
             return None
@@ -271,18 +272,7 @@ class EnginePool:
     async def _read_load(self, engine: Engine) -> LoadReport:
         """kvharbor's /load, or a vLLM server's /metrics mapped onto a LoadReport: by the kind
         discovery gave the engine, never guessed from what an answer looks like."""
-        timeout = self.poll_timeout(engine)
-        if engine.kind == "vllm":
-            resp = await self.client.get(engine.url + "/metrics", timeout=timeout)
-            resp.raise_for_status()
-            load = load_from_vllm_metrics(resp.text, engine.instance_id or engine.url)
-            # /metrics names only the adapters running or waiting; /v1/models every loaded one
-            models = await self.client.get(engine.url + "/v1/models", timeout=timeout)
-            models.raise_for_status()
-            return with_vllm_adapters(load, models.json())
-        resp = await self.client.get(engine.url + "/load", timeout=timeout)
-        resp.raise_for_status()
-        return LoadReport.from_json(resp.json())
+        return await engine.kind.read_load(self.client, engine, self.poll_timeout(engine))
 
     async def poll_forever(self) -> None:
         """Poll every engine each `interval`, each on its own: a poll still waiting on a late
@@ -306,18 +296,15 @@ class EnginePool:
                 task.cancel()
 
 
-ENGINE_KINDS = ("kvharbor", "vllm")
-
-
 def parse_engine(spec: str) -> tuple[str, str, str | None]:
     """(url, kind, fixed instance id) of an engine address: `http://host:port` is a kvharbor
     engine; `vllm+http://host:port#instance-id` a vLLM server. Raises ValueError otherwise."""
     kind, _, rest = spec.partition("+") if "+" in spec.split("://", 1)[0] else ("kvharbor", "", spec)
-    if kind not in ENGINE_KINDS:
-        raise ValueError(f"engine kind {kind!r} in {spec!r} is not one of {', '.join(ENGINE_KINDS)}")
+    if kind not in KINDS:
+        raise ValueError(f"engine kind {kind!r} in {spec!r} is not one of {', '.join(KINDS)}")
     url, _, instance = rest.partition("#")
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"engine address {spec!r} must be http(s)://host:port (vllm+http://...#instance for vLLM)")
-    if kind == "vllm" and not instance:
+    if KINDS[kind].names_instance and not instance:
         raise ValueError(f"a vLLM engine names the instance id its kv-bridge publishes: {spec}#<instance-id>")
     return url.rstrip("/"), kind, instance or None

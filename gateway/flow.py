@@ -95,7 +95,7 @@ class RequestFlow:
         return uncached_tokens(call.prompt_tokens, self.route.held.get(engine.url, 0), call.block_size)
 
     def _body(self, engine: Engine) -> dict:
-        return engine_body(self.call, self.route, engine, self.migratable and engine.kind == "kvharbor")
+        return engine_body(self.call, self.route, engine, self.migratable and engine.kind.continues_streams)
 
     async def _pick_next(self, tried: set[str]) -> Engine | None:
         self.state.metrics.retries.labels(self.call.model.name).inc()
@@ -241,7 +241,7 @@ class RequestFlow:
     def _continuation(self) -> Continuation | None:
         """How this stream goes on if its engine fails mid-way: one prompt, one sample (the prompt
         plus the tokens streamed so far is one sequence), and migrations allowed."""
-        if not self.migratable or self.route.engine.kind != "kvharbor":
+        if not self.migratable or not self.route.engine.kind.continues_streams:
             return None  # migration continues a kvharbor engine's stream (its token ids, its grammar)
         call = self.call
         return Continuation(self._resume, self.state.max_migrations, call.max_tokens, call.prompt_tokens,

@@ -107,7 +107,7 @@ async def _decision(flow: CallPath, route: Route) -> tuple[Decision, dict[str, i
     config = state.router.config
     if config.disaggregation == "off":
         return Decision(None, "off"), route.held
-    if route.engine.kind != "kvharbor":  # a vLLM engine reads kv_transfer_params otherwise
+    if not route.engine.kind.takes_handoffs:  # a vLLM engine reads kv_transfer_params otherwise
         return Decision(None, "unsupported"), route.held
     everyone = handoff_peers(state.pool.all(call.model.name), route.engine, call.adapter)
     pool = prefill_pool([e for e in everyone if e.routable])

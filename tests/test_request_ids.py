@@ -10,6 +10,7 @@ import pytest
 from kvharbor.common.openai_api import MAX_REQUEST_ID, APIError, CompletionRequest, request_id
 from kvharbor.gateway.call import Call
 from kvharbor.gateway.engine_body import continued_payload
+from kvharbor.gateway.engine_kinds import KVHARBOR
 
 
 def test_the_body_wins_then_the_header_then_a_fresh_id():
@@ -46,4 +47,4 @@ def test_the_engine_body_carries_the_engine_id_not_the_clients():
     call = Call("completion", SimpleNamespace(cache_salt="tenant:t", priority=0, name="t"), None,
                 SimpleNamespace(stream=False), {"request_id": "client"}, [[1]], "client", None)  # fmt: skip
     route = SimpleNamespace(kv_prefix_source=lambda engine: None)
-    assert engine_body(call, route, SimpleNamespace(kind="kvharbor"), migratable=False)["request_id"] == call.engine_rid
+    assert engine_body(call, route, SimpleNamespace(kind=KVHARBOR), migratable=False)["request_id"] == call.engine_rid

@@ -14,6 +14,7 @@ import pytest
 from kvharbor.common.load_report import LoadReportError
 from kvharbor.common.vllm_metrics import load_from_vllm_metrics
 from kvharbor.gateway.engine_body import engine_body
+from kvharbor.gateway.engine_kinds import KVHARBOR, VLLM
 from kvharbor.gateway.engines import EnginePool, parse_engine
 
 METRICS = (Path(__file__).parent / "fixtures" / "vllm_metrics_0_32.txt").read_text()
@@ -75,7 +76,7 @@ def test_the_pool_reads_a_vllm_engines_load_from_its_metrics_and_a_kvharbor_engi
     engines = asyncio.run(main())
     assert sorted(asked) == ["/load", "/metrics", "/v1/models"]  # each by its kind, never guessed from an answer
     vllm, mislabelled = engines["http://v:8000"], engines["http://k:8000"]
-    assert vllm.routable and vllm.kind == "vllm" and vllm.instance_id == "vllm-a" and vllm.load.block_size == 32
+    assert vllm.routable and vllm.kind.name == "vllm" and vllm.instance_id == "vllm-a" and vllm.load.block_size == 32
     assert vllm.load.lora_adapters == {"sql": "sql"}  # idle, yet routable for its adapter (hashed by name)
     assert not mislabelled.routable  # {"server_load": 0} is not taken for an idle engine
 
@@ -94,7 +95,7 @@ ROUTE = SimpleNamespace(kv_prefix_source=lambda engine: "shared")
 
 
 def test_a_vllm_engine_gets_a_body_it_reads_as_meant():
-    vllm = SimpleNamespace(kind="vllm", priority_scheduling=False)
+    vllm = SimpleNamespace(kind=VLLM, priority_scheduling=False)
     chat = engine_body(_call("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                       "speculative": False}, [[1, 2, 3]]), ROUTE, vllm, False)  # fmt: skip
     assert chat["messages"] and "prompt_token_ids" not in chat  # vLLM renders the same template itself
@@ -108,11 +109,11 @@ def test_a_vllm_engine_gets_a_body_it_reads_as_meant():
     salt = engine_body(odd, ROUTE, vllm, False)["cache_salt"]
     assert salt.startswith("h-") and len(salt) <= 128  # one vLLM takes, still one per tenant
     # A server run with --scheduling-policy priority (--vllm-priority): the tenant's 5, lower-first
-    ranked = SimpleNamespace(kind="vllm", priority_scheduling=True)
+    ranked = SimpleNamespace(kind=VLLM, priority_scheduling=True)
     ranked_body = engine_body(_call("completion", {"model": "m", "prompt": "x"}, [[1]]), ROUTE, ranked, False)
     assert ranked_body["priority"] == -5
     kvharbor = engine_body(_call("completion", {"model": "m", "prompt": "x"}, [[1]]), ROUTE,
-                           SimpleNamespace(kind="kvharbor"), False)  # fmt: skip
+                           SimpleNamespace(kind=KVHARBOR), False)  # fmt: skip
     assert kvharbor["prompt_token_ids"] == [1] and kvharbor["priority"] == 5
     assert kvharbor["kv_prefix_source"] == "shared"
 
@@ -121,7 +122,7 @@ def test_a_vllm_engine_gets_tools_in_the_form_its_parser_reads():
     """Issue 47, item 6: vLLM renders the model's own template, which drops the tools of one that
     takes none (SmolLM2's): it gets the messages as kvharbor renders them, the tools in Hermes'
     system message and earlier calls as <tool_call> blocks, which its hermes parser reads."""
-    vllm = SimpleNamespace(kind="vllm", priority_scheduling=False)
+    vllm = SimpleNamespace(kind=VLLM, priority_scheduling=False)
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
     messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "tool_calls": [call]},
