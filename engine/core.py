@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -119,14 +119,15 @@ class EngineCore:
     adaptive_k: AdaptiveK | None
 
     def __init__(
-        self, config: EngineConfig, progress: Progress | None = None, loaded_model: LoadedModel | None = None
+        self, config: EngineConfig, progress: Progress | None = None, loaded_model: LoadedModel | None = None,
+        on_compile: Callable[[float, bool], None] | None = None,
     ) -> None:
         """Build the parts (engine/core_parts.py: load or adopt `loaded_model`, whose tensors are
         copied, not changed; size the KV pool), then warm up. `progress` receives one line per
-        start-up phase."""
+        start-up phase; `on_compile(seconds, hit)` each structured-output spec's compile lookup."""
         say = progress or (lambda msg: log.info(msg))
         t0 = time.monotonic()
-        self._take(CoreParts(config, say, loaded_model))
+        self._take(CoreParts(config, say, loaded_model, on_compile))
         self.kv_transfer_port = 0  # set by the core process once its hand-off server listens
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}

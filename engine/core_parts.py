@@ -20,7 +20,7 @@ from kvharbor.engine.kv.block_pool import BlockPool
 from kvharbor.engine.kv.capacity import KVCapacity, check_max_model_len, plan_capacity
 from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv.kv_handoff import HandoffLeases
-from kvharbor.engine.kv.kv_transfer import KVBlockIO, weights_fingerprint
+from kvharbor.engine.kv.kv_transfer import weights_fingerprint
 from kvharbor.engine.lora.adapter import load_adapter
 from kvharbor.engine.lora.lora_manager import LoRAManager, reserved_bytes
 from kvharbor.engine.model.attention_triton import resolve_backend
@@ -53,7 +53,10 @@ class CoreParts:
     """An engine core's parts. Raises ValueError, saying what to change, for a configuration
     that cannot run (weights and --quantization, --batch-invariant on, --max-model-len)."""
 
-    def __init__(self, config: EngineConfig, say: Progress, loaded_model: LoadedModel | None = None) -> None:
+    def __init__(
+        self, config: EngineConfig, say: Progress, loaded_model: LoadedModel | None = None,
+        on_compile: Callable[[float, bool], None] | None = None,
+    ) -> None:
         self.config = config
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device, quantized=config.model.quantization != "none")
@@ -75,7 +78,7 @@ class CoreParts:
         self.draft_model = self._load_draft(config, say)
         self.loras, reserved = self._load_loras(config.lora, say, threads)
         self._size_kv(reserved, say)
-        self._build_step(threads, fingerprint, say)
+        self._build_step(threads, fingerprint, say, on_compile)
         self.proposer, self.adaptive_k = self._speculation(config, say)
 
     def _build_model(self, loaded_model: LoadedModel | None, say: Progress) -> str:
@@ -138,7 +141,9 @@ class CoreParts:
         )
         self.kv = KVCacheManager(self.pool, window=self.arch.kv_window)
 
-    def _build_step(self, threads: int, fingerprint: str, say: Progress) -> None:
+    def _build_step(
+        self, threads: int, fingerprint: str, say: Progress, on_compile: Callable[[float, bool], None] | None
+    ) -> None:
         """The scheduler, the sampler, the attention path, the runner, its KV I/O and the
         hand-off leases."""
         config = self.config
@@ -155,16 +160,12 @@ class CoreParts:
         kv_dtype = config.cache.kv_cache_dtype
         self.runner = ModelRunner(
             self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend, self.cpu_kernels,
-            kv_dtype, self.batch_invariant,
+            kv_dtype, self.batch_invariant, self.loras, (self.model_name, fingerprint),
         )  # fmt: skip
-        self.kv_io = KVBlockIO(
-            self.runner.kv_caches, self.capacity.block_size, self.model_name, fingerprint, kv_dtype, self.arch.head_dim
-        )
-        self.runner.kv_io = self.kv_io
-        self.runner.lora = self.loras
+        self.kv_io = self.runner.kv_io
         self.handoffs = HandoffLeases(self.kv, self.kv_io, config.disagg.kv_handoff_lease)
         self.guides = GuideFactory(self.tokenizer, self.arch.vocab_size, self.eos_token_ids, config.structured,
-                                   config.limits)
+                                   config.limits, on_compile)  # fmt: skip
 
     def _quantize(self, threads: int, say: Progress) -> None:
         """Quantize (or adopt GGUF blocks), through the AVX2 kernels where they run (CPU, float32 or

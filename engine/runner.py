@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,10 +13,14 @@ from kvharbor.engine.core_io import fault_message
 from kvharbor.engine.kv.block_pool import Save
 from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv.kv_quant import SCALE_BYTES
+from kvharbor.engine.kv.kv_transfer import KVBlockIO
 from kvharbor.engine.model.attention import build_metadata
 from kvharbor.engine.model.decoder import LlamaModel
 from kvharbor.engine.sampler import Sampler, SampleRow
 from kvharbor.engine.scheduler import ScheduledChunk, SchedulerPlan, StepOutput
+
+if TYPE_CHECKING:
+    from kvharbor.engine.lora.lora_manager import LoRAManager
 
 log = logging.getLogger("kvharbor.engine.runner")
 SaveSink = Callable[[Sequence[Save]], None]
@@ -26,7 +30,8 @@ class ModelRunner:
     """Owns the model and its KV tensor `[layers, 2 (K/V), kv_heads, num_blocks * block_size, dim]`.
 
     KV moves of a plan run here, around the forward: `save` (set by the shared-store client,
-    engine/kv/kv_offload.py) takes blocks to copy out, `kv_io` (engine/kv/kv_transfer.py) writes loads.
+    engine/kv/kv_offload.py) takes blocks to copy out, `kv_io` (engine/kv/kv_transfer.py, over this
+    runner's cache: built here when `kv_identity` names the weights) writes loads.
     """
 
     def __init__(
@@ -40,6 +45,8 @@ class ModelRunner:
         cpu_kernels: Any = None,  # cpu_kernels.CpuKernels: decode attention through its kernel
         kv_dtype: str = "auto",  # int8 / fp8: the cache holds 8-bit rows (engine/kv/kv_quant.py)
         invariant: bool = False,  # batch-invariant attention: every row through cpu_kernels (engine/model/attention.py)
+        lora: LoRAManager | None = None,  # the requests' adapters
+        kv_identity: tuple[str, str] | None = None,  # (model name, weights fingerprint): its blocks' KV I/O
     ) -> None:
         arch = model.arch
         self.attention_backend = attention_backend
@@ -61,9 +68,12 @@ class ModelRunner:
         self.kv_caches = torch.zeros(
             arch.num_layers, 2, arch.num_kv_heads, slots, row, dtype=torch.uint8 if quantized else dtype, device=device
         )
-        self.kv_io: Any = None  # kv_transfer.KVBlockIO over kv_caches (its owner sets it)
+        self.kv_io: KVBlockIO | None = None  # blocks as bytes, in and out of kv_caches (the shared store, P/D)
+        if kv_identity is not None:
+            name, fingerprint = kv_identity
+            self.kv_io = KVBlockIO(self.kv_caches, self.block_size, name, fingerprint, kv_dtype, arch.head_dim)
         self.save: SaveSink | None = None
-        self.lora: Any = None  # lora_manager.LoRAManager: the requests' adapters (its owner sets it)
+        self.lora = lora
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         # Copy-on-write: a sibling's shared partial block is duplicated before anyone appends.

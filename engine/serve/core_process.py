@@ -54,8 +54,7 @@ class CoreProcess:
         if srv.redis_url:
             cache = dataclasses.replace(engine_config.cache, kv_events=True)
             engine_config = dataclasses.replace(engine_config, cache=cache)
-        self.core = EngineCore(engine_config, progress=lambda msg: log.info(msg))
-        self.core.guides.on_compile = self._compiled
+        self.core = EngineCore(engine_config, progress=lambda msg: log.info(msg), on_compile=self._compiled)
         # Off the engine thread, while the server starts: the first constrained request need not pay it.
         threading.Thread(target=self.core.guides.prepare, name="kvharbor-grammar-tokenizer", daemon=True).start()
         self.instance_id = srv.instance_id
