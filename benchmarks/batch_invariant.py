@@ -66,7 +66,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for dtype in args.dtypes:
         llms = {m: LLM(loaded_model=loaded, dtype=dtype, batch_invariant=m, max_model_len=1024, num_kv_blocks=1024)
                 for m in MODES}  # fmt: skip
-        assert [llms[m].engine.batch_invariant for m in MODES] == [False, True]
+        assert [llms[m].engine.core.batch_invariant for m in MODES] == [False, True]
         for i in range(args.rounds):
             for c in (1, 8):
                 # new prompts each round: a round repeating the last one's would hit the prefix cache

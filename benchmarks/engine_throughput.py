@@ -82,7 +82,7 @@ def run_engine(llm: LLM, work: list[tuple[list[int], int]], sequential: bool = F
         "ttft_mean_s": statistics.fmean(ttft),
         "itl_p50_s": pct(itl, 50),
         "itl_p95_s": pct(itl, 95),
-        "preemptions": engine.scheduler.num_preemptions,
+        "preemptions": engine.core.scheduler.num_preemptions,
     }
 
 
@@ -174,7 +174,7 @@ def main() -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
     )
     llm = LLM(loaded_model=loaded, **opts)
-    dtype = llm.engine.dtype
+    dtype = llm.engine.core.dtype
     dtype_name = str(dtype).removeprefix("torch.")
     vocab = loaded.arch.vocab_size
     print(f"SmolLM2-135M, {torch.get_num_threads()} threads, {machine_title(dtype_name)}", file=sys.stderr)

@@ -133,7 +133,7 @@ def measure_family(family: str, args: argparse.Namespace, scratch: Path) -> dict
         "family": family,
         "architecture": loaded.arch.architecture,
         "quantization": quantization,
-        "weight_bytes": llm.engine.load().weight_bytes,
+        "weight_bytes": llm.engine.core.load().weight_bytes,
     }
     vocab = loaded.arch.vocab_size
     warm = [(p, 8) for p, _ in workload(1, args, vocab)]  # both sides: kernels, first allocations

@@ -108,7 +108,7 @@ def swap_ttft(loaded, folders: list[Path], prompts: list[list[int]], opts: dict,
         hot.append(ttft(llm, prompt, "a0"))
         cold.append(ttft(llm, prompt[::-1], "a1"))  # a1 must be swapped in (another prompt: no cache hit)
         ttft(llm, prompt[1:], "a0")
-    manager = llm.engine.loras
+    manager = llm.engine.core.loras
     reads = []
     for _ in range(3):
         t0 = time.perf_counter()
@@ -120,7 +120,7 @@ def swap_ttft(loaded, folders: list[Path], prompts: list[list[int]], opts: dict,
         "swap_ms": 1000 * manager.swap_seconds / max(1, manager.swaps),
         "swaps": manager.swaps,
         "disk_read_ms": 1000 * min(reads),
-        "adapter_mib": llm.engine.loras.get("a0").nbytes / 2**20,
+        "adapter_mib": llm.engine.core.loras.get("a0").nbytes / 2**20,
     }
 
 
@@ -168,7 +168,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict:
     engines["lora-8, base traffic"] = (engines["lora-8"][0], [None] * n)
     engines["lora-2 slots"] = (LLM(loaded_model=loaded, lora=specs, max_loras=2, **opts),
                                [f"a{i % 8}" for i in range(n)])  # fmt: skip
-    dtype = str(engines["base"][0].engine.dtype).removeprefix("torch.")
+    dtype = str(engines["base"][0].engine.core.dtype).removeprefix("torch.")
     print(f"SmolLM2-135M, {torch.get_num_threads()} threads, {machine_title(dtype)}", file=sys.stderr)
     best: dict[str, dict] = {}
     for r in range(repeats):
@@ -177,7 +177,7 @@ def measure(args: argparse.Namespace, scratch: Path) -> dict:
             got = run(llm, prompts, adapters)
             if name not in best or got["output_tok_s"] > best[name]["output_tok_s"]:
                 best[name] = got
-    swaps = engines["lora-2 slots"][0].engine.loras.swaps
+    swaps = engines["lora-2 slots"][0].engine.core.loras.swaps
     del engines
     swap = swap_ttft(loaded, folders, prompts, opts, repeats=3 if args.quick else 5)
     base = best["base"]["output_tok_s"]

@@ -105,8 +105,8 @@ def profile(label: str, args: argparse.Namespace) -> dict:
     try:
         for i, ids in enumerate(prompts(args.batch, args.prompt, 1)):
             engine.add_request(f"p{i}", prompt_token_ids=ids, params=params)
-        while engine.scheduler.waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running
+        while engine.core.scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.running
         ):
             engine.step()  # the prefills, untimed
         steps, total = 0, 0.0

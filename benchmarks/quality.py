@@ -110,16 +110,16 @@ def teacher_forced_logits(llm: LLM, ids: list[int], decode_tail: int = 0) -> tor
     (one-row products, the decode attention kernel)."""
     engine = llm.engine
     request = Request("quality", ids, SamplingParams(max_tokens=1), 1, namespace_hash("quality-ledger"))
-    if engine.kv.allocate_slots(request, len(ids)) is None:
+    if engine.core.kv.allocate_slots(request, len(ids)) is None:
         raise RuntimeError(f"the KV pool cannot hold a {len(ids)}-token text: lower --text-tokens")
     head = max(1, len(ids) - decode_tail)
     try:
-        parts = [engine.runner.all_logits(ScheduledChunk(request, 0, head, 0))]
-        parts += [engine.runner.all_logits(ScheduledChunk(request, i, 1, 0)) for i in range(head, len(ids))]
+        parts = [engine.core.runner.all_logits(ScheduledChunk(request, 0, head, 0))]
+        parts += [engine.core.runner.all_logits(ScheduledChunk(request, i, 1, 0)) for i in range(head, len(ids))]
         return torch.cat(parts)
     finally:
-        engine.kv.uncache_blocks([request])
-        engine.kv.free(request)
+        engine.core.kv.uncache_blocks([request])
+        engine.core.kv.free(request)
 
 
 def compare_logits(ref: torch.Tensor, got: torch.Tensor, targets: torch.Tensor) -> dict:
@@ -152,7 +152,7 @@ def decode_speed(llm: LLM, batch: int, tokens: int) -> float:
 
 def linear_bytes(llm: LLM) -> int:
     total = 0
-    for layer in llm.engine.model.layers:
+    for layer in llm.engine.core.model.layers:
         for name, fast in layer.fast.items():
             weight = getattr(layer, name)
             total += getattr(fast, "nbytes", None) or weight.numel() * weight.element_size()
@@ -191,8 +191,8 @@ def measure(name: str, llm: LLM, args, texts: list[list[int]], chats: list[list[
     outputs = [o.outputs[0].token_ids for o in llm.generate(chats, greedy)]
     return {
         "mode": name, "logits": logits, "greedy": outputs, "speed_tok_s": {},
-        "linear_weight_bytes": linear_bytes(llm), "kv_bytes_per_token": llm.engine.capacity.bytes_per_token,
-        "weight_bytes": llm.engine.weight_bytes,
+        "linear_weight_bytes": linear_bytes(llm), "kv_bytes_per_token": llm.engine.core.capacity.bytes_per_token,
+        "weight_bytes": llm.engine.core.weight_bytes,
     }  # fmt: skip
 
 

@@ -119,7 +119,7 @@ def run_batched(llms: dict, prompts: list[str], max_tokens: int, total: int = 24
 
 
 def _spec_counts(llm) -> tuple[int, int, int]:
-    s = llm.engine.stats
+    s = llm.engine.core.stats
     return s.spec_verifications, s.spec_proposed, s.spec_accepted
 
 
@@ -135,7 +135,7 @@ def print_table(results: dict) -> None:
 
 def report(llms: dict, results: dict, batched: dict) -> dict:
     """The JSON report: the runs, and the machine with the dtype the engines resolved (auto picks per CPU)."""
-    dtype = str(next(iter(llms.values())).engine.dtype).removeprefix("torch.")
+    dtype = str(next(iter(llms.values())).engine.core.dtype).removeprefix("torch.")
     return {
         "date": time.strftime("%Y-%m-%d"),
         "machine": machine_record(dtype),

@@ -71,7 +71,7 @@ def main(argv: list[str], prog: str = "kvharbor generate", command: str = "gener
 
 
 def _prompt_ids(engine, args: argparse.Namespace, command: str) -> list[int]:
-    tok = engine.tokenizer
+    tok = engine.core.tokenizer
     if tok is None:
         raise ValueError("this model has no tokenizer, so it cannot take text; use the Python API with token ids")
     if command == "generate":

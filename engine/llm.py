@@ -59,7 +59,7 @@ class LLM:
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
+        return self.engine.core.tokenizer
 
     def generate(
         self,
@@ -96,7 +96,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate."""
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.engine.core.tokenizer
         if tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot render chats")
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -106,7 +106,7 @@ class LLM:
     def embed(self, prompts: PromptInput | Sequence[PromptInput], dimensions: int | None = None) -> list[list[float]]:
         """One embedding per prompt, in order, pooled as the engine's model declares (engine/pooling.py),
         cut to `dimensions` and normalized where the model normalizes. The engine's task must be embed."""
-        pooling = self.engine.pooling
+        pooling = self.engine.core.pooling
         if pooling is None:
             raise ValueError("this engine generates (task generate): build it with task='embed' or an embedding model")
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling.mode)
@@ -118,11 +118,11 @@ class LLM:
         or lora=[...]). Raises lora.AdapterError (a ValueError) and loads nothing on bad input."""
         from kvharbor.engine.lora.adapter import load_adapter
 
-        lora = self.engine.config.lora
-        self.engine.load_lora(load_adapter(name, path, self.engine.arch, lora.max_lora_rank))
+        lora = self.engine.core.config.lora
+        self.engine.core.load_lora(load_adapter(name, path, self.engine.core.arch, lora.max_lora_rank))
 
     def unload_lora(self, name: str) -> None:
-        self.engine.unload_lora(name)
+        self.engine.core.unload_lora(name)
 
     def _add(self, rid: str, prompt: PromptInput, params: SamplingParams, priority: int, lora: str | None) -> None:
         if isinstance(prompt, str):

@@ -5,14 +5,13 @@
                                           <-  stops at stop strings, told to the core at once
 
 It holds an EngineCore (`core`) and puts text at its edges: `kvharbor serve` runs the same core
-in a process of its own and the processor in the API server. Everything else is the core's:
-`engine.kv`, `engine.scheduler`, `engine.abort(...)` read (and set) the core's own.
+in a process of its own and the processor in the API server. It forwards nothing: the core's parts
+are read where they are (`engine.core.kv`, `engine.core.scheduler`).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from kvharbor.engine.core import EngineCore, Progress
 from kvharbor.engine.core_io import EngineRequest, KVTransfer
@@ -24,25 +23,10 @@ from kvharbor.engine.sampling_params import SamplingParams
 
 __all__ = ["EngineStats", "LLMEngine", "Progress"]
 
-_OWN = frozenset({"core", "processor"})  # the attributes an LLMEngine holds itself
-
-
 class LLMEngine:
     def __init__(self, config, progress: Progress | None = None, loaded_model=None) -> None:
-        object.__setattr__(self, "core", EngineCore(config, progress, loaded_model))
-        object.__setattr__(self, "processor", OutputProcessor(self.core.tokenizer))
-
-    def __getattr__(self, name: str) -> Any:  # only for names the engine itself lacks
-        if name in _OWN:  # not set yet (the core's construction failed): no recursion
-            raise AttributeError(name)
-        return getattr(self.core, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        # NOTE: a test or tool that swaps the core's proposer, say, must reach the core.
-        if name in _OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self.core, name, value)
+        self.core = EngineCore(config, progress, loaded_model)
+        self.processor = OutputProcessor(self.core.tokenizer)
 
     def add_request(
         self,
@@ -76,6 +60,13 @@ class LLMEngine:
                                 transfer=transfer)  # fmt: skip
         self.core.add_request(request)
         self.processor.add(request_id, prompt, list(prompt_token_ids), params)
+
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished()
+
+    def abort(self, request_ids: str | list[str]) -> None:
+        """Stop requests (by id, or a list of them); each ends with finish_reason "abort"."""
+        self.core.abort(request_ids)
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns an output for every request that progressed or finished."""

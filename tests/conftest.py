@@ -246,8 +246,8 @@ def make_llm():
     for llm in built:
         engine = llm.engine
         assert not engine.has_unfinished(), "a test left requests in the engine"
-        engine.check_integrity()
-        assert engine.pool.num_free == engine.kv.num_usable_blocks, "blocks leaked"
+        engine.core.check_integrity()
+        assert engine.core.pool.num_free == engine.core.kv.num_usable_blocks, "blocks leaked"
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:

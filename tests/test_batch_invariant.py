@@ -46,7 +46,7 @@ def alone(
 def test_a_batch_equals_each_request_alone(case, make_llm, dtype):
     want = alone(make_llm, case, dtype, case.prompts)
     llm = make_llm(case.loaded, dtype=dtype, batch_invariant="on")
-    assert llm.engine.batch_invariant
+    assert llm.engine.core.batch_invariant
     assert results(llm.generate(case.prompts, GREEDY)) == want
 
 
@@ -74,7 +74,7 @@ def test_a_prefix_from_the_cache_equals_one_computed_here(case, make_llm, dtype)
     want = alone(make_llm, case, dtype, case.shared_prompts)
     llm = make_llm(case.loaded, dtype=dtype, batch_invariant="on")
     got = [results(llm.generate([p], GREEDY))[0] for p in case.shared_prompts]  # each hits the ones before
-    assert llm.engine.kv.prefix_hits > 0
+    assert llm.engine.core.kv.prefix_hits > 0
     assert got == want
 
 
@@ -86,7 +86,7 @@ def test_preemption_and_recompute_equal_an_unbroken_run(case, make_llm, dtype):
     blocks = -(-longest // 16) + 2
     llm = make_llm(case.loaded, dtype=dtype, batch_invariant="on", num_kv_blocks=blocks, max_model_len=blocks * 16)
     got = results(llm.generate(case.prompts, params))
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert got == want
 
 
@@ -99,7 +99,7 @@ def test_speculative_verification_equals_plain_decoding(case, make_llm, dtype):
     speculative = {"method": "ngram", "k": 3, "ngram_n": 1}
     llm = make_llm(case.loaded, dtype=dtype, batch_invariant="on", speculative=speculative)
     got = results(llm.generate(prompts, GREEDY))
-    assert llm.engine.stats.spec_proposed > 0
+    assert llm.engine.core.stats.spec_proposed > 0
     assert got == want
 
 
@@ -124,12 +124,12 @@ def test_a_pd_hand_off_equals_one_engine(case, make_llm, dtype):
     prefill.engine.add_request("p", prompt_token_ids=prompt, params=SamplingParams(max_tokens=1, temperature=0.0),
                                hand_off="p")  # fmt: skip
     first = _finish(prefill.engine)["p"].outputs[0].token_ids[0]
-    hashes, payloads = prefill.engine.handoffs.export("p", 0, prefill.engine.handoffs.size("p"))
-    assert decode.engine.import_prefix(hashes, payloads) == len(prompt) // 16
+    hashes, payloads = prefill.engine.core.handoffs.export("p", 0, prefill.engine.core.handoffs.size("p"))
+    assert decode.engine.core.import_prefix(hashes, payloads) == len(prompt) // 16
     # A continuation reports no logprobs (its first token's were the prefill engine's): tokens only.
     decode.engine.add_request("d", prompt_token_ids=prompt, params=TOKENS, first_token=first)
     out = _finish(decode.engine)["d"]
-    prefill.engine.handoffs.release("p")
+    prefill.engine.core.handoffs.release("p")
     assert out.num_cached_tokens == len(prompt) // 16 * 16
     assert out.outputs[0].token_ids == want[0]
 
@@ -155,12 +155,12 @@ def test_on_where_it_cannot_run_says_why(tiny_llama, make_llm):
 
 
 def test_auto_stands_down_where_it_cannot_run(tiny_llama, make_llm):
-    assert make_llm(tiny_llama.loaded).engine.batch_invariant
-    assert not make_llm(tiny_llama.loaded, kv_cache_dtype="fp8").engine.batch_invariant
-    assert not make_llm(tiny_llama.loaded, batch_invariant="off").engine.batch_invariant
+    assert make_llm(tiny_llama.loaded).engine.core.batch_invariant
+    assert not make_llm(tiny_llama.loaded, kv_cache_dtype="fp8").engine.core.batch_invariant
+    assert not make_llm(tiny_llama.loaded, batch_invariant="off").engine.core.batch_invariant
     # Quantized weights: it would round every prefill row's activations to int8 (a quality cost).
-    assert not make_llm(tiny_llama.loaded, quantization="int8").engine.batch_invariant
-    assert make_llm(tiny_llama.loaded, quantization="int8", batch_invariant="on").engine.batch_invariant
+    assert not make_llm(tiny_llama.loaded, quantization="int8").engine.core.batch_invariant
+    assert make_llm(tiny_llama.loaded, quantization="int8", batch_invariant="on").engine.core.batch_invariant
 
 
 def test_the_control_without_the_mode_chunking_changes_the_bits(tiny_llama, make_llm):

@@ -196,7 +196,7 @@ def test_without_a_compiler_the_engine_keeps_torchs_matmul(monkeypatch, caplog, 
     try:
         with caplog.at_level("INFO", logger="kvharbor.engine.cpu.cpu_kernels"):
             llm = make_llm(tiny_llama.loaded)
-        assert llm.engine.cpu_kernels is None and llm.engine.model.layers[0].fast["qkv"] is None
+        assert llm.engine.core.cpu_kernels is None and llm.engine.core.model.layers[0].fast["qkv"] is None
         if KERNELS is not None:  # this CPU could run them: the log says why they are not used
             assert any("no C compiler" in r.getMessage() for r in caplog.records)
         out = llm.generate([tiny_llama.prompts[2]], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -209,9 +209,10 @@ def test_without_a_compiler_the_engine_keeps_torchs_matmul(monkeypatch, caplog, 
 def test_the_engine_gives_the_same_tokens_with_the_kernels_on_and_off(tiny_llama, make_llm):
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     on, off = make_llm(tiny_llama.loaded), make_llm(tiny_llama.loaded, cpu_kernels=False)
-    assert on.engine.cpu_kernels is not None and on.engine.model.layers[0].fast["qkv"] is not None
-    assert off.engine.cpu_kernels is None and off.engine.model.layers[0].fast["qkv"] is None
-    assert type(on.engine.model.ops).__name__ == "CpuOps" and type(off.engine.model.ops).__name__ == "TorchOps"
+    assert on.engine.core.cpu_kernels is not None and on.engine.core.model.layers[0].fast["qkv"] is not None
+    assert off.engine.core.cpu_kernels is None and off.engine.core.model.layers[0].fast["qkv"] is None
+    assert type(on.engine.core.model.ops).__name__ == "CpuOps"
+    assert type(off.engine.core.model.ops).__name__ == "TorchOps"
     tokens = [[o.outputs[0].token_ids for o in llm.generate(tiny_llama.prompts, params)] for llm in (on, off)]
     assert tokens[0] == tokens[1]
 

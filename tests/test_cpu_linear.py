@@ -41,10 +41,10 @@ def test_the_engine_packs_in_bfloat16_and_answers_the_same(smollm, make_llm):
     params = SamplingParams(max_tokens=20, temperature=0.0, logprobs=0)
     packed = make_llm(smollm, dtype="bfloat16", batch_invariant="off")
     plain = make_llm(smollm, dtype="bfloat16", cpu_kernels=False)
-    assert isinstance(packed.engine.model.layers[0].fast["qkv"], functools.partial)  # the oneDNN pack
-    assert plain.engine.model.layers[0].fast["qkv"] is None
+    assert isinstance(packed.engine.core.model.layers[0].fast["qkv"], functools.partial)  # the oneDNN pack
+    assert plain.engine.core.model.layers[0].fast["qkv"] is None
     a, b = packed.chat(question, params)[0].outputs[0], plain.chat(question, params)[0].outputs[0]
-    assert isinstance(plain.engine.model.head, cpu_linear.WidenedLinear)
+    assert isinstance(plain.engine.core.model.head, cpu_linear.WidenedLinear)
     assert a.text == b.text == "The capital of France is Paris."
     assert [lp.logprob for lp in a.logprobs] == pytest.approx([lp.logprob for lp in b.logprobs], abs=0.1)
 
@@ -56,7 +56,7 @@ def test_bfloat16_logits_are_float32_sums(tiny_llama, make_llm, options):
     tokens; the final norm and LM head run in float32, so they are off that grid, and as near
     the float64 product of the same final hidden rows as float32 rounding allows."""
     llm = make_llm(tiny_llama.loaded, dtype="bfloat16", **options)
-    model, captured = llm.engine.model, []
+    model, captured = llm.engine.core.model, []
     original = model.logits
 
     def recording(hidden):

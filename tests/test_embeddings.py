@@ -81,4 +81,4 @@ def test_an_engine_serves_its_task_and_refuses_the_other(embedder, make_llm, tin
     with pytest.raises(ValueError, match="task generate"):
         generating.embed([PROMPTS[0]])
     forced = make_llm(tiny_llama.loaded, task="embed", pooling="mean")
-    assert forced.engine.pooling == Pooling("mean", True) and len(forced.embed([PROMPTS[0]])[0]) == 64
+    assert forced.engine.core.pooling == Pooling("mean", True) and len(forced.embed([PROMPTS[0]])[0]) == 64

@@ -118,7 +118,7 @@ def test_n_greedy_samples_share_the_prompt_and_all_equal_the_reference(tiny_llam
         "g", None, SamplingParams(n=3, max_tokens=12, temperature=0.0, ignore_eos=True), prompt_token_ids=prompt
     )
     engine.step()  # prefill + fork
-    tables = [engine.kv.block_ids(r) for r in engine.scheduler.running]
+    tables = [engine.core.kv.block_ids(r) for r in engine.core.scheduler.running]
     assert len(tables) == 3 and tables[0] == tables[1] == tables[2]
     final = None
     while engine.has_unfinished():
@@ -213,7 +213,7 @@ def test_an_unset_max_model_len_is_capped_to_the_pool_and_logged(tiny_llama, mak
     # The tiny model allows 512 tokens; 8 blocks of 16 hold 128, so 128 is the context served.
     with caplog.at_level("WARNING", logger="kvharbor.engine"):
         llm = make_llm(tiny_llama.loaded, num_kv_blocks=8, max_model_len=None)
-    assert llm.engine.max_model_len == 128
+    assert llm.engine.core.max_model_len == 128
     (note,) = [r.getMessage() for r in caplog.records if "capped" in r.getMessage()]
     assert "capped to 128 tokens" in note and "--num-kv-blocks" in note
     with pytest.raises(ValueError, match="the prompt has 130 tokens but this model's context is 128"):
@@ -238,16 +238,16 @@ def test_abort_returns_blocks_at_once(smol):
     engine.add_request("other", "Hello", SamplingParams(max_tokens=200))
     for _ in range(3):
         engine.step()
-    assert engine.pool.num_free < engine.pool.num_blocks
+    assert engine.core.pool.num_free < engine.core.pool.num_blocks
     engine.abort(["long", "other", "never-existed"])
-    assert engine.pool.num_free == engine.pool.num_blocks  # before any further step
-    engine.check_integrity()
+    assert engine.core.pool.num_free == engine.core.pool.num_blocks  # before any further step
+    engine.core.check_integrity()
     outs = {o.request_id: o for o in engine.step()}
     assert outs["long"].finished and {o.finish_reason for o in outs["long"].outputs} == {"abort"}
     assert not engine.has_unfinished()
-    load = engine.load()
+    load = engine.core.load()
     assert (load.running, load.waiting) == (0, 0)
-    assert load.kv_blocks_free == load.kv_blocks_total == engine.pool.num_blocks
+    assert load.kv_blocks_free == load.kv_blocks_total == engine.core.pool.num_blocks
 
 
 def test_abort_before_the_first_token_finishes_all_n_samples(smol):
@@ -256,7 +256,7 @@ def test_abort_before_the_first_token_finishes_all_n_samples(smol):
     engine.abort("early")
     (out,) = engine.step()
     assert out.finished and [o.finish_reason for o in out.outputs] == ["abort"] * 3
-    assert not engine.has_unfinished() and not engine._groups
+    assert not engine.has_unfinished() and not engine.core._groups
 
 
 def test_a_failed_step_fails_every_sample_of_its_requests(tiny_llama, make_llm, monkeypatch):
@@ -265,9 +265,9 @@ def test_a_failed_step_fails_every_sample_of_its_requests(tiny_llama, make_llm, 
     engine.add_request(
         "g", None, SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=1, ignore_eos=True), prompt_token_ids=[5, 6]
     )
-    while len(engine.scheduler.running) < 3:
+    while len(engine.core.scheduler.running) < 3:
         engine.step()
-    real = engine.runner.execute
+    real = engine.core.runner.execute
     failed = []
 
     def flaky(plan):
@@ -276,7 +276,7 @@ def test_a_failed_step_fails_every_sample_of_its_requests(tiny_llama, make_llm, 
             raise RuntimeError("boom")
         return real(plan)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.core.runner, "execute", flaky)
     (out,) = engine.step()
     assert failed == [2]
     assert out.finished and [o.finish_reason for o in out.outputs] == ["error"] * 3
@@ -285,7 +285,7 @@ def test_a_failed_step_fails_every_sample_of_its_requests(tiny_llama, make_llm, 
 
 def test_a_failed_step_fails_its_requests_frees_them_and_the_engine_goes_on(smol, monkeypatch):
     engine = smol.engine
-    real = engine.runner.execute
+    real = engine.core.runner.execute
     calls = {"n": 0}
 
     def flaky(plan):
@@ -294,14 +294,14 @@ def test_a_failed_step_fails_its_requests_frees_them_and_the_engine_goes_on(smol
             raise RuntimeError("simulated kernel fault")
         return real(plan)
 
-    monkeypatch.setattr(engine.runner, "execute", flaky)
+    monkeypatch.setattr(engine.core.runner, "execute", flaky)
     engine.add_request("doomed", "This prompt is long enough to fill one block of sixteen tokens easily.", GREEDY)
     outs = engine.step()
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "error"
     assert "simulated kernel fault" in outs[0].error.message
     assert outs[0].error.fault == "engine"  # alone in its step: nothing to tell it from the engine
-    assert engine.pool.num_cached == 0  # half-written KV must never be hit
-    assert engine.pool.num_free == engine.pool.num_blocks
+    assert engine.core.pool.num_cached == 0  # half-written KV must never be hit
+    assert engine.core.pool.num_free == engine.core.pool.num_blocks
     out = smol.generate("This prompt is long enough to fill one block of sixteen tokens easily.", GREEDY)
     assert out[0].outputs[0].finish_reason == "length"
 
@@ -351,25 +351,25 @@ def test_a_decoding_engine_reports_the_context_its_steps_read(tiny_llama, make_l
     while engine.has_unfinished():
         for out in engine.step():
             produced[out.request_id] = len(out.outputs[0].token_ids)
-        running = {r.request_id for r in engine.scheduler.running}
+        running = {r.request_id for r in engine.core.scheduler.running}
         want = sum(len(p) + produced[f"r{i}"] for i, p in enumerate(prompts) if f"r{i}" in running)
-        assert engine.load().context_tokens == want
-    measured = engine.load().decode_context_tokens
+        assert engine.core.load().context_tokens == want
+    measured = engine.core.load().decode_context_tokens
     assert sum(len(p) for p in prompts) < measured <= sum(len(p) for p in prompts) + 4 * 24
 
 
-def test_the_offline_engine_holds_a_core_whose_attributes_it_reads_and_sets(tiny_llama, make_llm):
-    """LLMEngine puts text at the core's edges; it is not an EngineCore, and what it does not hold
-    itself (the pool, the proposer a test swaps in) is the core's own."""
+def test_the_offline_engine_holds_a_core_and_forwards_nothing_to_it(tiny_llama, make_llm):
+    """LLMEngine puts text at the core's edges; it is not an EngineCore, and it forwards nothing
+    (issue 49): the core's parts are read as `engine.core.<part>`."""
     from kvharbor.engine.core import EngineCore
     from kvharbor.engine.llm_engine import LLMEngine
 
     engine = make_llm(tiny_llama.loaded).engine
     assert isinstance(engine, LLMEngine) and not isinstance(engine, EngineCore)
-    assert isinstance(engine.core, EngineCore) and engine.kv is engine.core.kv
-    marker = object()
-    engine.adaptive_k = marker
-    assert engine.core.adaptive_k is marker and "adaptive_k" not in vars(engine)
-    engine.adaptive_k = None
+    assert isinstance(engine.core, EngineCore) and engine.core.kv is not None
+    for part in ("kv", "pool", "scheduler", "runner", "adaptive_k"):
+        assert not hasattr(engine, part), part
+    engine.adaptive_k = object()  # an attribute of the LLMEngine's own: the core's is untouched
+    assert engine.core.adaptive_k is None
     with pytest.raises(AttributeError):
         _ = engine.no_such_attribute

@@ -46,7 +46,7 @@ def assert_greedy(case: ModelCase, prompts: list[list[int]], ours: list[list[int
 
 def test_logits_of_prompt_and_8_decode_steps_match(model_case, make_llm):
     llm = make_llm(model_case.loaded)
-    model = llm.engine.model
+    model = llm.engine.core.model
     captured: list[torch.Tensor] = []
     original = model.logits
 
@@ -100,7 +100,7 @@ def test_greedy_with_shared_prefixes_hits_the_cache(model_case, make_llm):
     assert_greedy(model_case, model_case.shared_prompts, tokens_of(outs))
     hits = [o.num_cached_tokens for o in outs]
     assert sum(h > 0 for h in hits) >= len(hits) - 1, hits
-    assert llm.engine.kv.prefix_hits > 0
+    assert llm.engine.core.kv.prefix_hits > 0
 
 
 def test_greedy_with_a_tiny_token_budget_chunks_prefill(model_case, make_llm):
@@ -117,7 +117,7 @@ def test_greedy_with_a_pool_small_enough_to_preempt(model_case, make_llm):
     # (blocks - 1) * 16: a sliding-window model keeps one block back as the null block
     llm = make_llm(model_case.loaded, num_kv_blocks=blocks, max_model_len=(blocks - 1) * 16)
     outs = llm.generate(model_case.prompts, GREEDY)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert_greedy(model_case, model_case.prompts, tokens_of(outs))
 
 
@@ -127,7 +127,7 @@ def test_prefix_caching_switch_changes_speed_not_tokens(smollm_case, make_llm, p
     prompts = smollm_case.shared_prompts[:3]
     outs = llm.generate(prompts, GREEDY)
     assert_greedy(smollm_case, prompts, tokens_of(outs))
-    assert (llm.engine.kv.prefix_hits > 0) == prefix_caching
+    assert (llm.engine.core.kv.prefix_hits > 0) == prefix_caching
 
 
 def test_a_repeated_block_aligned_prompt_recomputes_only_its_last_block(model_case, make_llm):
@@ -153,7 +153,7 @@ def test_windowed_models_match_on_the_batched_paths(case, cpu_kernels, request, 
     llm = make_llm(model_case.loaded, batch_invariant="off", cpu_kernels=cpu_kernels, max_num_batched_tokens=24)
     prompts = model_case.prompts + model_case.shared_prompts[:4]
     assert_greedy(model_case, prompts, tokens_of(llm.generate(prompts, GREEDY)))
-    assert llm.engine.kv.prefix_hits > 0
+    assert llm.engine.core.kv.prefix_hits > 0
 
 
 @pytest.mark.parametrize("cpu_kernels", [True, False], ids=["decode-kernel", "torch-only"])
@@ -165,15 +165,15 @@ def test_a_sliding_window_model_runs_a_context_longer_than_its_pool(cpu_kernels,
     case = tiny_mistral_window
     llm = make_llm(case.loaded, num_kv_blocks=6, max_model_len=256, max_num_batched_tokens=24, cpu_kernels=cpu_kernels,
                    kv_cache_memory=None)  # fmt: skip
-    assert llm.engine.max_model_len == 256 and llm.engine.load().kv_blocks_total == 5
+    assert llm.engine.core.max_model_len == 256 and llm.engine.core.load().kv_blocks_total == 5
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 500, (110,), generator=g).tolist() for _ in range(2)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(case.hf, prompt, 40)[0]
-    assert llm.engine.kv.window_released >= 2 * (150 - 20 - 24) // 16  # most of each sequence released
-    assert llm.engine.scheduler.num_preemptions > 0  # two at once do not fit: one was preempted, and resumed
+    assert llm.engine.core.kv.window_released >= 2 * (150 - 20 - 24) // 16  # most of each sequence released
+    assert llm.engine.core.scheduler.num_preemptions > 0  # two at once do not fit: one was preempted, and resumed
 
 
 def test_a_pool_too_small_even_for_the_window_is_refused(tiny_mistral_window, make_llm):

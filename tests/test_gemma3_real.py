@@ -92,10 +92,10 @@ def test_the_file_runs_as_shipped_under_gguf_quantization(gemma, gemma3_gguf, re
     outs = llm.generate(prompts, SamplingParams(max_tokens=STEPS, temperature=0.0, ignore_eos=True))
     for prompt, out in zip(prompts, outs, strict=True):
         assert_near_reference(reference, prompt, out.outputs[0].token_ids, max_move=0.6)
-    model = llm.engine.model
+    model = llm.engine.core.model
     assert model.embed.numel() == 0 and model.layers[0].gate_up.numel() == 0  # no float copies kept
     # 293 MB of blocks against 1,072 MB in float32 (the q8 embedding, 168M of the 268M weights, is most)
-    assert llm.engine.load().weight_bytes < gemma_float_bytes(gemma) / 3
+    assert llm.engine.core.load().weight_bytes < gemma_float_bytes(gemma) / 3
 
 
 def gemma_float_bytes(loaded) -> int:

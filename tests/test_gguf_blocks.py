@@ -140,11 +140,11 @@ def test_an_engine_on_the_blocks_generates_what_the_dequantized_file_generates(
     for prompt, out in zip(prompts, blocks.generate(prompts, params), strict=True):
         # The same weights; x's int8 rounding in decode-sized products is the difference.
         assert_near_reference(reference, prompt, out.outputs[0].token_ids, MAX_LOGIT_MOVE[kind])
-    model = blocks.engine.model
+    model = blocks.engine.core.model
     assert model.embed.numel() == 0 and model.layers[0].gate_up.numel() == 0  # no float copies kept
-    assert blocks.engine.kv_io.format.fingerprint.endswith("+gguf")
+    assert blocks.engine.core.kv_io.format.fingerprint.endswith("+gguf")
     # /load's memory ledger: the blocks (4.5-8.5 bits a weight) against float32's 32 bits.
-    assert blocks.engine.load().weight_bytes < dense.engine.load().weight_bytes / 3
+    assert blocks.engine.core.load().weight_bytes < dense.engine.core.load().weight_bytes / 3
 
 
 def test_gguf_mode_needs_a_gguf_file_of_kept_block_types(tiny_llama, tmp_path):

@@ -36,9 +36,9 @@ def prefill(llm, rid: str = "p1", prompt=PROMPT):
 
 
 def hand_over(a, b, rid: str = "p1") -> int:
-    n = a.engine.handoffs.size(rid)
-    hashes, payloads = a.engine.handoffs.export(rid, 0, n)
-    return b.engine.import_prefix(hashes, payloads)
+    n = a.engine.core.handoffs.size(rid)
+    hashes, payloads = a.engine.core.handoffs.export(rid, 0, n)
+    return b.engine.core.import_prefix(hashes, payloads)
 
 
 def test_decode_continues_a_prefill_done_elsewhere_with_the_same_tokens(tiny_llama, make_llm):
@@ -47,26 +47,26 @@ def test_decode_continues_a_prefill_done_elsewhere_with_the_same_tokens(tiny_lla
 
     first = prefill(a)
     assert first == want[0]
-    assert a.engine.handoffs.size("p1") == len(PROMPT) // 16 == a.engine.load().kv_pinned_blocks
+    assert a.engine.core.handoffs.size("p1") == len(PROMPT) // 16 == a.engine.core.load().kv_pinned_blocks
     assert hand_over(a, b) == 9
     b.engine.add_request("d1", prompt_token_ids=PROMPT, params=GREEDY, first_token=first)
     out = run(b.engine)["d1"]
     assert out.outputs[0].token_ids == want
     assert out.num_cached_tokens == 9 * 16  # only the tail and the first token ran here
-    assert a.engine.handoffs.release("p1") and not a.engine.handoffs.release("p1")
-    assert a.engine.load().kv_pinned_blocks == 0
+    assert a.engine.core.handoffs.release("p1") and not a.engine.core.handoffs.release("p1")
+    assert a.engine.core.load().kv_pinned_blocks == 0
 
 
 def test_pinned_blocks_survive_pool_pressure_until_the_lease_ends(tiny_llama, make_llm):
     a = make_llm(tiny_llama.loaded, num_kv_blocks=32)
     prefill(a)
-    pinned = a.engine.handoffs.export("p1", 0, 9)
-    assert a.engine.pool.num_free == 32 - 9
+    pinned = a.engine.core.handoffs.export("p1", 0, 9)
+    assert a.engine.core.pool.num_free == 32 - 9
     other = [(i * 13) % 500 + 3 for i in range(360)]  # 23 blocks: unpinned, one of p1's would be evicted
     a.generate([other], SamplingParams(max_tokens=2, temperature=0.0))
-    assert a.engine.handoffs.export("p1", 0, 9) == pinned  # not evicted, not overwritten
-    assert a.engine.handoffs.expire(now=1e12) == 1 and a.engine.handoffs.size("p1") is None
-    assert a.engine.handoffs.expired == 1 and a.engine.load().kv_pinned_blocks == 0
+    assert a.engine.core.handoffs.export("p1", 0, 9) == pinned  # not evicted, not overwritten
+    assert a.engine.core.handoffs.expire(now=1e12) == 1 and a.engine.core.handoffs.size("p1") is None
+    assert a.engine.core.handoffs.expired == 1 and a.engine.core.load().kv_pinned_blocks == 0
 
 
 def test_an_aborted_prefill_pins_nothing(tiny_llama, make_llm):
@@ -74,7 +74,7 @@ def test_an_aborted_prefill_pins_nothing(tiny_llama, make_llm):
     a.engine.add_request("p1", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=1), hand_off="p1")
     a.engine.abort("p1")
     run(a.engine)
-    assert a.engine.handoffs.num_leases == 0
+    assert a.engine.core.handoffs.num_leases == 0
 
 
 def test_a_request_id_sent_again_gets_a_lease_of_its_own(tiny_llama, make_llm):
@@ -89,10 +89,10 @@ def test_a_request_id_sent_again_gets_a_lease_of_its_own(tiny_llama, make_llm):
         a.engine.add_request("p1", prompt_token_ids=PROMPT, params=greedy_one, hand_off=first)
     a.engine.add_request("p1", prompt_token_ids=PROMPT[:40], params=greedy_one, hand_off=second)
     run(a.engine)
-    assert (a.engine.handoffs.size(first), a.engine.handoffs.size(second)) == (9, 2)
-    assert a.engine.handoffs.size("p1") is None  # the bare request id names no lease
-    assert a.engine.handoffs.release(first) and a.engine.handoffs.size(second) == 2
-    assert a.engine.handoffs.release(second) and a.engine.load().kv_pinned_blocks == 0
+    assert (a.engine.core.handoffs.size(first), a.engine.core.handoffs.size(second)) == (9, 2)
+    assert a.engine.core.handoffs.size("p1") is None  # the bare request id names no lease
+    assert a.engine.core.handoffs.release(first) and a.engine.core.handoffs.size(second) == 2
+    assert a.engine.core.handoffs.release(second) and a.engine.core.load().kv_pinned_blocks == 0
 
 
 def test_a_first_token_that_ends_the_request_finishes_it_without_a_step(tiny_llama, make_llm):
@@ -102,7 +102,7 @@ def test_a_first_token_that_ends_the_request_finishes_it_without_a_step(tiny_lla
     assert out.outputs[0].token_ids == [7] and out.outputs[0].finish_reason == "length"
     b.engine.add_request("d2", prompt_token_ids=PROMPT, params=SamplingParams(max_tokens=5), first_token=2)  # EOS
     assert run(b.engine)["d2"].outputs[0].finish_reason == "stop"
-    assert b.engine.stats.steps == 0
+    assert b.engine.core.stats.steps == 0
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ def prompt(seed: int, n: int = 100) -> list[int]:
 
 
 def client_for(llm, url: str, policy: str) -> KVStoreClient:
-    client = KVStoreClient(RedisBlockStore.from_url(url), llm.engine, policy, CounterBoard())
+    client = KVStoreClient(RedisBlockStore.from_url(url), llm.engine.core, policy, CounterBoard())
     client.install()
     return client
 
@@ -45,7 +45,7 @@ def test_evicted_blocks_are_written_back_and_pulled_again(tiny_llama, make_llm, 
     llm = make_llm(tiny_llama.loaded, num_kv_blocks=12, max_model_len=192)
     first = prompt(1)
     want = make_llm(tiny_llama.loaded).generate([first], GREEDY)[0].outputs[0].token_ids
-    hashes = block_hashes(first[:-1], 16, llm.engine.model_name)
+    hashes = block_hashes(first[:-1], 16, llm.engine.core.model_name)
 
     async def main():
         client = client_for(llm, redis_server.url, "evict")
@@ -58,11 +58,11 @@ def test_evicted_blocks_are_written_back_and_pulled_again(tiny_llama, make_llm, 
         assert pushed >= 1
 
         client = client_for(llm, redis_server.url, "off")
-        local = sum(h in llm.engine.pool.cached for h in hashes)
+        local = sum(h in llm.engine.core.pool.cached for h in hashes)
         assert local == len(hashes) - pushed
         ext = await client.pull(first, None)  # the head is cached here; the tail comes back from the store
         assert ext is not None and ext.hashes == hashes[local:] and ext.prefix == hashes[:local]
-        assert llm.engine.import_prefix(ext.hashes, ext.payloads, ext.prefix) == pushed
+        assert llm.engine.core.import_prefix(ext.hashes, ext.payloads, ext.prefix) == pushed
         out = llm.generate([first], GREEDY)[0]
         assert out.num_cached_tokens == 16 * len(hashes)
         assert out.outputs[0].token_ids == want
@@ -100,7 +100,7 @@ def test_hot_pushes_a_prefix_when_it_is_reused(tiny_llama, make_llm, redis_serve
         llm.generate([[*system, 5, 6, 7]], GREEDY)
         assert not client._queue  # seen once: not hot yet
         llm.generate([[*system, 8, 9]], GREEDY)
-        hashes = block_hashes(system, 16, llm.engine.model_name)
+        hashes = block_hashes(system, 16, llm.engine.core.model_name)
         assert [h for h, _ in client._queue] == hashes  # reused: the whole prefix, in chain order
         await flush(client)
         reader = client_for(make_llm(tiny_llama.loaded), redis_server.url, "off")
@@ -119,10 +119,11 @@ def test_pull_asks_the_engine_thread_what_is_cached(tiny_llama, make_llm, redis_
 
     async def ask(fn):
         asked.append(fn)
-        return fn(llm.engine)
+        return fn(llm.engine.core)
 
     async def main():
-        client = KVStoreClient(RedisBlockStore.from_url(redis_server.url), llm.engine, "off", CounterBoard(), ask=ask)
+        store = RedisBlockStore.from_url(redis_server.url)
+        client = KVStoreClient(store, llm.engine.core, "off", CounterBoard(), ask=ask)
         assert await client.pull(prompt(5), None) is None  # nothing in the store
         assert len(asked) == 1  # the pool was read through `ask`, not from this coroutine
         await client.stop()

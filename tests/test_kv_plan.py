@@ -42,7 +42,7 @@ def recording_saver(engine, log: list):
     """A runner save sink that copies each block's KV the moment it is handed over."""
 
     def save(saves):
-        payloads = engine.kv_io.export([block_id for block_id, _ in saves])
+        payloads = engine.core.kv_io.export([block_id for block_id, _ in saves])
         log.extend((h, payload) for (_, h), payload in zip(saves, payloads, strict=True))
 
     return save
@@ -54,11 +54,12 @@ def test_an_evicted_block_is_copied_out_before_the_forward_overwrites_it(tiny_ll
     engine = llm.engine
     first = prompt(1)
     llm.generate([first], GREEDY)
-    hashes = block_hashes(first[:-1], 16, engine.model_name)
-    intact = dict(zip(hashes, engine.kv_io.export([engine.pool.cached[h].block_id for h in hashes]), strict=True))
+    hashes = block_hashes(first[:-1], 16, engine.core.model_name)
+    cached = [engine.core.pool.cached[h].block_id for h in hashes]
+    intact = dict(zip(hashes, engine.core.kv_io.export(cached), strict=True))
     saved: list = []
-    engine.pool.save_on = frozenset({"evict"})
-    engine.runner.save = recording_saver(engine, saved)
+    engine.core.pool.save_on = frozenset({"evict"})
+    engine.core.runner.save = recording_saver(engine, saved)
     llm.generate([prompt(2)], GREEDY)
     assert saved and all(h in intact for h, _ in saved)
     assert all(payload == intact[h] for h, payload in saved)  # the first prompt's KV, not the second's
@@ -68,17 +69,17 @@ def test_blocks_a_step_fills_are_copied_out_after_its_forward(tiny_llama, make_l
     llm = make_llm(tiny_llama.loaded)
     engine = llm.engine
     saved: list = []
-    engine.pool.save_on = frozenset({"fill"})
-    engine.runner.save = recording_saver(engine, saved)
+    engine.core.pool.save_on = frozenset({"fill"})
+    engine.core.runner.save = recording_saver(engine, saved)
     text = prompt(3, 70)
     llm.generate([text], GREEDY)
-    hashes = block_hashes(text[:64], 16, engine.model_name)
+    hashes = block_hashes(text[:64], 16, engine.core.model_name)
     assert [h for h, _ in saved] == hashes
     # What was saved is what the forward wrote: a fresh engine importing it skips the prefill
     # and generates the same tokens.
     other = make_llm(tiny_llama.loaded)
     want = make_llm(tiny_llama.loaded).generate([text], GREEDY)[0].outputs[0].token_ids
-    assert other.engine.import_prefix(hashes, [p for _, p in saved]) == 4
+    assert other.engine.core.import_prefix(hashes, [p for _, p in saved]) == 4
     out = other.generate([text], GREEDY)[0]
     assert out.num_cached_tokens == 64 and out.outputs[0].token_ids == want
 
@@ -87,18 +88,18 @@ def test_imports_ride_the_next_plan_and_are_held_until_written(tiny_llama, make_
     a, b = make_llm(tiny_llama.loaded), make_llm(tiny_llama.loaded)
     text = prompt(4, 40)
     a.generate([text], GREEDY)
-    hashes = block_hashes(text[:32], 16, a.engine.model_name)
-    payloads = a.engine.kv_io.export([a.engine.pool.cached[h].block_id for h in hashes])
-    kv = b.engine.kv
-    assert b.engine.import_prefix(hashes, payloads) == 2
-    assert kv.cached_run(hashes) == 2 and b.engine.pool.num_free == b.engine.pool.num_blocks - 2  # held
+    hashes = block_hashes(text[:32], 16, a.engine.core.model_name)
+    payloads = a.engine.core.kv_io.export([a.engine.core.pool.cached[h].block_id for h in hashes])
+    kv = b.engine.core.kv
+    assert b.engine.core.import_prefix(hashes, payloads) == 2
+    assert kv.cached_run(hashes) == 2 and b.engine.core.pool.num_free == b.engine.core.pool.num_blocks - 2  # held
     kv.check_integrity()
     assert b.engine.has_unfinished()  # no request, but the held blocks need a step to be written
-    plan = b.engine.scheduler.schedule()
+    plan = b.engine.core.scheduler.schedule()
     assert [load.payload for load in plan.loads] == payloads and plan.is_empty and plan.moves_kv
-    b.engine.runner.execute(plan)
+    b.engine.core.runner.execute(plan)
     kv.loaded()
-    assert b.engine.pool.num_free == b.engine.pool.num_blocks  # released, still cached
+    assert b.engine.core.pool.num_free == b.engine.core.pool.num_blocks  # released, still cached
     assert kv.cached_run(hashes) == 2 and not b.engine.has_unfinished()
     kv.check_integrity()
 
@@ -107,30 +108,31 @@ def test_an_import_whose_request_is_refused_is_still_written_and_released(tiny_l
     a, b = make_llm(tiny_llama.loaded), make_llm(tiny_llama.loaded)
     text = prompt(7, 40)
     a.generate([text], GREEDY)
-    hashes = block_hashes(text[:32], 16, a.engine.model_name)
-    b.engine.import_prefix(hashes, a.engine.kv_io.export([a.engine.pool.cached[h].block_id for h in hashes]))
+    hashes = block_hashes(text[:32], 16, a.engine.core.model_name)
+    blocks = [a.engine.core.pool.cached[h].block_id for h in hashes]
+    b.engine.core.import_prefix(hashes, a.engine.core.kv_io.export(blocks))
     with pytest.raises(ValueError):
         b.engine.add_request("bad", prompt_token_ids=[10**9])  # the engine loop imports, then adds
     while b.engine.has_unfinished():
         b.engine.step()
-    assert b.engine.pool.num_free == b.engine.pool.num_blocks and b.engine.kv.cached_run(hashes) == 2
+    assert b.engine.core.pool.num_free == b.engine.core.pool.num_blocks and b.engine.core.kv.cached_run(hashes) == 2
 
 
 def test_a_failed_load_forgets_the_imported_hashes_and_fails_only_its_step(tiny_llama, make_llm, monkeypatch):
     a, b = make_llm(tiny_llama.loaded), make_llm(tiny_llama.loaded)
     text = prompt(5, 40)
     a.generate([text], GREEDY)
-    hashes = block_hashes(text[:32], 16, a.engine.model_name)
-    payloads = a.engine.kv_io.export([a.engine.pool.cached[h].block_id for h in hashes])
-    b.engine.import_prefix(hashes, payloads)
+    hashes = block_hashes(text[:32], 16, a.engine.core.model_name)
+    payloads = a.engine.core.kv_io.export([a.engine.core.pool.cached[h].block_id for h in hashes])
+    b.engine.core.import_prefix(hashes, payloads)
 
     def broken(block_ids, data):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(b.engine.kv_io, "load", broken)
+    monkeypatch.setattr(b.engine.core.kv_io, "load", broken)
     out = b.generate([text], GREEDY)[0]
     assert out.outputs[0].finish_reason == FinishReason.ERROR.value
-    assert b.engine.kv.cached_run(hashes) == 0  # nobody may hit KV that was never written
+    assert b.engine.core.kv.cached_run(hashes) == 0  # nobody may hit KV that was never written
     monkeypatch.undo()
     again = b.generate([text], GREEDY)[0]  # the engine goes on, computing the prefill itself
     want = a.generate([text], GREEDY)[0].outputs[0].token_ids
@@ -139,24 +141,24 @@ def test_a_failed_load_forgets_the_imported_hashes_and_fails_only_its_step(tiny_
 
 def test_bad_imports_are_refused_whole(tiny_llama, make_llm):
     llm = make_llm(tiny_llama.loaded)
-    size = llm.engine.kv_io.format.block_bytes
+    size = llm.engine.core.kv_io.format.block_bytes
     with pytest.raises(ValueError, match="2 hashes but 1 payloads"):
-        llm.engine.import_prefix(H[:2], [b"x" * size])
+        llm.engine.core.import_prefix(H[:2], [b"x" * size])
     with pytest.raises(ValueError, match=f"expected {size}"):
-        llm.engine.import_prefix(H[:2], [b"x" * size, b"short"])
-    assert llm.engine.pool.num_cached == 0
-    llm.engine.check_integrity()
+        llm.engine.core.import_prefix(H[:2], [b"x" * size, b"short"])
+    assert llm.engine.core.pool.num_cached == 0
+    llm.engine.core.check_integrity()
 
 
 def test_no_kv_moves_without_a_store(tiny_llama, make_llm):
     llm = make_llm(tiny_llama.loaded)
     plans = []
-    execute = llm.engine.runner.execute
+    execute = llm.engine.core.runner.execute
 
     def spy(plan):
         plans.append(plan)
         return execute(plan)
 
-    llm.engine.runner.execute = spy
+    llm.engine.core.runner.execute = spy
     llm.generate([prompt(6)], GREEDY)
     assert plans and not any(p.moves_kv for p in plans)

@@ -75,13 +75,13 @@ def test_int8_greedy_tokens_match_the_float_cache_up_to_the_first_near_tie(tiny_
             # over these prompts; logits' std 2.0), so a swap needs a gap under 2 x 0.6.
             top2 = logits[first].topk(2).values
             assert float(top2[0] - top2[1]) < 1.2, (prompt, first)
-    assert quantized.engine.kv_io.format.dtype == "int8"
+    assert quantized.engine.core.kv_io.format.dtype == "int8"
 
 
 def test_capacity_is_counted_in_the_8_bit_bytes(tiny_llama, make_llm):
     budget = {"kv_cache_memory": "8MiB", "max_model_len": 256}
-    f32 = make_llm(tiny_llama.loaded, **budget).engine.capacity
-    int8 = make_llm(tiny_llama.loaded, kv_cache_dtype="int8", **budget).engine.capacity
+    f32 = make_llm(tiny_llama.loaded, **budget).engine.core.capacity
+    int8 = make_llm(tiny_llama.loaded, kv_cache_dtype="int8", **budget).engine.core.capacity
     a = tiny_llama.loaded.arch
     assert int8.bytes_per_token == 2 * a.num_layers * a.num_kv_heads * (a.head_dim + 2)
     assert f32.bytes_per_token == 2 * a.num_layers * a.num_kv_heads * a.head_dim * 4
@@ -108,11 +108,11 @@ def test_the_prefix_cache_hits_on_int8_blocks(tiny_llama, make_llm):
 def test_blocks_of_another_kv_dtype_are_refused(tiny_llama, make_llm):
     int8_engine = make_llm(tiny_llama.loaded, kv_cache_dtype="int8").engine
     plain_engine = make_llm(tiny_llama.loaded).engine
-    int8, plain = int8_engine.kv_io.format, plain_engine.kv_io.format
+    int8, plain = int8_engine.core.kv_io.format, plain_engine.core.kv_io.format
     assert int8.dtype == "int8" and plain.dtype == "float32" and int8.layout != plain.layout
     # /load says it, so the gateway asks for pulls and hand-offs only between engines of one format
-    assert int8_engine.load().kv_format == int8.tag != plain.tag == plain_engine.load().kv_format
-    assert make_llm(tiny_llama.loaded).engine.load().kv_format == plain.tag  # the same set-up: the same format
+    assert int8_engine.core.load().kv_format == int8.tag != plain.tag == plain_engine.core.load().kv_format
+    assert make_llm(tiny_llama.loaded).engine.core.load().kv_format == plain.tag  # the same set-up: the same format
     assert int8.key(b"\x01" * 16) != plain.key(b"\x01" * 16)  # the store keeps them apart
     blob = encode_block(int8, b"\x01" * 16, bytes(int8.block_bytes))
     with pytest.raises(BlockRefused, match=r"written for layout=.*R\+bf16scale"):
@@ -131,7 +131,7 @@ def test_a_store_hands_int8_blocks_only_to_int8_engines(tiny_llama, make_llm, re
     prompt = tiny_llama.prompts[6]  # 70 tokens: 4 full blocks
 
     def client(llm, policy: str) -> KVStoreClient:
-        c = KVStoreClient(RedisBlockStore.from_url(redis_server.url), llm.engine, policy, CounterBoard())
+        c = KVStoreClient(RedisBlockStore.from_url(redis_server.url), llm.engine.core, policy, CounterBoard())
         c.install()
         return c
 
@@ -146,14 +146,14 @@ def test_a_store_hands_int8_blocks_only_to_int8_engines(tiny_llama, make_llm, re
                 break
         await writer.stop()
         task.cancel()
-        hashes = block_hashes(prompt[:-1], 16, writer_llm.engine.model_name)
+        hashes = block_hashes(prompt[:-1], 16, writer_llm.engine.core.model_name)
         float_llm = make_llm(tiny_llama.loaded)
         assert await client(float_llm, "off").pull(prompt, None) is None  # other dtype: a miss, recomputed
         reader_llm = make_llm(tiny_llama.loaded, kv_cache_dtype="int8")
         reader = client(reader_llm, "off")
         ext = await reader.pull(prompt, None)
         assert ext is not None and ext.hashes == hashes
-        assert reader_llm.engine.import_prefix(ext.hashes, ext.payloads, ext.prefix) == len(hashes)
+        assert reader_llm.engine.core.import_prefix(ext.hashes, ext.payloads, ext.prefix) == len(hashes)
         out = reader_llm.generate([prompt], GREEDY)[0]
         assert out.num_cached_tokens == 16 * len(hashes) and out.outputs[0].token_ids == want
         assert float_llm.generate([prompt], GREEDY)[0].num_cached_tokens == 0

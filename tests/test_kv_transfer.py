@@ -15,7 +15,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 def prompt_hashes(llm, prompt: list[int]) -> list[bytes]:
     engine = llm.engine
-    return block_hashes(prompt, engine.pool.block_size, engine.model_name)
+    return block_hashes(prompt, engine.core.pool.block_size, engine.core.model_name)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -28,15 +28,15 @@ def test_imported_blocks_skip_prefill_and_change_nothing(tiny_llama, make_llm, d
 
     a.generate([prompt], GREEDY)
     hashes = prompt_hashes(a, prompt)
-    blocks = [a.engine.pool.cached[h].block_id for h in hashes]
-    payloads = a.engine.kv_io.export(blocks)
-    assert len(payloads) == len(hashes) == 200 // a.engine.pool.block_size
+    blocks = [a.engine.core.pool.cached[h].block_id for h in hashes]
+    payloads = a.engine.core.kv_io.export(blocks)
+    assert len(payloads) == len(hashes) == 200 // a.engine.core.pool.block_size
 
-    assert b.engine.import_prefix(hashes, payloads) == len(hashes)
-    assert b.engine.import_prefix(hashes, payloads) == 0  # already cached
-    b.engine.check_integrity()
+    assert b.engine.core.import_prefix(hashes, payloads) == len(hashes)
+    assert b.engine.core.import_prefix(hashes, payloads) == 0  # already cached
+    b.engine.core.check_integrity()
     out = b.generate([prompt], GREEDY)[0]
-    assert out.num_cached_tokens == len(hashes) * b.engine.pool.block_size  # prefill skipped
+    assert out.num_cached_tokens == len(hashes) * b.engine.core.pool.block_size  # prefill skipped
     assert out.outputs[0].token_ids == want
 
 
@@ -47,13 +47,13 @@ def test_import_of_a_chain_tail_links_to_local_blocks(tiny_llama, make_llm):
     a.generate([prompt], GREEDY)
     b.generate([prompt[:64]], GREEDY)  # b holds the first blocks itself
     hashes = prompt_hashes(a, prompt)
-    local = sum(h in b.engine.pool.cached for h in hashes)
+    local = sum(h in b.engine.core.pool.cached for h in hashes)
     assert 0 < local < len(hashes)
     tail = hashes[local:]
-    payloads = a.engine.kv_io.export([a.engine.pool.cached[h].block_id for h in tail])
-    assert b.engine.import_prefix(tail, payloads, hashes[:local]) == len(tail)
+    payloads = a.engine.core.kv_io.export([a.engine.core.pool.cached[h].block_id for h in tail])
+    assert b.engine.core.import_prefix(tail, payloads, hashes[:local]) == len(tail)
     out = b.generate([prompt], GREEDY)[0]
-    assert out.num_cached_tokens == len(hashes) * b.engine.pool.block_size
+    assert out.num_cached_tokens == len(hashes) * b.engine.core.pool.block_size
 
 
 def test_export_load_roundtrip_and_bad_payloads():

@@ -95,21 +95,21 @@ def test_chunked_prefill_and_preemption_match(lora_llm, tiny_llama, adapters):
     llm = lora_llm(max_num_batched_tokens=32, num_kv_blocks=9, kv_cache_memory=None, max_model_len=144)
     names = ["all16", "attn4", None, "mlp8"] * 2
     ours, _ = run(llm, tiny_llama.prompts, names)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     for prompt, name, tokens in zip(tiny_llama.prompts, names, ours, strict=True):
         assert tokens == reference_tokens(adapters, tiny_llama, name, prompt, tokens), name
 
 
 def test_adapters_beyond_max_loras_swap_in_lru_order(lora_llm, tiny_llama, adapters):
     llm = lora_llm(max_loras=1)
-    manager = llm.engine.loras
+    manager = llm.engine.core.loras
     names = ["attn4", "mlp8", "all16", "attn4"]
     ours, _ = run(llm, tiny_llama.prompts[:4], names)
     for prompt, name, tokens in zip(tiny_llama.prompts[:4], names, ours, strict=True):
         assert tokens == reference_tokens(adapters, tiny_llama, name, prompt, tokens), name
     assert manager.swaps >= 3 and len(manager.active) == 1
     llm2 = lora_llm(max_loras=2)
-    m2 = llm2.engine.loras
+    m2 = llm2.engine.core.loras
     for name in ("attn4", "mlp8", "attn4", "all16"):  # mlp8 is the least recently used when all16 comes
         run(llm2, [tiny_llama.prompts[0]], [name])
     assert set(m2.active) == {"attn4", "all16"}
@@ -127,7 +127,7 @@ def test_unknown_adapters_and_lora_off_are_refused(lora_llm, make_llm, tiny_llam
 def test_load_unload_and_the_load_report(make_llm, tiny_llama, adapters):
     llm = make_llm(tiny_llama.loaded, enable_lora=True, max_loras=2, max_cpu_loras=2)
     folder = adapters["attn4"][0]
-    assert llm.engine.load().lora_adapters == {} and llm.engine.load().lora_slots == 2
+    assert llm.engine.core.load().lora_adapters == {} and llm.engine.core.load().lora_slots == 2
     llm.load_lora("a", folder)
     with pytest.raises(AdapterError, match="already loaded"):
         llm.load_lora("a", folder)
@@ -135,11 +135,11 @@ def test_load_unload_and_the_load_report(make_llm, tiny_llama, adapters):
     with pytest.raises(AdapterError, match="max-cpu-loras"):
         llm.load_lora("c", adapters["all16"][0])
     run(llm, [tiny_llama.prompts[0]], ["a"])
-    report = llm.engine.load()
+    report = llm.engine.core.load()
     assert report.lora_active == ("a",) and set(report.lora_adapters) == {"a", "b"}
     assert report.lora_adapters["a"].startswith("a@") and report.lora_bytes > 0
     llm.unload_lora("a")
-    assert "a" not in llm.engine.load().lora_adapters and llm.engine.load().lora_active == ()
+    assert "a" not in llm.engine.core.load().lora_adapters and llm.engine.core.load().lora_active == ()
     with pytest.raises(UnknownAdapter):
         llm.unload_lora("a")
 
@@ -226,7 +226,7 @@ def test_a_request_waiting_for_a_slot_is_not_starved_by_the_resident_adapter(mak
         for out in engine.step():
             if out.outputs[0].token_ids:
                 first_token_step.setdefault(out.request_id, step)
-    assert first_token_step["b"] < first_token_step["a1"] and engine.loras.swaps >= 2
+    assert first_token_step["b"] < first_token_step["a1"] and engine.core.loras.swaps >= 2
 
 
 def test_only_the_slot_that_frees_first_is_held_for_a_waiting_request(make_llm, tiny_llama, adapters):

@@ -104,4 +104,4 @@ def test_the_engine_resolves_auto_for_its_own_weights(monkeypatch, tiny_llama, q
     zen4 = parse_cpuinfo(fake_cpuinfo("zen4"), "x86_64", cores=2)
     monkeypatch.setattr(machine, "cpu_info", lambda: zen4)
     llm = LLM(loaded_model=tiny_llama.loaded, quantization=quantization, num_kv_blocks=16)
-    assert llm.engine.dtype == EXPECTED["zen4"][quantization != "none"]
+    assert llm.engine.core.dtype == EXPECTED["zen4"][quantization != "none"]

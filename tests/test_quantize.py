@@ -175,8 +175,8 @@ def test_a_quantized_engine_generates_what_float32_generates_on_the_dequantized_
         # decode-sized products (engine/quantize.py).
         assert_near_reference(reference, prompt, out.outputs[0].token_ids, MAX_LOGIT_MOVE[mode])
     plain = make_llm(case.loaded)
-    assert quantized.engine.kv_io.format.fingerprint == plain.engine.kv_io.format.fingerprint + "+" + mode
-    model = quantized.engine.model
+    assert quantized.engine.core.kv_io.format.fingerprint == plain.engine.core.kv_io.format.fingerprint + "+" + mode
+    model = quantized.engine.core.model
     assert model.layers[0].qkv.numel() == 0 and model.layers[0].fast["qkv"].weight.data.dtype == dtype  # no float copy
     assert model.lm_head.numel() == 0 and model.head_blocks.fmt == "q8"
 
@@ -191,11 +191,11 @@ def test_without_the_kernels_torch_dequantizes_the_same_weights(mode, tiny_llama
     reference = make_llm(dequantized_copy(tiny_llama.loaded, mode), cpu_kernels=False)
     got = [o.outputs[0].token_ids for o in quantized.generate(prompts, GREEDY)]
     assert got == [o.outputs[0].token_ids for o in reference.generate(prompts, GREEDY)]
-    assert quantized.engine.model.layers[0].fast["gate_up"].gemm is None
+    assert quantized.engine.core.model.layers[0].fast["gate_up"].gemm is None
     bf16 = make_llm(tiny_llama.loaded, quantization=mode, dtype="bfloat16")
     plain = make_llm(tiny_llama.loaded, dtype="bfloat16")
-    assert bf16.engine.model.layers[0].down.numel() == 0
-    assert bf16.engine.load().weight_bytes < plain.engine.load().weight_bytes
+    assert bf16.engine.core.model.layers[0].down.numel() == 0
+    assert bf16.engine.core.load().weight_bytes < plain.engine.core.load().weight_bytes
     assert len(bf16.generate(prompts, GREEDY)[1].outputs[0].token_ids) == GREEDY.max_tokens
 
 

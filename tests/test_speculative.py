@@ -132,9 +132,9 @@ def test_greedy_tokens_are_identical_with_speculation_on_and_off(make_llm, tiny_
     llm, on = generate(make_llm, tiny_llama.loaded, prompts, params, speculative_method="ngram",
                        speculative_k=k, ngram_n=1, **small)  # fmt: skip
     assert on == off
-    stats = llm.engine.stats
+    stats = llm.engine.core.stats
     assert stats.spec_verifications > 0 and stats.spec_accepted < stats.spec_proposed
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 class OracleProposer:
@@ -165,14 +165,14 @@ def test_long_accepted_runs_and_rejections_keep_greedy_tokens(make_llm, tiny_lla
     small = {"num_kv_blocks": 32, "block_size": 16, "max_num_batched_tokens": 96}
     _, off = generate(make_llm, tiny_llama.loaded, prompts, params, **small)
     llm = make_llm(tiny_llama.loaded, speculative_method="ngram", speculative_k=k, **small)
-    llm.engine.proposer = OracleProposer({tuple(p): o for p, o in zip(prompts, off, strict=True)})
-    llm.engine.adaptive_k = AdaptiveK(k, off_below=0.0)
+    llm.engine.core.proposer = OracleProposer({tuple(p): o for p, o in zip(prompts, off, strict=True)})
+    llm.engine.core.adaptive_k = AdaptiveK(k, off_below=0.0)
     on = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert on == off
-    stats = llm.engine.stats
+    stats = llm.engine.core.stats
     assert stats.spec_accepted > stats.spec_verifications  # more than one accepted per step on average
     assert stats.spec_accepted < stats.spec_proposed
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
 
 
 @pytest.mark.slow  # over 10 s here
@@ -189,7 +189,7 @@ def test_greedy_smollm2_is_identical_with_speculation(make_llm, smollm):
     base, off = generate(make_llm, smollm, prompts, params)
     llm, on = generate(make_llm, smollm, prompts, params, speculative_method="ngram", speculative_k=3)
     assert on == off
-    assert llm.engine.stats.spec_accepted > 0
+    assert llm.engine.core.stats.spec_accepted > 0
     # A stop string inside a run of accepted tokens ends the answer where one at a time would.
     stop = SamplingParams(max_tokens=24, temperature=0.0, stop=["annual"])
     plain = base.generate(prompts[:1], stop)[0].outputs[0]
@@ -248,10 +248,10 @@ def test_sampled_tokens_keep_their_distribution(make_llm, tiny_llama):
     _, off = generate(make_llm, tiny_llama.loaded, prompts, params(0))
     modes = [Counter(t[i] for t in off).most_common(1)[0][0] for i in range(3)]
     llm = make_llm(tiny_llama.loaded, speculative_method="ngram", speculative_k=2)
-    llm.engine.proposer = ModeProposer(modes)
-    llm.engine.adaptive_k = AdaptiveK(2, off_below=0.0)
+    llm.engine.core.proposer = ModeProposer(modes)
+    llm.engine.core.adaptive_k = AdaptiveK(2, off_below=0.0)
     on = [o.outputs[0].token_ids for o in llm.generate(prompts, params(1_000_000))]
-    stats = llm.engine.stats
+    stats = llm.engine.core.stats
     assert stats.spec_verifications > 500 and 0 < stats.spec_accepted < stats.spec_proposed
     for position in range(3):
         stat, dof = homogeneity_chi2(Counter(t[position] for t in off), Counter(t[position] for t in on))
@@ -270,23 +270,23 @@ def test_rejected_tokens_leave_no_blocks_and_no_hashes(make_llm, tiny_llama):
     _, reference = generate(make_llm, tiny_llama.loaded, prompts, greedy)
     llm = make_llm(tiny_llama.loaded, speculative_method="ngram", speculative_k=5, block_size=16)
     # Greedy guesses for sampled requests: off track after the first difference, so mostly rejected.
-    llm.engine.proposer = OracleProposer({tuple(p): o for p, o in zip(prompts, reference, strict=True)})
-    llm.engine.adaptive_k = AdaptiveK(5, off_below=0.0)
+    llm.engine.core.proposer = OracleProposer({tuple(p): o for p, o in zip(prompts, reference, strict=True)})
+    llm.engine.core.adaptive_k = AdaptiveK(5, off_below=0.0)
     outs = llm.generate(prompts, SamplingParams(max_tokens=40, temperature=1.0, seed=3, ignore_eos=True))
     engine = llm.engine
-    assert engine.stats.spec_proposed - engine.stats.spec_accepted > 50  # many rejections happened
-    engine.check_integrity()
+    assert engine.core.stats.spec_proposed - engine.core.stats.spec_accepted > 50  # many rejections happened
+    engine.core.check_integrity()
     real = set()
     for out in outs:
         tokens = out.prompt_token_ids + out.outputs[0].token_ids
-        real.update(block_hashes(tokens, 16, engine.model_name))
-    assert engine.pool.cached and set(engine.pool.cached) <= real  # every hash is of tokens that were kept
+        real.update(block_hashes(tokens, 16, engine.core.model_name))
+    assert engine.core.pool.cached and set(engine.core.pool.cached) <= real  # every hash is of tokens that were kept
 
 
 def test_a_request_can_opt_out(make_llm, tiny_llama):
     llm = make_llm(tiny_llama.loaded, speculative_method="ngram")
     llm.generate(repetitive_prompts(512, 2, seed=1), SamplingParams(max_tokens=16, temperature=0, speculative=False))
-    assert llm.engine.stats.spec_verifications == 0
+    assert llm.engine.core.stats.spec_verifications == 0
 
 
 def test_acceptance_rate_and_mean_accepted_length_are_reported(make_llm, tiny_llama):
@@ -294,10 +294,10 @@ def test_acceptance_rate_and_mean_accepted_length_are_reported(make_llm, tiny_ll
 
     llm = make_llm(tiny_llama.loaded, speculative_method="ngram", speculative_k=3, ngram_n=1)
     llm.generate(repetitive_prompts(512, 4, seed=2), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
-    stats = llm.engine.stats
+    stats = llm.engine.core.stats
     assert stats.spec_proposed > 0
-    assert llm.engine.load().spec_acceptance_rate == round(stats.spec_accepted / stats.spec_proposed, 4)
-    counters, load = llm.engine.counters(), llm.engine.load()  # what the engine loop sends after a step
+    assert llm.engine.core.load().spec_acceptance_rate == round(stats.spec_accepted / stats.spec_proposed, 4)
+    counters, load = llm.engine.core.counters(), llm.engine.core.load()  # what the engine loop sends after a step
     text = ServerMetrics(lambda: (load, counters), "m", "i").render().decode()
     rate = stats.spec_accepted / stats.spec_proposed
     assert f'kvharbor_spec_acceptance_rate{{instance="i",model="m"}} {rate}' in text
@@ -316,7 +316,7 @@ def test_a_draft_model_keeps_greedy_tokens_and_frees_its_cache(make_llm, tiny_ll
         llm, on = generate(make_llm, tiny_llama.loaded, prompts, params, num_kv_blocks=48, block_size=16,
                            speculative_method="draft", draft_model=str(draft.loaded.path), speculative_k=3)  # fmt: skip
         assert on == off, draft.name
-        stats, proposer = llm.engine.stats, llm.engine.proposer
+        stats, proposer = llm.engine.core.stats, llm.engine.core.proposer
         assert stats.spec_verifications > 0
         # The target as its own draft is always right; another model mostly is not.
         assert (stats.spec_accepted == stats.spec_proposed) == all_accepted, stats
@@ -337,7 +337,7 @@ def test_a_draft_model_keeps_the_sampled_distribution(make_llm, tiny_llama, tiny
     _, off = generate(make_llm, tiny_llama.loaded, [prompt] * 3000, params(0))
     llm, on = generate(make_llm, tiny_llama.loaded, [prompt] * 3000, params(1_000_000), speculative_method="draft",
                        draft_model=str(tiny_qwen2.loaded.path), speculative_k=2)  # fmt: skip
-    stats = llm.engine.stats
+    stats = llm.engine.core.stats
     assert stats.spec_verifications > 500 and 0 < stats.spec_accepted < stats.spec_proposed
     for position in range(3):
         stat, dof = homogeneity_chi2(Counter(t[position] for t in off), Counter(t[position] for t in on))
@@ -360,7 +360,7 @@ def test_a_draft_model_must_share_the_vocabulary(tmp_path, tiny_llama):
 
 def test_speculative_options_as_one_dict(make_llm, tiny_llama):
     llm = make_llm(tiny_llama.loaded, speculative={"method": "ngram", "k": 5, "ngram_n": 2})
-    spec = llm.engine.config.speculative
+    spec = llm.engine.core.config.speculative
     assert (spec.speculative_method, spec.speculative_k, spec.ngram_n) == ("ngram", 5, 2)
     with pytest.raises(ValueError, match="speculative must be a dict"):
         make_llm(tiny_llama.loaded, speculative={"method": "ngram", "depth": 2})

@@ -85,13 +85,13 @@ def test_a_request_whose_grammar_fails_ends_alone(tiny_llama, make_llm, dtype, w
     engine = make_llm(tiny_llama.loaded, dtype=dtype, batch_invariant="on").engine
 
     def sabotage(engine):
-        engine.scheduler.requests["bad"].guide = Exploding(where)
+        engine.core.scheduler.requests["bad"].guide = Exploding(where)
 
     got, bad = run_beside(engine, tiny_llama, SamplingParams(max_tokens=STEPS, n=2, temperature=0.7), sabotage)
     assert got == want
     assert bad.finished and {c.finish_reason for c in bad.outputs} == {"error"}
     assert bad.error.fault == "request" and "grammar exploded" in bad.error.message
-    assert engine.pool.num_free == engine.kv.num_usable_blocks
+    assert engine.core.pool.num_free == engine.core.kv.num_usable_blocks
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -100,7 +100,7 @@ def test_a_request_whose_forward_fails_is_found_and_ends_alone(tiny_llama, make_
     the step is run again chunk by chunk, the one that fails alone is charged, the rest stand."""
     want = alone(make_llm, tiny_llama, dtype)
     engine = make_llm(tiny_llama.loaded, dtype=dtype, batch_invariant="on").engine
-    real = engine.runner._forward
+    real = engine.core.runner._forward
     batches = []
 
     def forward(chunks):
@@ -109,12 +109,12 @@ def test_a_request_whose_forward_fails_is_found_and_ends_alone(tiny_llama, make_
             raise RuntimeError("kernel fault on this request's shape")
         return real(chunks)
 
-    monkeypatch.setattr(engine.runner, "_forward", forward)
+    monkeypatch.setattr(engine.core.runner, "_forward", forward)
     got, bad = run_beside(engine, tiny_llama, SamplingParams(max_tokens=STEPS, temperature=0.0))
     assert got == want
     assert bad.error.fault == "request" and "kernel fault" in bad.error.message
     assert batches[0] == 4 and batches[1:5] == [1, 1, 1, 1]  # the batch, then each chunk alone
-    assert engine.pool.num_cached > 0  # the bystanders' prompts stay cached; only its own blocks were dropped
+    assert engine.core.pool.num_cached > 0  # the bystanders' prompts stay cached; only its own blocks were dropped
 
 
 def test_a_step_that_fails_whatever_runs_is_the_engines_fault(tiny_llama, make_llm, monkeypatch):
@@ -123,14 +123,14 @@ def test_a_step_that_fails_whatever_runs_is_the_engines_fault(tiny_llama, make_l
     def forward(chunks):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "_forward", forward)
+    monkeypatch.setattr(engine.core.runner, "_forward", forward)
     got = {}
     for i, prompt in enumerate(tiny_llama.prompts[:3]):
         engine.add_request(f"r{i}", None, GREEDY, prompt_token_ids=prompt)
     while engine.has_unfinished():
         got.update({o.request_id: o for o in engine.step() if o.finished})
     assert {o.error.fault for o in got.values()} == {"engine"}
-    assert engine.pool.num_cached == 0  # nothing half-written stays findable
+    assert engine.core.pool.num_cached == 0  # nothing half-written stays findable
 
 
 def test_a_failing_proposer_costs_guesses_not_requests(tiny_llama, make_llm, monkeypatch):
@@ -140,6 +140,6 @@ def test_a_failing_proposer_costs_guesses_not_requests(tiny_llama, make_llm, mon
     def broken(*args, **kwargs):
         raise RuntimeError("proposer bug")
 
-    monkeypatch.setattr(engine.proposer, "propose", broken)
+    monkeypatch.setattr(engine.core.proposer, "propose", broken)
     (out,) = llm.generate([tiny_llama.prompts[0]], GREEDY)
     assert out.error is None and len(out.outputs[0].token_ids) == STEPS

@@ -133,13 +133,13 @@ def test_a_bad_spec_is_a_value_error_naming_the_problem_and_queues_nothing(llm, 
 
 def test_compiled_grammars_are_cached_by_spec(llm):
     seen = []
-    llm.engine.guides.on_compile = lambda seconds, hit: seen.append(hit)
+    llm.engine.core.guides.on_compile = lambda seconds, hit: seen.append(hit)
     try:
         spec = _json({"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]})
         for _ in range(2):
             llm.chat(ASK, SamplingParams(max_tokens=12, temperature=0, structured=spec))
     finally:
-        llm.engine.guides.on_compile = None
+        llm.engine.core.guides.on_compile = None
     assert seen == [False, True]
 
 
@@ -226,9 +226,9 @@ def test_chunked_prefill_and_preemption_keep_each_grammar_on_its_path(make_llm, 
             for who, k in (("a baker", 0), ("a pilot", 3), ("a doctor", 6), ("a farmer", 9))]  # fmt: skip
     params = SamplingParams(max_tokens=60, temperature=0, structured=_json(PERSON))
     alone = [llm.chat(m, params)[0].outputs[0].text for m in asks]
-    assert llm.engine.scheduler.num_preemptions == 0
+    assert llm.engine.core.scheduler.num_preemptions == 0
     outs = llm.chat(asks, params)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].text for o in outs] == alone
     for text in alone:
         jsonschema.validate(json.loads(text), PERSON)
@@ -241,7 +241,7 @@ def test_an_engine_that_speculates_leaves_guided_rows_to_plain_decoding(make_llm
         ((text, finish),) = _texts(llm, ASK, params)
     assert finish == "stop"
     jsonschema.validate(json.loads(text), PERSON)
-    assert llm.engine.stats.spec_proposed == 0  # no proposal for the only (guided) request
+    assert llm.engine.core.stats.spec_proposed == 0  # no proposal for the only (guided) request
     assert any("speculative decoding skips structured-output" in r.message for r in caplog.records)
 
 

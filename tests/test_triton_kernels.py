@@ -160,7 +160,7 @@ def _greedy(case, backend: str) -> list[tuple[list[int], list[float]]]:
     prompts = case.prompts[:2] + case.shared_prompts[:2]  # the shared ones reuse a cached prefix
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0, ignore_eos=True)
     outs = llm.generate(prompts, params)
-    assert llm.engine.attention_backend == backend
+    assert llm.engine.core.attention_backend == backend
     return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
 
 
