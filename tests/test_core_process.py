@@ -100,3 +100,25 @@ def test_an_engines_queue_is_bounded_with_a_429_naming_the_limit(tmp_path, tiny_
         assert error["code"] == "engine_queue_full" and "max_waiting_requests" in error["message"]
         assert [a.status_code for a in answers] == [200, 200]
         assert len(answers[0].json()["choices"]) == 2
+
+
+def test_a_core_that_says_ready_hands_its_first_load_report_with_it(tiny_chat_model, tmp_path):
+    """The API server knows what the core serves (its pool, its LoRA adapters) from the moment the
+    core says ready, not from its first periodic report 50 ms later: a request for an adapter the
+    engine serves was a 404 in that window (seen once in a fresh-clone `make test`)."""
+    from lora_adapters import write_random_adapter
+
+    from kvharbor.common.config import config_from_argv
+    from kvharbor.engine.config import ServeConfig
+    from kvharbor.engine.model.loader import load_model
+    from kvharbor.engine.serve.core_client import CoreClient
+
+    arch = load_model(str(tiny_chat_model)).arch
+    adapter = write_random_adapter(tmp_path / "a", arch, 4, seed=0)
+    argv = ["--model", str(tiny_chat_model), "--num-kv-blocks", "64", "--lora", f"a={adapter}"]
+    client = CoreClient(config_from_argv(ServeConfig, argv, "test", "test"))
+    try:
+        client.start_sync(timeout=120)
+        assert client.load.kv_blocks_total == 64 and list(client.load.lora_adapters) == ["a"]
+    finally:
+        client.kill()

@@ -146,6 +146,7 @@ class CoreClient:
         info = first[1]
         secret = bytes.fromhex(info["kv_transfer_secret"])
         pooling = Pooling(*info["pooling"]) if info.get("pooling") else None
+        self.load = LoadReport.from_json(info["load"])
         self.info = CoreInfo(info["model"], info["max_model_len"], info["vocab_size"], info["block_size"],
                              info["role"], info["kv_transfer_port"], secret, pooling, info["hidden_size"])  # fmt: skip
         return self.info

@@ -163,7 +163,10 @@ class CoreProcess:
                 "role": core.config.disagg.role, "kv_transfer_port": core.kv_transfer_port,
                 "kv_transfer_secret": self.handoff_secret.hex(),
                 "pooling": [core.pooling.mode, core.pooling.normalize] if core.pooling else None,
-                "hidden_size": core.arch.hidden_size}  # fmt: skip
+                "hidden_size": core.arch.hidden_size,
+                # the first load report rides along: an API server that says ready knows the
+                # adapters it serves before the first periodic report (a request for one is not a 404)
+                "load": self.loop.load.to_json()}  # fmt: skip
         self._send(["ready", info])
         if self.publisher is not None:
             self._spawn(self.publisher.run(self._snapshot, core.capacity.block_size))
