@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kvharbor.engine.request import Logprob
 from kvharbor.engine.sampling_params import SamplingParams
@@ -230,3 +230,10 @@ class CoreStats:
     @classmethod
     def from_wire(cls, data: list) -> CoreStats:
         return cls(*data)
+
+
+class Counters(Protocol):
+    """What kv/ counts into (the shared store, P/D hand-offs): the core process's CounterBoard
+    (engine/serve/metrics.py, a layer above), read as the core's metrics."""
+
+    def inc(self, name: str, amount: float = 1, label: str = "") -> None: ...

@@ -32,8 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvharbor.common.block_hash import BlockHash
-from kvharbor.engine.core_io import HandoffFailed, KVTransfer
+from kvharbor.engine.core_io import Counters, HandoffFailed, KVTransfer
 from kvharbor.engine.kv.handoff_handles import handle_lease, unverified_request_id
+from kvharbor.engine.kv.kv_handoff import HandoffLeases
 from kvharbor.engine.link_frames import LinkClosed, encode, read_message
 from kvharbor.kvcache_service.block_store import BlockFormat, BlockRefused, decode_block, encode_block
 
@@ -52,7 +53,8 @@ class HandoffServer:
     """Serves the core's hand-off leases to decode engines (in the core process's event loop)."""
 
     def __init__(
-        self, ask: Ask, leases: Any, fmt: BlockFormat, host: str, port: int, counters: Any, secret: bytes
+        self, ask: Ask, leases: HandoffLeases, fmt: BlockFormat, host: str, port: int, counters: Counters,
+        secret: bytes,
     ) -> None:
         self._ask = ask
         self._secret = secret  # signs the handles (handoff_handles.sign_handle)
@@ -188,7 +190,7 @@ class HandoffPuller:
     """The decode engine's side: turns a request's `kv_transfer_params` into an ExternalPrefix
     (engine/kv/kv_offload.py) the engine thread imports before admitting the request."""
 
-    def __init__(self, core: Any, ask: Ask, counters: Any, policy: str, timeout: float) -> None:
+    def __init__(self, core: Any, ask: Ask, counters: Counters, policy: str, timeout: float) -> None:
         self.core = core  # read only for its constants (model, block size, block format)
         self._ask = ask
         self.counters = counters

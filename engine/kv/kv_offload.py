@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from kvharbor.common.block_hash import BlockHash, block_hashes
+from kvharbor.engine.core_io import Counters
 from kvharbor.kvcache_service.block_store import BlockStoreUnavailable, RedisBlockStore
 from kvharbor.kvcache_service.reuse_stats import classify, record
 
@@ -83,7 +84,7 @@ class KVStoreClient:
         store: RedisBlockStore,
         engine: Any,
         policy: PushPolicy,
-        counters: Any,  # metrics.CounterBoard
+        counters: Counters,
         max_queue_bytes: int = 256 << 20,
         max_pull_bytes: int = 256 << 20,
         ask: Ask | None = None,
