@@ -22,6 +22,7 @@ from kvharbor.common.field_error import FieldError
 from kvharbor.common.openai_api import APIError, ChatCompletionRequest
 from kvharbor.common.request_body import Parsed, parse_raw
 from kvharbor.common.responses_api import InputItem, ResponsesRequest
+from kvharbor.gateway.call import Call
 from kvharbor.gateway.flow import GuardedStream
 from kvharbor.gateway.response_store import GONE_REASONS, Found
 from kvharbor.gateway.responses_chat import ResponseShape, chat_request, new_id, responses_param
@@ -106,36 +107,17 @@ class ResponsesAPI:
     # -- POST /v1/responses ------------------------------------------------------------------------
 
     async def create(self, request: Request) -> Response:
-        handler = self.handler
-        tenant = handler._tenant(request)
-        parsed = await handler._parse(request, ResponsesRequest)
+        tenant = self.handler._tenant(request)
+        parsed = await self.handler._parse(request, ResponsesRequest)
         req: ResponsesRequest = parsed.body
-        context: list[dict[str, Any]] = []
-        affinity = None
-        if req.previous_response_id is not None:
-            before = await self._find(tenant, req.previous_response_id, "previous_response_id")
-            if before["response"]["status"] == "failed":
-                raise APIError(400, f"response {req.previous_response_id!r} failed: continue from one that "
-                               "completed", param="previous_response_id", code="response_failed")  # fmt: skip
-            context = conversation(before)
-            affinity = before.get("served")
+        context, affinity = await self._continued(tenant, req)
         items = req.input_items()
-        try:
-            chat = parse_raw(chat_request(req, context, items), ChatCompletionRequest, self.state.limits)
-        except FieldError as exc:
-            raise APIError(400, str(exc), param=exc.field) from None
-        except APIError as exc:
-            raise _renamed(exc, req) from None
         shape = ResponseShape(req)
         record = {"response": None, "input": stored_items(items), "context": context}
         try:
-            call = await handler._call_from(request, "chat", tenant, Parsed(chat.body, chat.raw, parsed.ignored))
+            call = await self._chat_call(request, tenant, parsed, context, items)
             call.affinity = affinity  # routed where the last turn ran, if its prefix is this one's
-            tokenizer = call.model.tokenizer
-            if req.reasoning is not None and not (tokenizer and tokenizer.reasoning_parser):
-                # A model that writes no reasoning apart: `reasoning` is accepted, and said to be ignored.
-                call.ignored = Parsed(None, {}, (*parsed.ignored, "reasoning")).headers()
-            answer = await handler._run(request, call)
+            answer = await self.handler._run(request, call)
         except APIError as exc:
             raise _renamed(exc, req) from None
 
@@ -152,6 +134,32 @@ class ResponsesAPI:
         if (why := await settle(response)) is not None:
             raise APIError(503, why, type="service_unavailable", code="store_unavailable", headers={"Retry-After": "1"})
         return JSONResponse(response, headers=_passed_headers(answer))
+
+    async def _continued(self, tenant: Tenant, req: ResponsesRequest) -> tuple[list[dict[str, Any]], dict | None]:
+        """The conversation `req` continues (none without previous_response_id), and where its
+        last turn ran."""
+        if req.previous_response_id is None:
+            return [], None
+        before = await self._find(tenant, req.previous_response_id, "previous_response_id")
+        if before["response"]["status"] == "failed":
+            raise APIError(400, f"response {req.previous_response_id!r} failed: continue from one that completed",
+                           param="previous_response_id", code="response_failed")  # fmt: skip
+        return conversation(before), before.get("served")
+
+    async def _chat_call(self, request: Request, tenant: Tenant, parsed: Parsed, context: list[dict[str, Any]],
+                         items: list[InputItem]) -> Call:  # fmt: skip
+        """The chat call of the request, read and checked as any chat call is."""
+        req: ResponsesRequest = parsed.body
+        try:
+            chat = parse_raw(chat_request(req, context, items), ChatCompletionRequest, self.state.limits)
+        except FieldError as exc:
+            raise APIError(400, str(exc), param=exc.field) from None
+        call = await self.handler._call_from(request, "chat", tenant, Parsed(chat.body, chat.raw, parsed.ignored))
+        tokenizer = call.model.tokenizer
+        if req.reasoning is not None and not (tokenizer and tokenizer.reasoning_parser):
+            # A model that writes no reasoning apart: `reasoning` is accepted, and said to be ignored.
+            call.ignored = Parsed(None, {}, (*parsed.ignored, "reasoning")).headers()
+        return call
 
     # -- the stored ones ---------------------------------------------------------------------------
 
