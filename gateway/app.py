@@ -14,7 +14,6 @@ engines that serve the adapter, hashed under the adapter's identity; the engine 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -39,7 +38,7 @@ from kvharbor.gateway.catalog import listed_models, resolve
 from kvharbor.gateway.embeddings import EmbeddingsAPI
 from kvharbor.gateway.engines import Engine
 from kvharbor.gateway.flow import RequestFlow
-from kvharbor.gateway.limits import LimiterUnavailable
+from kvharbor.gateway.limits import take_limits
 from kvharbor.gateway.proxy import EngineRefused
 from kvharbor.gateway.responses import ResponsesAPI
 from kvharbor.gateway.state import GatewayState
@@ -224,23 +223,8 @@ class _Handler:
                 f"{call.tenant.name!r}'s limit of {most} concurrent requests: send at most {most} at once",
                 param="prompt", code="too_many_prompts",
             )  # fmt: skip
-        try:
-            decision = await self.state.limiter.admit(call.tenant, tokens, call.slot, call.weight)
-        except LimiterUnavailable as exc:
-            count_rejected(self.state.metrics, call, "limiter_unavailable")
-            raise APIError(
-                503, str(exc), type="service_unavailable", code="limiter_unavailable", headers={"Retry-After": "1"}
-            ) from None
-        if not decision.ok:
-            count_rejected(self.state.metrics, call, decision.reason)
-            retry = str(max(1, math.ceil(decision.retry_after_s)))
-            raise APIError(
-                429,
-                f"rate limit reached for tenant {call.tenant.name!r} ({decision.reason}); retry after {retry}s",
-                type="rate_limit_error",
-                code=f"rate_limit_{decision.reason}",
-                headers={**decision.headers, "Retry-After": retry},
-            )
+        headers = await take_limits(self.state.limiter, call.tenant, tokens, call.slot, call.weight,
+                                    lambda reason: count_rejected(self.state.metrics, call, reason))  # fmt: skip
         self.state.metrics.tokens.labels(call.tenant.name, "prompt").inc(tokens)
         self.state.metrics.adapter_tokens.labels(call.model.name, call.adapter_label, "prompt").inc(tokens)
-        return decision.headers
+        return headers

@@ -13,7 +13,6 @@ is a 404 that says how to start one.
 from __future__ import annotations
 
 import logging
-import math
 import uuid
 from typing import Any
 
@@ -24,7 +23,7 @@ from kvharbor.common.block_hash import block_hashes
 from kvharbor.common.openai_api import APIError, EmbeddingRequest, request_id
 from kvharbor.gateway.catalog import resolve
 from kvharbor.gateway.engines import Engine
-from kvharbor.gateway.limits import LimiterUnavailable
+from kvharbor.gateway.limits import take_limits
 from kvharbor.gateway.proxy import with_retries
 from kvharbor.gateway.router import block_size_for
 from kvharbor.gateway.tenants import Tenant, over_cap
@@ -69,7 +68,9 @@ class EmbeddingsAPI:
                            f"{state.max_prompt_tokens}", param="input", code="prompt_too_long")  # fmt: skip
         rid = request_id(body.request_id, request.headers.get("x-request-id"), "gw-embd")
         slot, tokens = uuid.uuid4().hex, sum(map(len, prompts))
-        headers = await self._take_limits(tenant, tokens, slot)
+        refusals = state.metrics.rejections
+        headers = await take_limits(state.limiter, tenant, tokens, slot, 1,
+                                    lambda reason: refusals.labels(tenant.name, reason).inc())  # fmt: skip
         try:
             content = await self._send(tenant, model, engines, prompts, body, rid)
         finally:
@@ -88,20 +89,6 @@ class EmbeddingsAPI:
             else:
                 out.append(list(item))
         return out
-
-    async def _take_limits(self, tenant: Tenant, tokens: int, slot: str) -> dict[str, str]:
-        try:
-            decision = await self.state.limiter.admit(tenant, tokens, slot, 1)
-        except LimiterUnavailable as exc:
-            raise APIError(503, str(exc), type="service_unavailable", code="limiter_unavailable",
-                           headers={"Retry-After": "1"}) from None  # fmt: skip
-        if not decision.ok:
-            self.state.metrics.rejections.labels(tenant.name, decision.reason).inc()
-            retry = str(max(1, math.ceil(decision.retry_after_s)))
-            raise APIError(429, f"rate limit reached for tenant {tenant.name!r} ({decision.reason}); retry after "
-                           f"{retry}s", type="rate_limit_error", code=f"rate_limit_{decision.reason}",
-                           headers={**decision.headers, "Retry-After": retry})  # fmt: skip
-        return decision.headers
 
     async def _send(self, tenant: Tenant, model: Any, engines: list[Engine], prompts: list[list[int]],
                     body: EmbeddingRequest, rid: str) -> bytes:  # fmt: skip

@@ -19,8 +19,10 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvharbor.common.openai_api import APIError
 from kvharbor.common.redis_client import is_cluster_client
 from kvharbor.common.redis_keys import RATE_LIMIT_PREFIX, rate_limit_key
 from kvharbor.gateway.tenants import Tenant
@@ -315,3 +317,29 @@ class RateLimiter:
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+async def take_limits(
+    limiter: RateLimiter, tenant: Tenant, tokens: int, slot: str, weight: int, refused: Callable[[str], None]
+) -> dict[str, str]:
+    """Take the tenant's limits for one call (its prompt `tokens`, `weight` concurrency slots under
+    `slot`): the rate-limit headers, or the APIError its refusal is, a 503 while the limiter is
+    away (fail-closed) or a 429 naming the limit. `refused(reason)` counts a refusal."""
+    try:
+        decision = await limiter.admit(tenant, tokens, slot, weight)
+    except LimiterUnavailable as exc:
+        refused("limiter_unavailable")
+        raise APIError(
+            503, str(exc), type="service_unavailable", code="limiter_unavailable", headers={"Retry-After": "1"}
+        ) from None
+    if not decision.ok:
+        refused(decision.reason)
+        retry = str(max(1, math.ceil(decision.retry_after_s)))
+        raise APIError(
+            429,
+            f"rate limit reached for tenant {tenant.name!r} ({decision.reason}); retry after {retry}s",
+            type="rate_limit_error",
+            code=f"rate_limit_{decision.reason}",
+            headers={**decision.headers, "Retry-After": retry},
+        )
+    return decision.headers
