@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from kvharbor.common import sampling_limits as lim
 from kvharbor.common.field_error import FieldError
@@ -46,6 +46,11 @@ class TextContent(_Item):
         return self.refusal if self.type == "refusal" and self.refusal is not None else self.text
 
 
+def plain_text(value: str | list[TextContent]) -> str:
+    """A string, or text parts joined: what a message's content or a call's output says."""
+    return value if isinstance(value, str) else "".join(part.plain() for part in value)
+
+
 class MessageItem(_Item):
     type: Literal["message"] = "message"
     id: Annotated[str, Field(pattern=ID_CHARS)] | None = None
@@ -54,9 +59,7 @@ class MessageItem(_Item):
     status: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.plain() for part in self.content)
+        return plain_text(self.content)
 
 
 class FunctionCallItem(_Item):
@@ -76,9 +79,7 @@ class FunctionCallOutputItem(_Item):
     status: str | None = None
 
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
-        return "".join(part.plain() for part in self.output)
+        return plain_text(self.output)
 
 
 class ReasoningItem(_Item):
@@ -201,6 +202,8 @@ class ResponsesRequest(BaseModel):
     service_tier: str | None = None
     stream_options: dict[str, Any] | None = None
     request_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    _items: list[InputItem] = PrivateAttr(default_factory=list)  # `input`, read by _served
+    _tools: list[FunctionTool] = PrivateAttr(default_factory=list)  # `tools`, read by _served
 
     @field_validator("metadata")
     @classmethod
@@ -230,16 +233,23 @@ class ResponsesRequest(BaseModel):
             raise FieldError("input", "input must not be empty")
         if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
             raise FieldError("input", "input must not be empty")
-        self.function_tools()  # a hosted tool or a malformed item is a 400 here, not later
-        self.input_items()
+        # Read once, here: a hosted tool or a malformed item is a 400 now, not later.
+        self._tools = self._read_tools()
+        self._items = self._read_items()
         return self
 
     def input_items(self) -> list[InputItem]:
+        return self._items
+
+    def function_tools(self) -> list[FunctionTool]:
+        return self._tools
+
+    def _read_items(self) -> list[InputItem]:
         if isinstance(self.input, str):
             return [MessageItem(role="user", content=self.input)]
         return [read_item(raw, f"input.{i}") for i, raw in enumerate(self.input)]
 
-    def function_tools(self) -> list[FunctionTool]:
+    def _read_tools(self) -> list[FunctionTool]:
         tools = []
         for i, raw in enumerate(self.tools or ()):
             kind = raw.get("type") if isinstance(raw, dict) else None
