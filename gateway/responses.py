@@ -91,12 +91,12 @@ class ResponsesAPI:
                         "input without previous_response_id", type="service_unavailable", code="store_unavailable",
                         headers={"Retry-After": "1"})  # fmt: skip
 
-    async def _store(self, tenant: Tenant, record: dict[str, Any]) -> str | None:
-        """Writes `record`; None once stored, else why it was not."""
+    async def _store(self, tenant: Tenant, record: dict[str, Any]) -> APIError | None:
+        """Writes `record`; None once stored, else the 503 that says why it was not."""
         try:
             written = await self.state.responses.put(tenant.name, record["response"]["id"], record)
         except Exception as exc:
-            return self._unavailable(exc).message
+            return self._unavailable(exc)
         m = self.state.metrics
         m.responses_evicted.labels("ttl").inc(written.expired)
         m.responses_evicted.labels("budget").inc(written.evicted)
@@ -121,7 +121,7 @@ class ResponsesAPI:
         except APIError as exc:
             raise _renamed(exc, req) from None
 
-        async def settle(response: dict[str, Any]) -> str | None:
+        async def settle(response: dict[str, Any]) -> APIError | None:
             record["response"] = response
             if call.served_by and call.hashes:  # where this turn's prompt is cached: the next turn goes there
                 last = call.hashes[-1].hex()
@@ -131,8 +131,8 @@ class ResponsesAPI:
         if isinstance(answer, GuardedStream):
             return answer.mapped(ResponseEvents(shape, settle).run(answer.body_iterator))
         response = shape.from_chat(json.loads(answer.body))
-        if (why := await settle(response)) is not None:
-            raise APIError(503, why, type="service_unavailable", code="store_unavailable", headers={"Retry-After": "1"})
+        if (refusal := await settle(response)) is not None:
+            raise refusal
         return JSONResponse(response, headers=_passed_headers(answer))
 
     async def _continued(self, tenant: Tenant, req: ResponsesRequest) -> tuple[list[dict[str, Any]], dict | None]:

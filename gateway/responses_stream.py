@@ -24,6 +24,7 @@ from typing import Any
 
 import anyio
 
+from kvharbor.common.openai_api import APIError
 from kvharbor.gateway import sse
 from kvharbor.gateway.responses_chat import (
     ResponseShape,
@@ -35,7 +36,8 @@ from kvharbor.gateway.responses_chat import (
 )
 
 log = logging.getLogger("kvharbor.gateway.responses")
-Settle = Callable[[dict[str, Any]], Awaitable[str | None]]  # the Response -> None, or why it was not stored
+# The Response -> None once stored, or the error that says why it was not
+Settle = Callable[[dict[str, Any]], Awaitable[APIError | None]]
 
 
 class _Open:
@@ -199,9 +201,9 @@ class ResponseEvents:
             self.error = {"code": "stream_cut", "message": "the engine's stream ended before its answer did"}
         status = self._status()
         response = self._final(status)
-        why = await self.settle(response)
-        if why is not None and status != "failed":  # not stored: it must not read as continuable
-            self.error = {"code": "store_unavailable", "message": why}
+        refusal = await self.settle(response)
+        if refusal is not None and status != "failed":  # not stored: it must not read as continuable
+            self.error = {"code": refusal.code, "message": refusal.message}
             status, response = "failed", self._final("failed")
         self.ended = True
         yield self._event(f"response.{status}", response=response)
