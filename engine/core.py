@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,7 @@ from kvharbor.engine.core_io import (
 )
 from kvharbor.engine.core_parts import CoreParts, Progress
 from kvharbor.engine.engine_stats import EngineStats
+from kvharbor.engine.kv.kv_save import PushPolicy
 from kvharbor.engine.lora.adapter import AdapterError, LoRAAdapter
 from kvharbor.engine.lora.lora_manager import AdapterBusy, UnknownAdapter
 from kvharbor.engine.model.loader import LoadedModel
@@ -48,11 +49,13 @@ if TYPE_CHECKING:  # the parts' types
     import torch
 
     from kvharbor.common.tokenizer import Tokenizer
+    from kvharbor.engine.counter_board import CounterBoard
     from kvharbor.engine.cpu.cpu_kernels import CpuKernels
     from kvharbor.engine.kv.block_pool import BlockPool
     from kvharbor.engine.kv.capacity import KVCapacity
     from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
     from kvharbor.engine.kv.kv_handoff import HandoffLeases
+    from kvharbor.engine.kv.kv_save import KVSaveQueue
     from kvharbor.engine.kv.kv_transfer import KVBlockIO
     from kvharbor.engine.lora.lora_manager import LoRAManager
     from kvharbor.engine.model.arch import ModelArch
@@ -91,6 +94,7 @@ class EngineCore:
     declared here, each a field the core process, the KV publisher, the metrics and the tests read."""
 
     config: EngineConfig
+    board: CounterBoard  # the counters its parts and its process keep (KV events, the shared store, grammars)
     device: torch.device
     dtype: torch.dtype
     model_name: str
@@ -113,6 +117,7 @@ class EngineCore:
     cpu_kernels: CpuKernels | None  # decode attention's CPU kernels, where they run
     runner: ModelRunner
     kv_io: KVBlockIO
+    kv_saves: KVSaveQueue | None  # blocks copied out for the shared store; None: it pushes nothing
     handoffs: HandoffLeases
     guides: GuideFactory
     proposer: Proposer | None
@@ -120,14 +125,15 @@ class EngineCore:
 
     def __init__(
         self, config: EngineConfig, progress: Progress | None = None, loaded_model: LoadedModel | None = None,
-        on_compile: Callable[[float, bool], None] | None = None,
+        kv_save: PushPolicy | None = None,
     ) -> None:
         """Build the parts (engine/core_parts.py: load or adopt `loaded_model`, whose tensors are
         copied, not changed; size the KV pool), then warm up. `progress` receives one line per
-        start-up phase; `on_compile(seconds, hit)` each structured-output spec's compile lookup."""
+        start-up phase. `kv_save`: which blocks to copy out for the shared store (kv/kv_save.py;
+        None or "off": none), for a host that writes them there (kv/kv_offload.py)."""
         say = progress or (lambda msg: log.info(msg))
         t0 = time.monotonic()
-        self._take(CoreParts(config, say, loaded_model, on_compile))
+        self._take(CoreParts(config, say, loaded_model, kv_save))
         self.kv_transfer_port = 0  # set by the core process once its hand-off server listens
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
@@ -140,6 +146,7 @@ class EngineCore:
     def _take(self, parts: CoreParts) -> None:
         """Each part, by name, into the field declared for it."""
         self.config = parts.config
+        self.board = parts.board
         self.device = parts.device
         self.dtype = parts.dtype
         self.model_name = parts.model_name
@@ -162,6 +169,7 @@ class EngineCore:
         self.cpu_kernels = parts.cpu_kernels
         self.runner = parts.runner
         self.kv_io = parts.kv_io
+        self.kv_saves = parts.kv_saves
         self.handoffs = parts.handoffs
         self.guides = parts.guides
         self.proposer = parts.proposer
@@ -535,15 +543,14 @@ class EngineCore:
     def counters(self, aborted: int = 0) -> CoreStats:
         """The core's counters, read in one place from the parts that own them: the KV manager's
         prefix lookups, the step's speculation and time, the LoRA slots' swaps, the sampler's
-        masking. `aborted` is counted by whoever aborts (the engine loop); the core process adds
-        its CounterBoard (`board`) when the counters cross the link."""
+        masking, and the board's snapshot. `aborted` is counted by whoever aborts (the engine loop)."""
         kv, stats, loras = self.kv, self.stats, self.loras
         return CoreStats(
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits, aborted=aborted,
             spec_verifications=stats.spec_verifications, spec_proposed=stats.spec_proposed,
             spec_accepted=stats.spec_accepted, lora_swaps=loras.swaps if loras is not None else 0,
             lora_swap_seconds=loras.swap_seconds if loras is not None else 0.0, step_seconds=stats.step_seconds,
-            mask_seconds=self.sampler.mask_seconds,
+            mask_seconds=self.sampler.mask_seconds, board=self.board.snapshot(),
         )  # fmt: skip
 
     def _lora_report(self) -> dict:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from kvharbor.engine.request import Logprob
 from kvharbor.engine.sampling_params import SamplingParams
@@ -208,8 +208,8 @@ def _logprob_from_wire(data: list) -> Logprob:
 @dataclass(frozen=True)
 class CoreStats:
     """The core's counters, as the API server's metrics read them (engine/serve/metrics.py): what the
-    engine loop counts (prefix-cache lookups, aborts, speculation, LoRA swaps) and the core
-    process's CounterBoard snapshot (`board`: KV events, the shared store, P/D hand-offs). Crosses
+    engine loop counts (prefix-cache lookups, aborts, speculation, LoRA swaps) and a snapshot of the
+    core's CounterBoard (`board`: KV events, the shared store, P/D hand-offs, grammars). Crosses
     the core link whole, beside each load report; replaced, never changed."""
 
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
@@ -222,7 +222,7 @@ class CoreStats:
     lora_swap_seconds: float = 0.0
     step_seconds: float = 0.0  # engine steps' time, summed
     mask_seconds: float = 0.0  # of that, masking structured outputs' logits
-    board: dict[str, dict[str, float]] = field(default_factory=dict)  # metrics.CounterBoard.snapshot()
+    board: dict[str, dict[str, float]] = field(default_factory=dict)  # counter_board.CounterBoard.snapshot()
 
     def to_wire(self) -> list:
         return [getattr(self, f.name) for f in dataclasses.fields(self)]
@@ -230,10 +230,3 @@ class CoreStats:
     @classmethod
     def from_wire(cls, data: list) -> CoreStats:
         return cls(*data)
-
-
-class Counters(Protocol):
-    """What kv/ counts into (the shared store, P/D hand-offs): the core process's CounterBoard
-    (engine/serve/metrics.py, a layer above), read as the core's metrics."""
-
-    def inc(self, name: str, amount: float = 1, label: str = "") -> None: ...

@@ -1,9 +1,10 @@
 """What an EngineCore is made of, built in start-up order.
 
-Pinning and threads, the model (loaded, or adopted and copied), its weights' form (quantized,
-CPU linears), the batch-invariant decision, the draft model, LoRA slots, the KV pool and its
-manager, the scheduler and sampler, the attention path, the runner, the KV I/O and hand-off leases,
-and the proposer. engine/core.py takes these parts over and is then requests and the step.
+The counter board, pinning and threads, the model (loaded, or adopted and copied), its weights'
+form (quantized, CPU linears), the batch-invariant decision, the draft model, LoRA slots, the KV
+pool and its manager, the scheduler and sampler, the attention path, the runner, the KV I/O, the
+queue of blocks saved for the shared store, the hand-off leases, and the proposer.
+engine/core.py takes these parts over and is then requests and the step.
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import torch
 from kvharbor.common.machine import pin_to_cpus
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.config import EngineConfig, LoRAConfig
-from kvharbor.engine.kv.block_pool import BlockPool
+from kvharbor.engine.counter_board import CounterBoard
+from kvharbor.engine.kv.block_pool import BlockPool, SaveOn
 from kvharbor.engine.kv.capacity import KVCapacity, check_max_model_len, plan_capacity
 from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv.kv_handoff import HandoffLeases
+from kvharbor.engine.kv.kv_save import SAVE_ON, PushPolicy
 from kvharbor.engine.kv.kv_transfer import weights_fingerprint
 from kvharbor.engine.lora.adapter import load_adapter
 from kvharbor.engine.lora.lora_manager import LoRAManager, reserved_bytes
@@ -55,9 +58,10 @@ class CoreParts:
 
     def __init__(
         self, config: EngineConfig, say: Progress, loaded_model: LoadedModel | None = None,
-        on_compile: Callable[[float, bool], None] | None = None,
+        kv_save: PushPolicy | None = None,
     ) -> None:
         self.config = config
+        self.board = CounterBoard()
         self.device = resolve_device(config.model.device)
         self.dtype = resolve_dtype(config.model.dtype, self.device, quantized=config.model.quantization != "none")
         pin_to_cpus(config.runtime.cpu_affinity)  # first: the thread count follows the CPUs left
@@ -77,8 +81,8 @@ class CoreParts:
         self.weight_bytes = self.model.weight_bytes()
         self.draft_model = self._load_draft(config, say)
         self.loras, reserved = self._load_loras(config.lora, say, threads)
-        self._size_kv(reserved, say)
-        self._build_step(threads, fingerprint, say, on_compile)
+        self._size_kv(reserved, say, SAVE_ON[kv_save or "off"])
+        self._build_step(threads, fingerprint, say, kv_save not in (None, "off"))
         self.proposer, self.adaptive_k = self._speculation(config, say)
 
     def _build_model(self, loaded_model: LoadedModel | None, say: Progress) -> str:
@@ -116,9 +120,9 @@ class CoreParts:
         )
         return weights_fingerprint(loaded.state_dict)
 
-    def _size_kv(self, reserved: int, say: Progress) -> None:
+    def _size_kv(self, reserved: int, say: Progress, save_on: frozenset[SaveOn]) -> None:
         """The KV pool from what memory is left (minus a draft model's shadow cache and LoRA's
-        reservation), its block pool and cache manager."""
+        reservation), its block pool (recording blocks to copy out on `save_on`) and cache manager."""
         config = self.config
         shadow = draft_kv_bytes_per_token(self.draft_model, self.dtype) if self.draft_model is not None else 0
         self.capacity: KVCapacity = plan_capacity(
@@ -138,14 +142,13 @@ class CoreParts:
             self.capacity.block_size,
             enable_caching=config.cache.enable_prefix_caching,
             enable_events=config.cache.kv_events,
+            save_on=save_on,
         )
         self.kv = KVCacheManager(self.pool, window=self.arch.kv_window)
 
-    def _build_step(
-        self, threads: int, fingerprint: str, say: Progress, on_compile: Callable[[float, bool], None] | None
-    ) -> None:
-        """The scheduler, the sampler, the attention path, the runner, its KV I/O and the
-        hand-off leases."""
+    def _build_step(self, threads: int, fingerprint: str, say: Progress, save_blocks: bool) -> None:
+        """The scheduler, the sampler, the attention path, the runner, its KV I/O and save queue,
+        the hand-off leases and the grammars."""
         config = self.config
         tokenizer_eos = self.tokenizer.eos_token_ids if self.tokenizer else ()
         self.eos_token_ids = frozenset(self.arch.eos_token_ids) | frozenset(tokenizer_eos)
@@ -160,12 +163,17 @@ class CoreParts:
         kv_dtype = config.cache.kv_cache_dtype
         self.runner = ModelRunner(
             self.model, self.kv, self.sampler, self.dtype, self.device, self.attention_backend, self.cpu_kernels,
-            kv_dtype, self.batch_invariant, self.loras, (self.model_name, fingerprint),
+            kv_dtype, self.batch_invariant, self.loras, (self.model_name, fingerprint), save_blocks, self.board,
         )  # fmt: skip
         self.kv_io = self.runner.kv_io
+        self.kv_saves = self.runner.saves
         self.handoffs = HandoffLeases(self.kv, self.kv_io, config.disagg.kv_handoff_lease)
         self.guides = GuideFactory(self.tokenizer, self.arch.vocab_size, self.eos_token_ids, config.structured,
-                                   config.limits, on_compile)  # fmt: skip
+                                   config.limits, self._compiled)  # fmt: skip
+
+    def _compiled(self, seconds: float, hit: bool) -> None:
+        self.board.inc("structured_compiles", label="hit" if hit else "miss")
+        self.board.inc("structured_compile_seconds", seconds)
 
     def _quantize(self, threads: int, say: Progress) -> None:
         """Quantize (or adopt GGUF blocks), through the AVX2 kernels where they run (CPU, float32 or

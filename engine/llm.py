@@ -49,13 +49,15 @@ class LLM:
         *,
         progress: Progress | None = None,
         loaded_model: LoadedModel | None = None,
+        kv_save: str | None = None,
         **engine_options: Any,
     ) -> None:
         """`loaded_model` reuses weights already read by `engine.loader.load_model` (then `model`
-        is ignored): several engines over one model pay for one load."""
+        is ignored): several engines over one model pay for one load. `kv_save` (all, hot,
+        evict): copy blocks out for a shared-store client (engine/kv/kv_offload.py) to write."""
         engine_options = _flatten_speculative(engine_options)
         config = load_config(EngineConfig, env={}, overrides={"model": model, "dtype": dtype, **engine_options})
-        self.engine = LLMEngine(config, progress=progress, loaded_model=loaded_model)
+        self.engine = LLMEngine(config, progress=progress, loaded_model=loaded_model, kv_save=kv_save)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:

@@ -24,8 +24,8 @@ from kvharbor.engine.sampling_params import SamplingParams
 __all__ = ["EngineStats", "LLMEngine", "Progress"]
 
 class LLMEngine:
-    def __init__(self, config, progress: Progress | None = None, loaded_model=None) -> None:
-        self.core = EngineCore(config, progress, loaded_model)
+    def __init__(self, config, progress: Progress | None = None, loaded_model=None, kv_save=None) -> None:
+        self.core = EngineCore(config, progress, loaded_model, kv_save)
         self.processor = OutputProcessor(self.core.tokenizer)
 
     def add_request(

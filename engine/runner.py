@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvharbor.engine.core_io import fault_message
-from kvharbor.engine.kv.block_pool import Save
+from kvharbor.engine.counter_board import CounterBoard
 from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
 from kvharbor.engine.kv.kv_quant import SCALE_BYTES
+from kvharbor.engine.kv.kv_save import KVSaveQueue
 from kvharbor.engine.kv.kv_transfer import KVBlockIO
 from kvharbor.engine.model.attention import build_metadata
 from kvharbor.engine.model.decoder import LlamaModel
@@ -23,15 +23,15 @@ if TYPE_CHECKING:
     from kvharbor.engine.lora.lora_manager import LoRAManager
 
 log = logging.getLogger("kvharbor.engine.runner")
-SaveSink = Callable[[Sequence[Save]], None]
 
 
 class ModelRunner:
     """Owns the model and its KV tensor `[layers, 2 (K/V), kv_heads, num_blocks * block_size, dim]`.
 
-    KV moves of a plan run here, around the forward: `save` (set by the shared-store client,
-    engine/kv/kv_offload.py) takes blocks to copy out, `kv_io` (engine/kv/kv_transfer.py, over this
-    runner's cache: built here when `kv_identity` names the weights) writes loads.
+    KV moves of a plan run here, around the forward: `kv_io` (engine/kv/kv_transfer.py, over this
+    runner's cache: built here when `kv_identity` names the weights) writes loads, and `saves`
+    (engine/kv/kv_save.py, built here when `save_blocks`) takes the blocks to copy out for the
+    shared store.
     """
 
     def __init__(
@@ -47,6 +47,8 @@ class ModelRunner:
         invariant: bool = False,  # batch-invariant attention: every row through cpu_kernels (engine/model/attention.py)
         lora: LoRAManager | None = None,  # the requests' adapters
         kv_identity: tuple[str, str] | None = None,  # (model name, weights fingerprint): its blocks' KV I/O
+        save_blocks: bool = False,  # queue the plans' saves for the shared store (needs kv_identity)
+        counters: CounterBoard | None = None,  # what the save queue counts into (the core's board)
     ) -> None:
         arch = model.arch
         self.attention_backend = attention_backend
@@ -72,7 +74,9 @@ class ModelRunner:
         if kv_identity is not None:
             name, fingerprint = kv_identity
             self.kv_io = KVBlockIO(self.kv_caches, self.block_size, name, fingerprint, kv_dtype, arch.head_dim)
-        self.save: SaveSink | None = None
+        self.saves: KVSaveQueue | None = None
+        if save_blocks:
+            self.saves = KVSaveQueue(self.kv_io, counters or CounterBoard())
         self.lora = lora
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -95,8 +99,8 @@ class ModelRunner:
         if out.faults and saves:  # a failed request's blocks hold no KV to share
             bad = {b for c in plan.chunks if c.request.request_id in out.faults for b in self.kv.block_ids(c.request)}
             saves = [s for s in saves if s[0] not in bad]
-        if saves and self.save is not None:
-            self.save(saves)
+        if saves and self.saves is not None:
+            self.saves.save(saves)
         return out
 
     def _run_chunks(self, chunks: list[ScheduledChunk]) -> StepOutput:
@@ -129,8 +133,8 @@ class ModelRunner:
 
     def _move_kv_in(self, plan: SchedulerPlan) -> None:
         """Copy out what the forward may overwrite, then write the imported blocks."""
-        if plan.saves_before and self.save is not None:
-            self.save(plan.saves_before)
+        if plan.saves_before and self.saves is not None:
+            self.saves.save(plan.saves_before)
         if plan.loads:
             self.kv_io.load([load.block_id for load in plan.loads], [load.payload for load in plan.loads])
 

@@ -10,9 +10,9 @@ import asyncio
 import pytest
 
 from kvharbor.engine import SamplingParams
+from kvharbor.engine.counter_board import CounterBoard
 from kvharbor.engine.kv.handoff_handles import handle_lease, new_lease_key, sign_handle, unverified_request_id
 from kvharbor.engine.kv.kv_handoff_link import HandoffServer, pull_handoff
-from kvharbor.engine.serve.metrics import CounterBoard
 
 PROMPT = [(i * 37) % 500 + 3 for i in range(150)]  # 9 full blocks of 16 and a 6-token tail
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

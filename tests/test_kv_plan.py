@@ -38,41 +38,27 @@ def test_the_pool_records_saves_by_kind_and_hands_them_over_once():
     pool.check_integrity()
 
 
-def recording_saver(engine, log: list):
-    """A runner save sink that copies each block's KV the moment it is handed over."""
-
-    def save(saves):
-        payloads = engine.core.kv_io.export([block_id for block_id, _ in saves])
-        log.extend((h, payload) for (_, h), payload in zip(saves, payloads, strict=True))
-
-    return save
-
-
 def test_an_evicted_block_is_copied_out_before_the_forward_overwrites_it(tiny_llama, make_llm):
     # 12 blocks: the second prompt's 7 blocks evict the first prompt's tail.
-    llm = make_llm(tiny_llama.loaded, num_kv_blocks=12, max_model_len=192)
+    llm = make_llm(tiny_llama.loaded, num_kv_blocks=12, max_model_len=192, kv_save="evict")
     engine = llm.engine
     first = prompt(1)
     llm.generate([first], GREEDY)
     hashes = block_hashes(first[:-1], 16, engine.core.model_name)
     cached = [engine.core.pool.cached[h].block_id for h in hashes]
     intact = dict(zip(hashes, engine.core.kv_io.export(cached), strict=True))
-    saved: list = []
-    engine.core.pool.save_on = frozenset({"evict"})
-    engine.core.runner.save = recording_saver(engine, saved)
     llm.generate([prompt(2)], GREEDY)
+    saved = engine.core.kv_saves.queued()  # each block's KV, copied the moment the runner handed it over
     assert saved and all(h in intact for h, _ in saved)
     assert all(payload == intact[h] for h, payload in saved)  # the first prompt's KV, not the second's
 
 
 def test_blocks_a_step_fills_are_copied_out_after_its_forward(tiny_llama, make_llm):
-    llm = make_llm(tiny_llama.loaded)
+    llm = make_llm(tiny_llama.loaded, kv_save="all")  # "all": every block a forward fills
     engine = llm.engine
-    saved: list = []
-    engine.core.pool.save_on = frozenset({"fill"})
-    engine.core.runner.save = recording_saver(engine, saved)
     text = prompt(3, 70)
     llm.generate([text], GREEDY)
+    saved = engine.core.kv_saves.queued()
     hashes = block_hashes(text[:64], 16, engine.core.model_name)
     assert [h for h, _ in saved] == hashes
     # What was saved is what the forward wrote: a fresh engine importing it skips the prefill

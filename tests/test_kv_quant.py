@@ -124,20 +124,17 @@ def test_a_store_hands_int8_blocks_only_to_int8_engines(tiny_llama, make_llm, re
     import redis
 
     from kvharbor.engine.kv.kv_offload import KVStoreClient
-    from kvharbor.engine.serve.metrics import CounterBoard
     from kvharbor.kvcache_service.block_store import RedisBlockStore
 
     redis.Redis.from_url(redis_server.url).flushdb()
     prompt = tiny_llama.prompts[6]  # 70 tokens: 4 full blocks
 
-    def client(llm, policy: str) -> KVStoreClient:
-        c = KVStoreClient(RedisBlockStore.from_url(redis_server.url), llm.engine.core, policy, CounterBoard())
-        c.install()
-        return c
+    def client(llm) -> KVStoreClient:
+        return KVStoreClient(RedisBlockStore.from_url(redis_server.url), llm.engine.core)
 
     async def main():
-        writer_llm = make_llm(tiny_llama.loaded, kv_cache_dtype="int8")
-        writer = client(writer_llm, "all")
+        writer_llm = make_llm(tiny_llama.loaded, kv_cache_dtype="int8", kv_save="all")
+        writer = client(writer_llm)
         want = writer_llm.generate([prompt], GREEDY)[0].outputs[0].token_ids
         task = asyncio.create_task(writer.run())
         for _ in range(200):
@@ -148,9 +145,9 @@ def test_a_store_hands_int8_blocks_only_to_int8_engines(tiny_llama, make_llm, re
         task.cancel()
         hashes = block_hashes(prompt[:-1], 16, writer_llm.engine.core.model_name)
         float_llm = make_llm(tiny_llama.loaded)
-        assert await client(float_llm, "off").pull(prompt, None) is None  # other dtype: a miss, recomputed
+        assert await client(float_llm).pull(prompt, None) is None  # other dtype: a miss, recomputed
         reader_llm = make_llm(tiny_llama.loaded, kv_cache_dtype="int8")
-        reader = client(reader_llm, "off")
+        reader = client(reader_llm)
         ext = await reader.pull(prompt, None)
         assert ext is not None and ext.hashes == hashes
         assert reader_llm.engine.core.import_prefix(ext.hashes, ext.payloads, ext.prefix) == len(hashes)

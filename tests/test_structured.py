@@ -132,14 +132,13 @@ def test_a_bad_spec_is_a_value_error_naming_the_problem_and_queues_nothing(llm, 
 
 
 def test_compiled_grammars_are_cached_by_spec(llm):
+    compiles = llm.engine.core.board.values["structured_compiles"]  # the core counts each lookup
     seen = []
-    llm.engine.core.guides.on_compile = lambda seconds, hit: seen.append(hit)
-    try:
-        spec = _json({"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]})
-        for _ in range(2):
-            llm.chat(ASK, SamplingParams(max_tokens=12, temperature=0, structured=spec))
-    finally:
-        llm.engine.core.guides.on_compile = None
+    spec = _json({"type": "object", "properties": {"k": {"type": "boolean"}}, "required": ["k"]})
+    for _ in range(2):
+        before = dict(compiles)
+        llm.chat(ASK, SamplingParams(max_tokens=12, temperature=0, structured=spec))
+        seen += [label == "hit" for label in compiles if compiles[label] != before.get(label, 0)]
     assert seen == [False, True]
 
 

@@ -94,7 +94,10 @@ class BlockPool:
         enable_caching: bool = True,
         enable_events: bool = False,
         max_queued_events: int = 100_000,
+        save_on: frozenset[SaveOn] = frozenset(),
     ) -> None:
+        """`save_on`: when blocks are recorded for copy-out to the shared store (kv_save.SAVE_ON;
+        empty: never, and it costs nothing)."""
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -108,8 +111,7 @@ class BlockPool:
         # through `events_dropped` and must re-sync from `cached_hashes()`.
         self._events: deque[KVEvent] = deque(maxlen=max_queued_events)
         self.events_dropped = 0
-        # When blocks are recorded for copy-out (empty: never, and it costs nothing).
-        self.save_on: frozenset[SaveOn] = frozenset()
+        self.save_on = save_on
         self._save_before: list[Save] = []  # intact now; the next forward may overwrite them
         self._save_after: list[Save] = []  # the next forward fills them
 

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvharbor.common.block_hash import BlockHash
-from kvharbor.engine.core_io import Counters, HandoffFailed, KVTransfer
+from kvharbor.engine.core_io import HandoffFailed, KVTransfer
+from kvharbor.engine.counter_board import CounterBoard
 from kvharbor.engine.kv.handoff_handles import handle_lease, unverified_request_id
 from kvharbor.engine.kv.kv_handoff import HandoffLeases
 from kvharbor.engine.link_frames import LinkClosed, encode, read_message
@@ -53,7 +54,7 @@ class HandoffServer:
     """Serves the core's hand-off leases to decode engines (in the core process's event loop)."""
 
     def __init__(
-        self, ask: Ask, leases: HandoffLeases, fmt: BlockFormat, host: str, port: int, counters: Counters,
+        self, ask: Ask, leases: HandoffLeases, fmt: BlockFormat, host: str, port: int, counters: CounterBoard,
         secret: bytes,
     ) -> None:
         self._ask = ask
@@ -62,7 +63,7 @@ class HandoffServer:
         self.format = fmt
         self.host = host
         self.port = port
-        self.counters = counters  # metrics.CounterBoard
+        self.counters = counters  # the core's
         self._server: asyncio.Server | None = None
 
     async def start(self) -> int:
@@ -190,7 +191,7 @@ class HandoffPuller:
     """The decode engine's side: turns a request's `kv_transfer_params` into an ExternalPrefix
     (engine/kv/kv_offload.py) the engine thread imports before admitting the request."""
 
-    def __init__(self, core: Any, ask: Ask, counters: Counters, policy: str, timeout: float) -> None:
+    def __init__(self, core: Any, ask: Ask, counters: CounterBoard, policy: str, timeout: float) -> None:
         self.core = core  # read only for its constants (model, block size, block format)
         self._ask = ask
         self.counters = counters

@@ -36,7 +36,6 @@ from kvharbor.engine.core_io import (
 )
 from kvharbor.engine.link_frames import LinkClosed, encode, read_message
 from kvharbor.engine.serve.engine_loop import EngineLoop
-from kvharbor.engine.serve.metrics import CounterBoard
 
 log = logging.getLogger("kvharbor.engine.core")
 LOAD_INTERVAL_S = 0.05  # how often the API server's /load and /metrics snapshot is refreshed
@@ -48,13 +47,14 @@ class CoreProcess:
 
         self.config = config
         self.writer = writer
-        self.board = CounterBoard()
         srv = config.server
         engine_config = config.engine
         if srv.redis_url:
             cache = dataclasses.replace(engine_config.cache, kv_events=True)
             engine_config = dataclasses.replace(engine_config, cache=cache)
-        self.core = EngineCore(engine_config, progress=lambda msg: log.info(msg), on_compile=self._compiled)
+        kv_save = srv.kv_store_push if srv.redis_url else None  # the shared store is in that Redis
+        self.core = EngineCore(engine_config, progress=lambda msg: log.info(msg), kv_save=kv_save)
+        self.board = self.core.board
         # Off the engine thread, while the server starts: the first constrained request need not pay it.
         threading.Thread(target=self.core.guides.prepare, name="kvharbor-grammar-tokenizer", daemon=True).start()
         self.instance_id = srv.instance_id
@@ -90,12 +90,7 @@ class CoreProcess:
         from kvharbor.engine.kv.kv_offload import KVStoreClient
         from kvharbor.kvcache_service.block_store import RedisBlockStore
 
-        client = KVStoreClient(
-            RedisBlockStore.from_url(srv.redis_url), self.core, srv.kv_store_push, self.board,
-            ask=self._ask,
-        )  # fmt: skip
-        client.install()  # before the loop starts: the runner saves blocks from the first step on
-        return client
+        return KVStoreClient(RedisBlockStore.from_url(srv.redis_url), self.core, ask=self._ask)
 
     def _ask(self, fn: Any) -> Any:
         return asyncio.wrap_future(self.loop.call(fn))  # the pool is the engine thread's
@@ -134,12 +129,10 @@ class CoreProcess:
 
         return await asyncio.wrap_future(self.loop.call(read))
 
-    def _compiled(self, seconds: float, hit: bool) -> None:
-        self.board.inc("structured_compiles", label="hit" if hit else "miss")
-        self.board.inc("structured_compile_seconds", seconds)
-
     def _stats(self) -> list:
-        """The loop's counters with this process's board: one CoreStats, as it crosses the link."""
+        """The loop's counters (core.counters(), at its last step) with the board read now: this
+        process's tasks count into it between steps (a push, a hand-off). One CoreStats, as it
+        crosses the link."""
         return dataclasses.replace(self.loop.stats, board=self.board.snapshot()).to_wire()
 
     def _send(self, message: list) -> None:

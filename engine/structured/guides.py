@@ -67,7 +67,7 @@ class GuideFactory:
         self._eos = sorted(eos_token_ids)
         self.config = config
         self.limits = limits or RequestLimits()
-        self.on_compile = on_compile  # the core process's, for its metrics
+        self.on_compile = on_compile  # the core's, for its counter board
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
         self._cache: OrderedDict[str, Any] = OrderedDict()
