@@ -215,9 +215,12 @@ def test_a_short_output_is_served_by_the_prefill_engine_and_nothing_is_handed_ov
     serves it whole (gateway/disagg.py, short_output)."""
     body = fresh_body("tides")
     body["messages"][0]["content"] += "The tide rose over the harbor wall and fell back again. " * 200
-    assert text(post(pd["prefill"], body))  # the prefill engine has measured decode steps now
+    # Under acme's salt (gateway/tenants.py), so the gateway's requests find the document cached
+    # there and the prefill engine computes its ~2,400 tokens once (6.5 s here), not twice.
+    salted = {**body, "cache_salt": "tenant:acme"}
+    assert text(post(pd["prefill"], salted))  # the prefill engine has measured decode steps now
     wait_for(lambda: load(pd["prefill"])["decode_step_ms"] > 0, what="a measured decode step")
-    want = text(post(pd["prefill"], {**body, "max_tokens": 1}))
+    want = text(post(pd["prefill"], {**salted, "max_tokens": 1}))
     client = openai.OpenAI(base_url=pd["gateway"].url + "/v1", api_key="sk-acme", max_retries=0, timeout=120)
 
     def decided(reason: str) -> float:

@@ -10,6 +10,7 @@ import torch
 from conftest import assert_near_reference
 
 from kvharbor.engine import SamplingParams
+from kvharbor.engine.model.hf_reference import without_random_init
 from kvharbor.engine.model.loader import load_model
 from kvharbor.engine.quantize import QuantWeight
 
@@ -29,7 +30,8 @@ def reference(gemma, gemma3_gguf):
     from transformers import AutoConfig, Gemma3ForCausalLM
 
     config = AutoConfig.from_pretrained(str(gemma3_gguf.parent), gguf_file=gemma3_gguf.name)
-    model = Gemma3ForCausalLM(config).float().eval()
+    with without_random_init():
+        model = Gemma3ForCausalLM(config).float().eval()
     missing, unexpected = model.load_state_dict(gemma.state_dict, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied to the embedding
     model.tie_weights()

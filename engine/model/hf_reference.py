@@ -6,6 +6,8 @@ test/bench dependency only, so it is imported here lazily and nothing in the eng
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from kvharbor.engine.model.loader import LoadedModel
@@ -36,9 +38,21 @@ def hf_reference_model(loaded: LoadedModel, dtype: torch.dtype = torch.float32) 
         eos_token_id=list(a.eos_token_ids) or None,
         pad_token_id=a.eos_token_ids[0] if a.eos_token_ids else None,
     )
-    model = model_cls(config)
+    with without_random_init():
+        model = model_cls(config)
     state = dict(loaded.state_dict)
     if a.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True)
     return model.to(dtype).eval()
+
+
+def without_random_init() -> contextlib.AbstractContextManager:
+    """transformers' own switch that skips drawing random weights: the caller loads every one
+    after, so drawing them only costs time (2.7 s for Gemma 3 270M here). Buffers computed at
+    construction (RoPE's inverse frequencies) are still computed."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
