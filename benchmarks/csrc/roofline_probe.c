@@ -1,0 +1,126 @@
+// The machine's two limits, for benchmarks/roofline.py: how many floating-point operations per
+// second its cores can issue, and how many bytes per second they can read from memory.
+//
+// FMA PEAK: each thread runs CHAINS independent accumulators of one FMA instruction, `rounds`
+// times. An FMA's result is ready about 4 cycles after it issues and two can issue per cycle,
+// so at least 8 independent chains are needed to keep both pipes busy; 12 leave room for a core
+// whose latency is longer (the AVX-512 forms on Zen 4 split each 512-bit op in two halves).
+// Counted as 2 operations per lane (a multiply and an add). vdpbf16ps counts 4 per float lane:
+// two bfloat16 products and their two additions.
+//
+// READ BANDWIDTH: each thread sums its own slice of a buffer far larger than the caches, with
+// 4 independent 256-bit accumulators (enough loads in flight to be bound by memory, not adds).
+//
+// The chains are unrolled (the pragma), so the accumulators live in registers: a loop over an
+// array of them kept them on the stack and measured half the rate.
+//
+// Threads start together on a barrier; the figure is all threads' work over the slowest thread's
+// wall time. Compiled for AVX2 + FMA; the AVX-512 probes carry their own target attribute and are
+// only called where the CPU reports the flags (the Python side checks /proc/cpuinfo).
+
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <time.h>
+
+#define CHAINS 12
+#define MAX_THREADS 64
+
+typedef struct {
+    int kind;
+    int64_t rounds;  // FMA probes: rounds of CHAINS instructions; read: bytes of this thread's slice
+    const float *buf;
+    double sink;  // the accumulators' sum: the compiler may not drop the work
+} probe_t;
+
+static pthread_barrier_t barrier;
+
+static double now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+static double fma_avx2(int64_t rounds) {
+    __m256 acc[CHAINS];
+    const __m256 a = _mm256_set1_ps(0.999f), b = _mm256_set1_ps(1e-7f);
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_set1_ps((float)c);
+    for (int64_t r = 0; r < rounds; r++)
+#pragma GCC unroll 16
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+    __m256 s = acc[0];
+    for (int c = 1; c < CHAINS; c++) s = _mm256_add_ps(s, acc[c]);
+    float out[8];
+    _mm256_storeu_ps(out, s);
+    return out[0];
+}
+
+__attribute__((target("avx512f"))) static double fma_avx512(int64_t rounds) {
+    __m512 acc[CHAINS];
+    const __m512 a = _mm512_set1_ps(0.999f), b = _mm512_set1_ps(1e-7f);
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
+    for (int64_t r = 0; r < rounds; r++)
+#pragma GCC unroll 16
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+    __m512 s = acc[0];
+    for (int c = 1; c < CHAINS; c++) s = _mm512_add_ps(s, acc[c]);
+    return _mm512_reduce_add_ps(s);
+}
+
+__attribute__((target("avx512f,avx512bf16"))) static double dot_bf16(int64_t rounds) {
+    __m512 acc[CHAINS];
+    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3380);  // 1.0, ~6e-8
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_ps((float)c);
+    for (int64_t r = 0; r < rounds; r++)
+#pragma GCC unroll 16
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbf16_ps(acc[c], a, b);
+    __m512 s = acc[0];
+    for (int c = 1; c < CHAINS; c++) s = _mm512_add_ps(s, acc[c]);
+    return _mm512_reduce_add_ps(s);
+}
+
+static double read_sum(const float *p, int64_t bytes) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    const int64_t n = bytes / sizeof(float);
+    for (int64_t i = 0; i + 32 <= n; i += 32)
+        for (int c = 0; c < 4; c++) acc[c] = _mm256_add_ps(acc[c], _mm256_loadu_ps(p + i + 8 * c));
+    float out[8];
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    return out[0];
+}
+
+static void *run(void *arg) {
+    probe_t *p = arg;
+    pthread_barrier_wait(&barrier);
+    switch (p->kind) {
+        case 0: p->sink = fma_avx2(p->rounds); break;
+        case 1: p->sink = fma_avx512(p->rounds); break;
+        case 2: p->sink = dot_bf16(p->rounds); break;
+        case 3: p->sink = read_sum(p->buf, p->rounds); break;
+    }
+    return NULL;
+}
+
+// kind 0: AVX2 FMA, 1: AVX-512 FMA, 2: AVX512-BF16 dot (float operations per second); 3: read
+// bandwidth over `buf` of `bytes` (bytes per second). `work`: FMA rounds per thread, or the
+// buffer's bytes (split across threads). Returns the rate, or -1 for a bad argument.
+double kvh_probe(int kind, int threads, int64_t work, const float *buf) {
+    if (threads < 1 || threads > MAX_THREADS || kind < 0 || kind > 3 || work <= 0) return -1;
+    probe_t probes[MAX_THREADS];
+    pthread_t ids[MAX_THREADS];
+    const int64_t slice = (work / threads) & ~(int64_t)127;  // whole 128-byte steps per thread
+    pthread_barrier_init(&barrier, NULL, threads + 1);
+    for (int t = 0; t < threads; t++) {
+        probes[t] = (probe_t){kind, kind == 3 ? slice : work, kind == 3 ? buf + t * slice / sizeof(float) : NULL, 0};
+        pthread_create(&ids[t], NULL, run, &probes[t]);
+    }
+    pthread_barrier_wait(&barrier);
+    const double t0 = now();
+    for (int t = 0; t < threads; t++) pthread_join(ids[t], NULL);
+    const double seconds = now() - t0;
+    pthread_barrier_destroy(&barrier);
+    static const double per_round[3] = {CHAINS * 8 * 2, CHAINS * 16 * 2, CHAINS * 16 * 4};
+    const double done = kind == 3 ? (double)slice * threads : per_round[kind] * (double)work * threads;
+    return done / seconds;
+}
