@@ -143,6 +143,35 @@ def test_a_bfloat16_weight_gives_float32_sums_the_same_for_any_row_count(n, k):
 
 
 @needs_kernels
+@pytest.mark.parametrize("lanes", [8, 16])
+@pytest.mark.parametrize(("n", "k"), [(7, 13), (50, 37), (96, 576), (40, 600)])  # k % 16: 13, 5, 0, 8
+def test_both_lane_widths_match_float64_and_give_each_row_its_bits_alone(lanes, n, k):
+    """Float32 and bfloat16 weights on 8 lanes (AVX2) and on 16 (AVX-512F, where the CPU has it):
+    each against float64, and each row's result the same alone and among 1-127 others."""
+    from kvharbor.common.machine import cpu_info
+
+    before = KERNELS.lanes()
+    try:
+        got_lanes = KERNELS.lanes(lanes)
+        assert got_lanes == (lanes if lanes == 8 or "avx512f" in cpu_info().flags else 8)
+        gen = torch.Generator().manual_seed(lanes + n + k)
+        x = torch.randn(128, k, generator=gen)
+        bias = torch.randn(n, generator=gen)
+        for w in (torch.randn(n, k, generator=gen), torch.randn(n, k, generator=gen).bfloat16()):
+            linear = KERNELS.linear if w.dtype == torch.float32 else KERNELS.linear_bf16
+            got = linear(x, w, bias)
+            want = F.linear(x.double(), w.double(), bias.double())
+            assert (got.double() - want).abs().max() <= 1e-5 * max(1.0, want.abs().max().item())
+            for rows in (1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 127):
+                assert torch.equal(linear(x[:rows], w, bias), got[:rows])
+                assert torch.equal(linear(x[-rows:], w, bias), got[-rows:])
+    finally:
+        KERNELS.lanes(before)
+    with pytest.raises(ValueError, match="8 or 16"):
+        KERNELS.lanes(32)
+
+
+@needs_kernels
 def test_shapes_the_attention_kernel_does_not_take_are_refused():
     assert not cpu_kernels.CpuKernels.takes_attention(32, 1, 64)  # a query group over 16
     assert not cpu_kernels.CpuKernels.takes_attention(8, 2, 60)  # dim not a multiple of 8

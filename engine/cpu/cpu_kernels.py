@@ -126,10 +126,22 @@ class CpuKernels:
         lib.kvharbor_set_threads.restype = ctypes.c_int
         lib.kvharbor_int_dot.argtypes = []
         lib.kvharbor_int_dot.restype = c_int
+        lib.kvharbor_linear_isa.argtypes = [c_int]
+        lib.kvharbor_linear_isa.restype = c_int
         self._lib = lib
         self.int_dot = INT_DOTS[lib.kvharbor_int_dot()]
         self.threads = lib.kvharbor_set_threads(threads)
+        if os.environ.get("KVHARBOR_KERNEL_LANES") == "8":
+            lib.kvharbor_linear_isa(0)
         self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def lanes(self, want: int | None = None) -> int:
+        """The float32 / bfloat16 linears' vector width: 16 where the CPU has AVX-512F, else 8
+        (KVHARBOR_KERNEL_LANES=8 keeps 8). `want` 8 or 16 chooses (16 only where the CPU has it);
+        every row count takes the same width, so a process keeps one for its rows' bits."""
+        if want not in (None, 8, 16):
+            raise ValueError(f"lanes are 8 or 16, not {want}")
+        return 16 if self._lib.kvharbor_linear_isa(-1 if want is None else want // 16) else 8
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [m, k] @ weight [n, k]^T (+ bias), float32, CPU; x rows may be strided, weight contiguous."""

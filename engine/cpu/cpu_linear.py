@@ -7,7 +7,8 @@
 - batch-invariant mode (`invariant=True`): every row count through kvharbor's kernel (float32
   weights, or bfloat16 weights widened exactly, products summed in float32), whose order of
   summation does not depend on how many rows a call has; oneDNN and MKL choose their blocking by
-  the row count, so a token's projection would change with the batch it runs in.
+  the row count, so a token's projection would change with the batch it runs in. On 16 lanes
+  where the CPU has AVX-512F, else 8: one width per process, for every row count.
 
 The LM head has its own choice, `float32_head`: logits are always float32 sums of float32 (or
 exactly widened) products, never rounded to the model dtype: bfloat16 logits of ~25 are 0.125
@@ -104,7 +105,7 @@ def _invariant_linears(dtype: torch.dtype, device: torch.device, threads: int) -
             f"float32 or bfloat16, here {str(dtype).removeprefix('torch.')} on {device.type}: "
             "run with --batch-invariant off"
         )
-    what = f"batch-invariant: every row count through kvharbor's kernel ({gemm.threads} threads)"
+    what = f"batch-invariant: every row count through kvharbor's kernel ({gemm.threads} threads, {gemm.lanes()} lanes)"
     if dtype == torch.float32:
         return what, lambda w: SkinnyLinear(gemm, w, None, max_rows=None)
     return what + ", float32 activations", lambda w: Bf16Linear(gemm, w, torch.float32)
