@@ -20,7 +20,7 @@ def test_the_report_sets_each_kernel_against_its_binding_limit(tmp_path, capsys)
     if cpu_kernels._compiler() is None:
         pytest.skip("no C compiler: the probes cannot be built")
     out = tmp_path / "roofline.json"
-    argv = ["--rows", "1", "128", "--shapes", "kv", "--rounds", "2", "--decode-steps", "3", "--out", str(out)]
+    argv = ["--rows", "1", "128", "--shapes", "kv", "--rounds", "3", "--decode-steps", "3", "--out", str(out)]
     assert roofline.main(argv) == 0
     record = json.loads(out.read_text())
     limits = record["limits"]
