@@ -543,14 +543,16 @@ class EngineCore:
     def counters(self, aborted: int = 0) -> CoreStats:
         """The core's counters, read in one place from the parts that own them: the KV manager's
         prefix lookups, the step's speculation and time, the LoRA slots' swaps, the sampler's
-        masking, and the board's snapshot. `aborted` is counted by whoever aborts (the engine loop)."""
+        masking. `aborted` is counted by whoever aborts (the engine loop). The board (`self.board`)
+        is read apart, when the counters cross the link (serve/core_process.py): the core
+        process's tasks count into it between steps."""
         kv, stats, loras = self.kv, self.stats, self.loras
         return CoreStats(
             prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits, aborted=aborted,
             spec_verifications=stats.spec_verifications, spec_proposed=stats.spec_proposed,
             spec_accepted=stats.spec_accepted, lora_swaps=loras.swaps if loras is not None else 0,
             lora_swap_seconds=loras.swap_seconds if loras is not None else 0.0, step_seconds=stats.step_seconds,
-            mask_seconds=self.sampler.mask_seconds, board=self.board.snapshot(),
+            mask_seconds=self.sampler.mask_seconds,
         )  # fmt: skip
 
     def _lora_report(self) -> dict:

@@ -81,8 +81,9 @@ class CoreParts:
         self.weight_bytes = self.model.weight_bytes()
         self.draft_model = self._load_draft(config, say)
         self.loras, reserved = self._load_loras(config.lora, say, threads)
-        self._size_kv(reserved, say, SAVE_ON[kv_save or "off"])
-        self._build_step(threads, fingerprint, say, kv_save not in (None, "off"))
+        save_on = SAVE_ON[kv_save or "off"]
+        self._size_kv(reserved, say, save_on)
+        self._build_step(threads, fingerprint, say, save_blocks=bool(save_on))
         self.proposer, self.adaptive_k = self._speculation(config, say)
 
     def _build_model(self, loaded_model: LoadedModel | None, say: Progress) -> str:

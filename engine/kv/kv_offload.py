@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from kvharbor.common.block_hash import BlockHash, block_hashes
 from kvharbor.engine.counter_board import CounterBoard
-from kvharbor.engine.kv.kv_save import KVSaveQueue, RecentSet
+from kvharbor.engine.kv.kv_save import KVSaveQueue
 from kvharbor.kvcache_service.block_store import BlockStoreUnavailable, RedisBlockStore
 from kvharbor.kvcache_service.reuse_stats import classify, record
 
@@ -57,7 +57,6 @@ class KVStoreClient:
         self.counters: CounterBoard = engine.board
         self.format = engine.kv_io.format
         self.max_pull_bytes = max_pull_bytes
-        self._recent = self.saves.recent if self.saves is not None else RecentSet()
         self._refused_seen: dict[str, int] = {}
         self._stopping = asyncio.Event()
 
@@ -68,9 +67,12 @@ class KVStoreClient:
 
     async def run(self) -> None:
         """Write queued blocks until `stop()`; Redis trouble drops the batch and backs off."""
+        if self.saves is None:  # an engine that pushes nothing
+            await self._stopping.wait()
+            return
         backoff = 0.5
         while not self._stopping.is_set():
-            batch = self.saves.take_batch(PUSH_BATCH_BYTES) if self.saves is not None else []
+            batch = self.saves.take_batch(PUSH_BATCH_BYTES)
             if not batch:
                 await self._sleep(0.02)
                 continue
@@ -140,8 +142,9 @@ class KVStoreClient:
             self._count_refusals()
         if not payloads:
             return None
-        for h in hashes[k : k + len(payloads)]:
-            self._recent.add(h)  # never push back what was just pulled
+        if self.saves is not None:
+            for h in hashes[k : k + len(payloads)]:
+                self.saves.recent.add(h)  # never push back what was just pulled
         return ExternalPrefix(hashes[:k], hashes[k : k + len(payloads)], payloads)
 
     async def _get_run(self, hashes: list[BlockHash]) -> list[bytes]:

@@ -54,7 +54,6 @@ class CoreProcess:
             engine_config = dataclasses.replace(engine_config, cache=cache)
         kv_save = srv.kv_store_push if srv.redis_url else None  # the shared store is in that Redis
         self.core = EngineCore(engine_config, progress=lambda msg: log.info(msg), kv_save=kv_save)
-        self.board = self.core.board
         # Off the engine thread, while the server starts: the first constrained request need not pay it.
         threading.Thread(target=self.core.guides.prepare, name="kvharbor-grammar-tokenizer", daemon=True).start()
         self.instance_id = srv.instance_id
@@ -80,8 +79,8 @@ class CoreProcess:
         model = self.core.model_name
         return KVEventPublisher(
             srv.redis_url, model, self.instance_id, srv.kv_events_stream_prefix, srv.lease_ttl,
-            on_published=lambda n: self.board.inc("kv_events_published", n),
-            on_dropped=lambda n: self.board.inc("kv_events_dropped", n),
+            on_published=lambda n: self.core.board.inc("kv_events_published", n),
+            on_dropped=lambda n: self.core.board.inc("kv_events_dropped", n),
         )  # fmt: skip
 
     def _kv_store(self, srv: Any) -> Any:
@@ -101,8 +100,8 @@ class CoreProcess:
         server = None
         if disagg.transfer_port is not None:
             server = HandoffServer(self._ask, self.core.handoffs, self.core.kv_io.format, host, disagg.transfer_port,
-                                   self.board, self.handoff_secret)  # fmt: skip
-        puller = HandoffPuller(self.core, self._ask, self.board, disagg.kv_load_failure_policy,
+                                   self.core.board, self.handoff_secret)  # fmt: skip
+        puller = HandoffPuller(self.core, self._ask, self.core.board, disagg.kv_load_failure_policy,
                                disagg.kv_transfer_timeout)  # fmt: skip
         return server, puller
 
@@ -130,10 +129,10 @@ class CoreProcess:
         return await asyncio.wrap_future(self.loop.call(read))
 
     def _stats(self) -> list:
-        """The loop's counters (core.counters(), at its last step) with the board read now: this
-        process's tasks count into it between steps (a push, a hand-off). One CoreStats, as it
-        crosses the link."""
-        return dataclasses.replace(self.loop.stats, board=self.board.snapshot()).to_wire()
+        """The loop's counters (core.counters(), at its last step) with the core's board read now:
+        this process's tasks count into it between steps (a push, a hand-off). One CoreStats, as
+        it crosses the link."""
+        return dataclasses.replace(self.loop.stats, board=self.core.board.snapshot()).to_wire()
 
     def _send(self, message: list) -> None:
         if not self.writer.is_closing():
@@ -208,7 +207,7 @@ class CoreProcess:
                 raise ValueError("a hand-off prefill needs the lease key its API server draws")
             if request.params.structured is not None:  # compiled off the engine thread: a slow one stalls no step
                 request.guide = await self._compile(request.params.structured)
-                self.board.inc("structured_requests", label=request.params.structured["kind"])
+                self.core.board.inc("structured_requests", label=request.params.structured["kind"])
             if transfer.remote_handle:
                 request.external_prefix = await self.handoff_puller.pull(ids, salt, transfer, adapter)
             elif request.kv_prefix_source == "shared" and self.kv_store is not None:
@@ -225,7 +224,7 @@ class CoreProcess:
                         None])  # fmt: skip
             return
         if transfer.remote_handle:
-            self.board.inc("kv_handoff_pulled_blocks", imported)
+            self.core.board.inc("kv_handoff_pulled_blocks", imported)
         elif self.kv_store is not None and imported:
             self.kv_store.pulled(imported)
         if self._pending.pop(rid, False):

@@ -363,15 +363,12 @@ static inline __attribute__((always_inline)) AVX512 void column_group16(const in
 static inline __attribute__((always_inline)) AVX512 void columns16(const int Q, int64_t n0, int64_t n1) {
     const linear_job_t j = job;
     int64_t n = n0;
-    if (j.m <= 2) {
-        const int64_t per = j.m == 1 ? 8 : 4;
-        for (; n + per <= n1; n += per) {
-            if (j.m == 1) tile16(Q, 1, 8, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
-            else tile16(Q, 2, 4, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
-        }
-    } else {
+    if (j.m == 1)
+        for (; n + 8 <= n1; n += 8) tile16(Q, 1, 8, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
+    else if (j.m == 2)
+        for (; n + 4 <= n1; n += 4) tile16(Q, 2, 4, j.x, j.ldx, j.w, j.k, n, j.y, j.ldy, j.bias);
+    else
         for (; n + 6 <= n1; n += 6) column_group16(Q, 6, &j, n);
-    }
     for (; n < n1; n++) column_group16(Q, 1, &j, n);
 }
 
@@ -380,7 +377,8 @@ static AVX512 void run_columns16(int q, int64_t n0, int64_t n1) {
     else columns16(0, n0, n1);
 }
 
-// 1: formats 0 and 4 run on 16 lanes (the CPU has AVX-512F); 0: on 8. Set at the first linear.
+// 1: formats 0 and 4 run on 16 lanes (the CPU has AVX-512F); 0: on 8. Picked when the threads are
+// set (CpuKernels does that first), or by kvharbor_linear_isa.
 static int linear_isa = -1;
 
 static void pick_linear_isa(void) {
@@ -712,7 +710,6 @@ static void run_share(int t) {
 // Run the job already written into job/ajob on every thread; returns when all are done.
 static void run_job(int kind) {
     if (atomic_exchange(&forked, 0)) start_workers(wanted);
-    pick_linear_isa();
     job_kind = kind;
     int helpers = num_threads - 1;
     if (helpers > 0) {
@@ -796,6 +793,7 @@ int kvharbor_set_threads(int n) {
     if (n > MAX_THREADS) n = MAX_THREADS;
     wanted = n;
     start_workers(n);
+    pick_linear_isa();
     pthread_mutex_unlock(&call_lock);
     return num_threads;
 }
