@@ -5,8 +5,8 @@ rate (AVX2 FMA, AVX-512 FMA and AVX512-BF16 dots where the CPU has them) and the
 bandwidth. Then, on every thread the engine uses:
 
 - the linears at M = 1, 8, 128 and 2,048 rows on SmolLM2-135M's shapes: kvharbor's batch-invariant
-  kernel (float32 weights, and bfloat16 weights widened to float32) and torch's (MKL / oneDNN)
-  float32 and bfloat16 matmuls;
+  packed GEMM (float32 weights, and bfloat16 weights widened to float32; the LM head's shape on the
+  dot-product kernel that serves it) and torch's (MKL / oneDNN) float32 and bfloat16 matmuls;
 - a whole decode step of SmolLM2-135M at 8 running requests, float32, batch-invariant.
 
 Each figure is set against the limit that binds it: the roofline time is the larger of its
@@ -113,17 +113,25 @@ def best_time(fn: Callable[[], object], rounds: int) -> float:
     return best
 
 
-def linear_impls(kernels: cpu_kernels.CpuKernels | None) -> dict[str, tuple[str, Callable]]:
-    """name -> (the dtype whose peak binds it, the weight's form, y = call(x, weight))."""
-    linear = torch.nn.functional.linear
-    impls: dict[str, tuple[str, Callable]] = {
-        "torch float32": ("float32", torch.float32, linear),
-        "torch bfloat16": ("bfloat16", torch.bfloat16, lambda x, w: linear(x.bfloat16(), w)),
+def linear_impls(kernels: cpu_kernels.CpuKernels | None, shape: str) -> dict[str, tuple[str, torch.dtype, Callable,
+                                                                                           Callable]]:
+    """name -> (the dtype whose peak binds it, the weight's form, weight -> what the call takes,
+    y = call(x, prepared weight)). kvharbor's projections run the packed GEMM; its LM head (the
+    tied embedding, kept unpacked) runs the dot-product kernel."""
+    linear, same = torch.nn.functional.linear, lambda w: w
+    impls: dict[str, tuple[str, torch.dtype, Callable, Callable]] = {
+        "torch float32": ("float32", torch.float32, same, linear),
+        "torch bfloat16": ("bfloat16", torch.bfloat16, same, lambda x, w: linear(x.bfloat16(), w)),
     }
-    if kernels is not None:
-        impls["kvharbor invariant float32"] = ("float32", torch.float32, kernels.linear)
-        # Products in float32 FMAs: bound by the float32 peak, but reading half the bytes.
-        impls["kvharbor invariant bf16 weights"] = ("float32", torch.bfloat16, kernels.linear_bf16)
+    if kernels is None:
+        return impls
+    # bfloat16 weights: products in float32 FMAs, bound by the float32 peak, but half the bytes.
+    if shape == "lm_head":
+        impls["kvharbor dot float32"] = ("float32", torch.float32, same, kernels.linear)
+        impls["kvharbor dot bf16 weights"] = ("float32", torch.bfloat16, same, kernels.linear_bf16)
+    else:
+        impls["kvharbor packed float32"] = ("float32", torch.float32, kernels.pack, kernels.linear_packed)
+        impls["kvharbor packed bf16 weights"] = ("float32", torch.bfloat16, kernels.pack, kernels.linear_packed)
     return impls
 
 
@@ -142,8 +150,8 @@ def measure_linears(args: argparse.Namespace, limits: dict, kernels) -> list[dic
         for m in args.rows:
             x = torch.randn(m, k, generator=gen)
             dense = [torch.randn(n, k, generator=gen) / k**0.5 for _ in range(copies_for(m))]
-            for name, (dtype, form, call) in linear_impls(kernels).items():
-                ws = [w.to(form) for w in dense]
+            for name, (dtype, form, prepare, call) in linear_impls(kernels, shape).items():
+                ws = [prepare(w.to(form)) for w in dense]
                 seconds = best_time(lambda x=x, ws=ws, call=call: [call(x, w) for w in ws], args.rounds) / len(ws)
                 out.append(figure(shape, n, k, m, name, dtype, form, seconds, limits))
     return out

@@ -187,7 +187,8 @@ def test_a_build_is_cached_by_source_and_flags(tmp_path, monkeypatch):
     # A one-line source: the caching is the point, and the real kernel takes ~10 s to compile.
     source = tmp_path / "tiny.c"
     source.write_text("int kvharbor_tiny(void) { return 1; }\n")
-    monkeypatch.setattr(cpu_kernels, "SOURCE", source)
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (source,))
+    monkeypatch.setattr(cpu_kernels, "HEADERS", ())
     cc, out = cpu_kernels._compiler(), tmp_path / "built"
     first = cpu_kernels.build(cc, out)
     stamp = first.stat().st_mtime_ns

@@ -27,7 +27,7 @@ def test_the_report_sets_each_kernel_against_its_binding_limit(tmp_path, capsys)
     assert "avx2_fma" in limits["peaks_flops"] and limits["read_bytes_per_s"] > 0
     assert limits["float32_peak_flops"] == max(v for k, v in limits["peaks_flops"].items() if k.endswith("_fma"))
     kernels = {r["kernel"] for r in record["linears"]}
-    assert {"torch float32", "torch bfloat16", "kvharbor invariant float32"} <= kernels
+    assert {"torch float32", "torch bfloat16", "kvharbor packed float32"} <= kernels
     assert [(r["rows"]) for r in record["linears"]] == [1] * len(kernels) + [128] * len(kernels)
     for r in record["linears"]:
         peak = limits[f"{'bfloat16' if r['kernel'] == 'torch bfloat16' else 'float32'}_peak_flops"]

@@ -30,7 +30,10 @@ from kvharbor.engine.quantize import FORMATS, QuantWeight
 
 log = logging.getLogger("kvharbor.engine.cpu.cpu_kernels")
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).resolve().parent / "csrc"
+# Compiled together into one library; the headers they include count in the build's hash too.
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "packed_gemm.c")
+HEADERS = (CSRC / "packed_gemm.h",)
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-lpthread", "-lm")
 # Added where the CPU has VNNI: the integer dots of quantized decode products in one instruction
 # per 32 codes (cpu_kernels.c dot_u8s8), the same sums. AVX-VNNI (VEX) where the CPU reports
@@ -72,14 +75,15 @@ def build(cc: str, out_dir: Path, flags: tuple[str, ...] | None = None) -> Path:
     """Compile the kernel into out_dir (atomically) unless it is there already; returns the .so.
     `flags`: the compiler's (FLAGS unless given)."""
     flags = FLAGS if flags is None else flags
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((cc, *flags)).encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(text + " ".join((cc, *flags)).encode()).hexdigest()[:16]
     target = out_dir / f"cpu_kernels-{digest}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         partial = Path(tmp) / target.name
-        done = subprocess.run([cc, str(SOURCE), "-o", str(partial), *flags], capture_output=True, text=True)
+        done = subprocess.run([cc, *map(str, SOURCES), "-o", str(partial), *flags], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(partial, target)
@@ -128,6 +132,10 @@ class CpuKernels:
         lib.kvharbor_int_dot.restype = c_int
         lib.kvharbor_linear_isa.argtypes = [c_int]
         lib.kvharbor_linear_isa.restype = c_int
+        lib.kvharbor_packed_width.argtypes = []
+        lib.kvharbor_packed_width.restype = c_int
+        lib.kvharbor_linear_packed.argtypes = [c_int, c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+        lib.kvharbor_linear_packed.restype = c_int
         self._lib = lib
         self.int_dot = INT_DOTS[lib.kvharbor_int_dot()]
         self.threads = lib.kvharbor_set_threads(threads)
@@ -183,6 +191,49 @@ class CpuKernels:
         )
         if code != 0:
             raise ValueError(f"the kernel does not take a bfloat16 weight of {n}x{k}")
+        return y
+
+    def packed_width(self) -> int:
+        """The panel width pack uses on this process's ISA (lanes()): 32 columns on 16 lanes, else 16."""
+        return self._lib.kvharbor_packed_width()
+
+    def pack(self, weight: torch.Tensor) -> PackedWeight:
+        """A float32 or bfloat16 [n, k] weight in the layout linear_packed reads (packed_gemm.c):
+        panels of this ISA's width, [ceil(n / width)][k][width], the last padded with zeros; a
+        bfloat16 panel's two halves interleaved (element 2i column i, 2i + 1 column i + width / 2)."""
+        if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+            raise ValueError(f"pack takes a float32 or bfloat16 [n, k] CPU weight, got {weight.dtype} "
+                             f"{tuple(weight.shape)} on {weight.device}")  # fmt: skip
+        nr = self.packed_width()
+        n, k = weight.shape
+        panels = -(-n // nr)
+        if n % nr:
+            weight = torch.cat([weight, weight.new_zeros(panels * nr - n, k)])
+        grouped = weight.view(panels, nr, k)
+        if weight.dtype == torch.bfloat16:
+            grouped = grouped.view(panels, 2, nr // 2, k).transpose(1, 2).reshape(panels, nr, k)
+        return PackedWeight(grouped.transpose(1, 2).contiguous(), n, k, nr)
+
+    def linear_packed(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] float32 @ W^T (+ bias float32) over a packed weight (pack), as float32: each output
+        one float32 sum over k in order, whatever m, so a row's result does not depend on the others."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        if x.dtype != torch.float32 or k != weight.k:
+            raise ValueError(f"linear_packed takes float32 x [m, {weight.k}], got {x.dtype} {tuple(x.shape)}")
+        if bias is not None and bias.dtype != torch.float32:
+            bias = bias.float()
+        y = torch.empty(m, weight.n, dtype=torch.float32)
+        if m == 0:
+            return y
+        bf16 = int(weight.data.dtype == torch.bfloat16)
+        code = self._lib.kvharbor_linear_packed(
+            bf16, weight.width, x.data_ptr(), x.stride(0), weight.data.data_ptr(), _ptr(bias), y.data_ptr(),
+            weight.n, m, k, weight.n,
+        )  # fmt: skip
+        if code != 0:
+            raise ValueError(f"this CPU has no microkernel for panels {weight.width} wide (packed on another CPU?)")
         return y
 
     def lora_plan(self, a: torch.Tensor, bt: list[torch.Tensor], offsets: list[int]) -> LoRAPlan:
@@ -377,6 +428,20 @@ class CpuKernels:
     def takes_attention(heads: int, kv_heads: int, dim: int) -> bool:
         """Whether decode_attention takes this shape (GQA groups up to 16, dim a multiple of 8 up to 256)."""
         return heads % kv_heads == 0 and heads // kv_heads <= 16 and dim % 8 == 0 and dim <= 256
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight as CpuKernels.pack lays it out: `data` [panels, k, width], `n` real columns."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+    width: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,12 @@
 - float32 on x86 with AVX2 + FMA: decode-sized inputs through kvharbor's kernel
   (engine/cpu/cpu_kernels.py), larger ones through F.linear on the same weight.
 - anything else: F.linear.
-- batch-invariant mode (`invariant=True`): every row count through kvharbor's kernel (float32
-  weights, or bfloat16 weights widened exactly, products summed in float32), whose order of
-  summation does not depend on how many rows a call has; oneDNN and MKL choose their blocking by
-  the row count, so a token's projection would change with the batch it runs in. On 16 lanes
-  where the CPU has AVX-512F, else 8: one width per process, for every row count.
+- batch-invariant mode (`invariant=True`): every row count through kvharbor's packed GEMM
+  (engine/cpu/csrc/packed_gemm.c: float32 weights, or bfloat16 weights widened exactly, products
+  summed in float32), whose order of summation does not depend on how many rows a call has;
+  oneDNN and MKL choose their blocking by the row count, so a token's projection would change with
+  the batch it runs in. The projections are packed once at load and their unpacked copies
+  released; the LM head (often the embedding too) stays as it is, on the dot-product kernel.
 
 The LM head has its own choice, `float32_head`: logits are always float32 sums of float32 (or
 exactly widened) products, never rounded to the model dtype: bfloat16 logits of ~25 are 0.125
@@ -26,6 +27,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -69,16 +71,27 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 FastLinear = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, bias) -> y
 
 
+@dataclass(frozen=True)
+class LinearPlan:
+    """What prepare_linears chose: its description, and weight -> FastLinear for the projections
+    and for a float32 LM head."""
+
+    what: str
+    make: Callable[[torch.Tensor], FastLinear]
+    make_head: Callable[[torch.Tensor], FastLinear]
+
+
 def prepare_linears(
     dtype: torch.dtype, device: torch.device, threads: int, weight_bytes: int, invariant: bool = False
-) -> tuple[str, Callable] | None:
-    """(what it is, weight -> FastLinear) for this dtype and device, or None for plain F.linear.
-    `weight_bytes`: the model's, to decide whether float32 prefill gets a packed copy. `invariant`:
-    the batch-invariant kernel for every row count (ValueError where it cannot run)."""
+) -> LinearPlan | None:
+    """The fast linears for this dtype and device, or None for plain F.linear. `weight_bytes`: the
+    model's, to decide whether float32 prefill gets a packed copy. `invariant`: the batch-invariant
+    kernels for every row count (ValueError where they cannot run)."""
     if invariant:
         return _invariant_linears(dtype, device, threads)
     if dtype == torch.bfloat16 and packing_available(dtype, device):
-        return "weights prepacked for oneDNN", lambda w: functools.partial(_onednn, pack(w))
+        onednn = lambda w: functools.partial(_onednn, pack(w))  # noqa: E731
+        return LinearPlan("weights prepacked for oneDNN", onednn, onednn)
     if device.type == "cpu" and dtype == torch.float32:
         from kvharbor.engine.cpu.cpu_kernels import SkinnyLinear, load
 
@@ -88,14 +101,15 @@ def prepare_linears(
             what = f"AVX2 kernel for float32 decode rows ({gemm.threads} threads)"
             if prefill:
                 what += f", prefill on a oneDNN-packed copy (+{weight_bytes / 2**20:.0f} MiB)"
-            return what, lambda w: SkinnyLinear(gemm, w, pack(w, PREFILL_ROWS_HINT) if prefill else None)
+            skinny = lambda w: SkinnyLinear(gemm, w, pack(w, PREFILL_ROWS_HINT) if prefill else None)  # noqa: E731
+            return LinearPlan(what, skinny, skinny)
     return None
 
 
 PREFILL_ROWS_HINT = 128
 
 
-def _invariant_linears(dtype: torch.dtype, device: torch.device, threads: int) -> tuple[str, Callable]:
+def _invariant_linears(dtype: torch.dtype, device: torch.device, threads: int) -> LinearPlan:
     from kvharbor.engine.cpu.cpu_kernels import SkinnyLinear, load
 
     gemm = load(threads) if device.type == "cpu" else None
@@ -105,10 +119,32 @@ def _invariant_linears(dtype: torch.dtype, device: torch.device, threads: int) -
             f"float32 or bfloat16, here {str(dtype).removeprefix('torch.')} on {device.type}: "
             "run with --batch-invariant off"
         )
-    what = f"batch-invariant: every row count through kvharbor's kernel ({gemm.threads} threads, {gemm.lanes()} lanes)"
-    if dtype == torch.float32:
-        return what, lambda w: SkinnyLinear(gemm, w, None, max_rows=None)
-    return what + ", float32 activations", lambda w: Bf16Linear(gemm, w, torch.float32)
+    what = (f"batch-invariant: every row count through kvharbor's packed GEMM ({gemm.threads} threads, "
+            f"{gemm.lanes()} lanes, panels {gemm.packed_width()} wide)")  # fmt: skip
+    if dtype == torch.bfloat16:
+        what += ", float32 activations"
+    return LinearPlan(
+        what, lambda w: PackedLinear(gemm, w), lambda w: SkinnyLinear(gemm, w, None, max_rows=None)
+    )  # fmt: skip
+
+
+class PackedLinear:
+    """A float32 or bfloat16 weight packed once for the batch-invariant GEMM
+    (cpu_kernels.CpuKernels.pack / linear_packed): float32 rows in, float32 rows out. It holds the
+    only copy the projection needs (`owns_weight`: its owner may release the unpacked one)."""
+
+    owns_weight = True
+
+    def __init__(self, gemm, weight: torch.Tensor) -> None:
+        self.gemm = gemm
+        self.weight = gemm.pack(weight.contiguous())
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.gemm.linear_packed(x.float(), self.weight, bias)
 
 
 class Bf16Linear:

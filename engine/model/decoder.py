@@ -72,7 +72,12 @@ class DecoderLayer(nn.Module):
     def prepare(self, make) -> None:
         """Give every projection its CPU fast path (see engine/cpu/cpu_linear.py); call after loading.
         Projections that have one already (quantized) keep it."""
-        self.fast = {name: fast or make(getattr(self, name).data) for name, fast in self.fast.items()}
+        for name, fast in self.fast.items():
+            if fast is None:
+                weight = getattr(self, name)
+                self.fast[name] = fast = make(weight.data)
+                if getattr(fast, "owns_weight", False):  # a packed copy: the only one kept
+                    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
 
     def forward(
         self,
@@ -148,7 +153,8 @@ class LlamaModel(nn.Module):
         (engine/cpu/cpu_linear.py), and the layers the AVX2 kernels' pointwise ops where those run
         (float32 on CPU, engine/cpu/layer_ops.py). `invariant`: batch-invariant paths only (every row
         count through the same kernels; ValueError where they cannot run). Returns what it is, or
-        None. The weights stay as they are."""
+        None. Batch-invariant projections keep only their packed copy (cpu_linear.PackedLinear); other
+        weights stay as they are."""
         dtype, device = self.embed.dtype, self.embed.device
         kernels = None
         if device.type == "cpu":
@@ -165,11 +171,11 @@ class LlamaModel(nn.Module):
         chosen = cpu_linear.prepare_linears(dtype, device, threads, weight_bytes, invariant)
         if chosen is not None:
             for layer in self.layers:
-                layer.prepare(chosen[1])
+                layer.prepare(chosen.make)
             if dtype == torch.float32:
-                self.lm_head_fast = self.lm_head_fast or chosen[1](self.lm_head.data)
+                self.lm_head_fast = self.lm_head_fast or chosen.make_head(self.lm_head.data)
         self.head = cpu_linear.float32_head(self.lm_head.data, self.lm_head_fast, kernels)
-        return chosen[0] if chosen is not None else None
+        return chosen.what if chosen is not None else None
 
     def quantize(self, gemm, mode: str, invariant: bool = False) -> int:
         """Run every projection from a quantized weight (engine/quantize.py) through `gemm`

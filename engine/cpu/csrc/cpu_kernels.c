@@ -32,6 +32,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "packed_gemm.h"
+
 #define MAX_THREADS 64
 static int spin_rounds = 2000;  // _mm_pause rounds an idle worker spins before it sleeps
 #define COL_ALIGN 8        // thread shares start on a multiple of this many columns
@@ -68,7 +70,8 @@ typedef struct {
 } attention_job_t;
 
 static int job_kind;  // 0 linear, 1 decode attention, 2 linear of weight format job_q, 3 dequantize,
-                      // 4 the same linear through integer dot products, 5 LoRA shrink, 6 LoRA expand
+                      // 4 the same linear through integer dot products, 5 LoRA shrink, 6 LoRA expand,
+                      // 7 linear over packed weights (packed_gemm.c)
 // One projection's LoRA deltas for decode rows (kvharbor_lora_decode): x, a, bt and y all float32
 // or all bfloat16 (`bf16`); row_slot[r] is row r's slot, or -1 for the base model.
 #define LORA_MAX_SUBS 4
@@ -85,6 +88,7 @@ static int job_q;
 static linear_job_t job;
 static lora_job_t ljob;
 static attention_job_t ajob;
+static packed_job_t pjob;
 static atomic_int generation;  // bumped for every job; workers wait for it to change
 static atomic_int pending;     // workers still busy with the current job
 static int num_threads = 1;
@@ -687,7 +691,10 @@ static atomic_int forked;
 
 // Thread t's part of the current job.
 static void run_share(int t) {
-    if (job_kind != 1) {
+    if (job_kind == 7) {
+        const int64_t panels = (pjob.n + pjob.nr - 1) / pjob.nr;
+        packed_panels(&pjob, panels * t / num_threads, panels * (t + 1) / num_threads);
+    } else if (job_kind != 1) {
         int64_t units = (job.n + COL_ALIGN - 1) / COL_ALIGN;
         int64_t a = units * t / num_threads * COL_ALIGN, b = units * (t + 1) / num_threads * COL_ALIGN;
         a = a < job.n ? a : job.n, b = b < job.n ? b : job.n;
@@ -806,6 +813,29 @@ void kvharbor_linear(const float *x, int64_t ldx, const float *w, const float *b
     job = (linear_job_t){x, w, NULL, NULL, bias, y, m, k, n, ldx, ldy};
     run_job(0);
     pthread_mutex_unlock(&call_lock);
+}
+
+// The panel width weights are packed in for kvharbor_linear_packed on this process's ISA
+// (linear_isa): 32 columns where the linears run on 16 lanes, else 16.
+int kvharbor_packed_width(void) {
+    pthread_mutex_lock(&call_lock);
+    pick_linear_isa();
+    const int nr = packed_width(linear_isa == 1);
+    pthread_mutex_unlock(&call_lock);
+    return nr;
+}
+
+// y = x @ W^T + bias over W packed in panels of nr columns (packed_gemm.c; float32, or bfloat16
+// with `bf16`). The packing's width picks the microkernel, so a weight's rows keep their bits
+// whatever the process chose later. Returns -1 for a width this CPU has no microkernel for.
+int kvharbor_linear_packed(int bf16, int nr, const float *x, int64_t ldx, const void *w, const float *bias, float *y,
+                           int64_t ldy, int64_t m, int64_t k, int64_t n) {
+    if (nr != packed_width(0) && !(nr == packed_width(1) && __builtin_cpu_supports("avx512f"))) return -1;
+    pthread_mutex_lock(&call_lock);
+    pjob = (packed_job_t){x, w, bias, y, m, k, n, ldx, ldy, bf16, nr};
+    run_job(7);
+    pthread_mutex_unlock(&call_lock);
+    return 0;
 }
 
 // xsums for this call's x (under call_lock). Returns -1 when out of memory.

@@ -1,0 +1,173 @@
+// The batch-invariant GEMM: register-blocked outer-product microkernels over weights packed once
+// at load, for every row count (prefill chunks and decode steps alike).
+//
+// WHY: the dot-product tiles of cpu_kernels.c reduce each output's lanes at its end and load
+// 10 vectors per 24 FMAs; they reached 40-63% of the float32 FMA peak at 128-2,048 rows. Here each
+// output is one float32 sum over k, in order: acc += x[r, k] * w[k, c], one k at a time, in a
+// register for the whole of K (never split: no partial sums to add, so no order to depend on M,
+// on the tile a row lands in, or on the thread count). Batch invariance holds by construction.
+//
+// PACKED LAYOUT: W [N, K] becomes panels of NR columns, [ceil(N / NR)][K][NR], the last panel
+// padded with zero columns: a k-step of a panel is NR consecutive weights, read as NR / lanes
+// vectors. bfloat16 panels interleave their two half-panels (element 2i is column i, 2i + 1 is
+// column i + NR / 2), so one shift and one mask widen a vector of 2 x lanes weights exactly into
+// the two halves, with no cross-lane shuffle. cpu_kernels.py packs (CpuKernels.pack).
+//
+// TILES: MR rows x NR columns of sums live in registers; each k-step loads NR / lanes weight
+// vectors and broadcasts MR x values:
+//   AVX-512 (32 registers): 12 x 32 -> 24 sums + 2 weights + 1 broadcast; 14 loads per 24 FMAs.
+//   AVX2    (16 registers):  6 x 16 -> 12 sums + 2 weights + 1 broadcast;  8 loads per 12 FMAs.
+// Rows left over (M % MR) take the same microkernel with fewer rows: the same sums.
+//
+// BLOCKING: a thread walks its panels for each block of MC rows: the block's x (MC x K floats,
+// <= 590 KB for K = 1,536) and the panel in use (<= 196 KB) share the 1 MB L2 of a Zen 4/5 core;
+// each panel streams from memory once per row block (once per call at decode sizes).
+#include "packed_gemm.h"
+
+#include <immintrin.h>
+
+#define AI static inline __attribute__((always_inline))
+#define AVX512 __attribute__((target("avx512f")))
+#define MR16 12
+#define NR16 32
+#define MR8 6
+#define NR8 16
+#define MC 96  // rows per block, a multiple of both MRs
+
+int packed_width(int avx512) { return avx512 ? NR16 : NR8; }
+
+// ---- AVX-512F: 12 x 32 ----------------------------------------------------------------------------
+
+// R rows (R <= MR16, a constant in each inlined copy) of x against one panel; cols <= 32 valid.
+AI AVX512 void tile16(const int BF, const int R, const float *x, int64_t ldx, const void *panel, int64_t k,
+                      float *y, int64_t ldy, const float *bias, int cols) {
+    __m512 acc[MR16][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    const float *wf = (const float *)panel;
+    const __m512i *wh = (const __m512i *)panel;
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000);
+    for (int64_t i = 0; i < k; i++) {
+        __m512 w0, w1;
+        if (BF) {
+            const __m512i v = _mm512_loadu_si512(wh + i);
+            w0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+            w1 = _mm512_castsi512_ps(_mm512_and_si512(v, high));
+        } else {
+            w0 = _mm512_loadu_ps(wf + i * NR16);
+            w1 = _mm512_loadu_ps(wf + i * NR16 + 16);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512 xb = _mm512_set1_ps(x[r * ldx + i]);
+            acc[r][0] = _mm512_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xb, w1, acc[r][1]);
+        }
+    }
+    const __mmask16 m0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+    const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
+    const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    for (int r = 0; r < R; r++) {
+        _mm512_mask_storeu_ps(y + r * ldy, m0, bias ? _mm512_add_ps(acc[r][0], b0) : acc[r][0]);
+        _mm512_mask_storeu_ps(y + r * ldy + 16, m1, bias ? _mm512_add_ps(acc[r][1], b1) : acc[r][1]);
+    }
+}
+
+// Rows [r0, r1) against one panel: 12-row tiles, then one tile of the rest.
+AI AVX512 void rows16(const int BF, const packed_job_t *j, int64_t r0, int64_t r1, const void *panel, int64_t c0,
+                      int cols) {
+    const float *bias = j->bias ? j->bias + c0 : 0;
+    int64_t r = r0;
+    for (; r + MR16 <= r1; r += MR16)
+        tile16(BF, MR16, j->x + r * j->ldx, j->ldx, panel, j->k, j->y + r * j->ldy + c0, j->ldy, bias, cols);
+    const float *x = j->x + r * j->ldx;
+    float *y = j->y + r * j->ldy + c0;
+#define TAIL16(R) case R: tile16(BF, R, x, j->ldx, panel, j->k, y, j->ldy, bias, cols); break;
+    switch (r1 - r) {
+        TAIL16(1) TAIL16(2) TAIL16(3) TAIL16(4) TAIL16(5) TAIL16(6)
+        TAIL16(7) TAIL16(8) TAIL16(9) TAIL16(10) TAIL16(11)
+    }
+#undef TAIL16
+}
+
+AI AVX512 void panels16(const int BF, const packed_job_t *j, int64_t p0, int64_t p1) {
+    const int64_t panel_bytes = j->k * NR16 * (BF ? 2 : 4);
+    for (int64_t r0 = 0; r0 < j->m; r0 += MC) {
+        const int64_t r1 = r0 + MC < j->m ? r0 + MC : j->m;
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t c0 = p * NR16, left = j->n - c0;
+            rows16(BF, j, r0, r1, (const char *)j->w + p * panel_bytes, c0, left < NR16 ? (int)left : NR16);
+        }
+    }
+}
+
+static AVX512 void run16(const packed_job_t *j, int64_t p0, int64_t p1) {
+    if (j->bf16)
+        panels16(1, j, p0, p1);
+    else
+        panels16(0, j, p0, p1);
+}
+
+// ---- AVX2 + FMA: 6 x 16 ---------------------------------------------------------------------------
+
+AI void tile8(const int BF, const int R, const float *x, int64_t ldx, const void *panel, int64_t k, float *y,
+              int64_t ldy, const float *bias, int cols) {
+    __m256 acc[MR8][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float *wf = (const float *)panel;
+    const __m256i *wh = (const __m256i *)panel;
+    const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+    for (int64_t i = 0; i < k; i++) {
+        __m256 w0, w1;
+        if (BF) {
+            const __m256i v = _mm256_loadu_si256(wh + i);
+            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            w1 = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        } else {
+            w0 = _mm256_loadu_ps(wf + i * NR8);
+            w1 = _mm256_loadu_ps(wf + i * NR8 + 8);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + i);
+            acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float out[NR8];
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+        for (int c = 0; c < cols; c++) y[r * ldy + c] = bias ? out[c] + bias[c] : out[c];
+    }
+}
+
+AI void rows8(const int BF, const packed_job_t *j, int64_t r0, int64_t r1, const void *panel, int64_t c0, int cols) {
+    const float *bias = j->bias ? j->bias + c0 : 0;
+    int64_t r = r0;
+    for (; r + MR8 <= r1; r += MR8)
+        tile8(BF, MR8, j->x + r * j->ldx, j->ldx, panel, j->k, j->y + r * j->ldy + c0, j->ldy, bias, cols);
+    const float *x = j->x + r * j->ldx;
+    float *y = j->y + r * j->ldy + c0;
+#define TAIL8(R) case R: tile8(BF, R, x, j->ldx, panel, j->k, y, j->ldy, bias, cols); break;
+    switch (r1 - r) { TAIL8(1) TAIL8(2) TAIL8(3) TAIL8(4) TAIL8(5) }
+#undef TAIL8
+}
+
+AI void panels8(const int BF, const packed_job_t *j, int64_t p0, int64_t p1) {
+    const int64_t panel_bytes = j->k * NR8 * (BF ? 2 : 4);
+    for (int64_t r0 = 0; r0 < j->m; r0 += MC) {
+        const int64_t r1 = r0 + MC < j->m ? r0 + MC : j->m;
+        for (int64_t p = p0; p < p1; p++) {
+            const int64_t c0 = p * NR8, left = j->n - c0;
+            rows8(BF, j, r0, r1, (const char *)j->w + p * panel_bytes, c0, left < NR8 ? (int)left : NR8);
+        }
+    }
+}
+
+void packed_panels(const packed_job_t *j, int64_t p0, int64_t p1) {
+    if (j->nr == NR16)
+        run16(j, p0, p1);
+    else if (j->bf16)
+        panels8(1, j, p0, p1);
+    else
+        panels8(0, j, p0, p1);
+}

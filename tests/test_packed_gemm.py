@@ -1,0 +1,93 @@
+"""The batch-invariant packed GEMM (engine/cpu/csrc/packed_gemm.c) on both of its microkernels
+(panels 16 wide on AVX2, 32 on AVX-512F where the CPU has it), float32 and bfloat16 weights:
+against float64, and each row's bits the same alone, among 7 and 127 others, in chunks of every
+size and on one thread or two."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvharbor.common.machine import cpu_info
+from kvharbor.engine.cpu import cpu_kernels
+
+KERNELS = cpu_kernels.load(2)
+pytestmark = pytest.mark.skipif(KERNELS is None, reason="the AVX2 kernels cannot run or build here")
+LANES = [8, 16] if "avx512f" in cpu_info().flags else [8]
+SHAPES = [(1, 8), (33, 17), (100, 576), (577, 64), (40, 1536)]  # n % width and odd k included
+
+
+@pytest.fixture(params=LANES, ids=lambda lanes: f"{lanes}-lanes")
+def kernels(request):
+    before = KERNELS.lanes()
+    KERNELS.lanes(request.param)
+    yield KERNELS
+    KERNELS.lanes(before)
+
+
+def error_bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The float32 error a sum over k in order can have: k units of roundoff times sum |x w|."""
+    k = x.shape[1]
+    return k * 2.0**-24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_the_packed_gemm_matches_float64(kernels, dtype, n, k):
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    packed = kernels.pack(w)
+    assert packed.width == (32 if kernels.lanes() == 16 else 16)
+    assert packed.data.shape == (-(-n // packed.width), k, packed.width)
+    bias = torch.randn(n, generator=gen)
+    wide = torch.randn(29, k + 3, generator=gen)
+    x = wide[:, 1 : 1 + k]  # rows strided, as a slice of a fused projection's output
+    for b in (None, bias):
+        got = kernels.linear_packed(x, packed, b)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert got.shape == (29, n) and got.dtype == torch.float32
+        assert ((got.double() - want).abs() <= error_bound(x, w) + 1e-6 * (0 if b is None else 1)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(kernels, dtype):
+    """Alone, among 7 and among 127 others, in chunks of every size from 1 to 25, and on one
+    thread against two: the same bits."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 200, 96
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    packed, bias = kernels.pack(w), torch.randn(n, generator=gen)
+    x = torch.randn(128, k, generator=gen)
+    whole = kernels.linear_packed(x, packed, bias)
+    for row in (0, 5, 77, 127):
+        assert torch.equal(kernels.linear_packed(x[row : row + 1], packed, bias)[0], whole[row])
+        eight = torch.cat([x[row : row + 1], x[:7]]) if row >= 7 else x[:8]
+        at = 0 if row >= 7 else row
+        assert torch.equal(kernels.linear_packed(eight, packed, bias)[at], whole[row])
+    for size in range(1, 26):
+        chunks = [kernels.linear_packed(part, packed, bias) for part in x.split(size)]
+        assert torch.equal(torch.cat(chunks), whole), size
+    threads = kernels.threads
+    try:
+        kernels._lib.kvharbor_set_threads(1)
+        assert torch.equal(kernels.linear_packed(x, packed, bias), whole)
+    finally:
+        kernels._lib.kvharbor_set_threads(threads)
+
+
+def test_bad_inputs_are_refused_with_what_was_given():
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        KERNELS.pack(torch.zeros(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"\[n, k\]"):
+        KERNELS.pack(torch.zeros(8))
+    packed = KERNELS.pack(torch.zeros(4, 8))
+    with pytest.raises(ValueError, match=r"x \[m, 8\]"):
+        KERNELS.linear_packed(torch.zeros(2, 9), packed)
+    assert KERNELS.linear_packed(torch.zeros(0, 8), packed).shape == (0, 4)
+
+
+def test_a_packing_on_a_width_the_cpu_lacks_is_refused():
+    odd = cpu_kernels.PackedWeight(torch.zeros(1, 8, 24), 4, 8, 24)  # no microkernel is 24 wide
+    with pytest.raises(ValueError, match="24 wide"):
+        KERNELS.linear_packed(torch.zeros(2, 8), odd)
