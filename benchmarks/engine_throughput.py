@@ -13,6 +13,9 @@ Usage: python benchmarks/engine_throughput.py [--quick] [--hf-batch 16] [--dtype
 
 from __future__ import annotations
 
+import kvharbor.engine  # noqa: F401  first: OpenMP's wait policy is read when torch loads (engine/__init__.py)
+
+# isort: split
 import argparse
 import json
 import os

@@ -21,6 +21,9 @@ Prints a table, writes benchmarks/results/families.{json,png}.
 
 from __future__ import annotations
 
+import kvharbor.engine  # noqa: F401  first: OpenMP's wait policy is read when torch loads (engine/__init__.py)
+
+# isort: split
 import argparse
 import asyncio
 import json

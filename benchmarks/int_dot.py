@@ -13,6 +13,9 @@ two builds alternating. Prints a table, writes benchmarks/results/int_dot.json w
 
 from __future__ import annotations
 
+import kvharbor.engine  # noqa: F401  first: OpenMP's wait policy is read when torch loads (engine/__init__.py)
+
+# isort: split
 import argparse
 import json
 import sys

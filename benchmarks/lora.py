@@ -24,6 +24,9 @@ Prints a table, writes benchmarks/results/lora.{json,png}.
 
 from __future__ import annotations
 
+import kvharbor.engine  # noqa: F401  first: OpenMP's wait policy is read when torch loads (engine/__init__.py)
+
+# isort: split
 import argparse
 import itertools
 import json

@@ -21,6 +21,9 @@ benchmarks/results/profile_step.{json,png} with the machine it ran on.
 
 from __future__ import annotations
 
+import kvharbor.engine  # noqa: F401  first: OpenMP's wait policy is read when torch loads (engine/__init__.py)
+
+# isort: split
 import argparse
 import json
 import sys

@@ -44,6 +44,9 @@ Prints a table, writes benchmarks/results/quality.{json,png} (speed against KL f
 
 from __future__ import annotations
 
+import kvharbor.engine  # noqa: F401  first: OpenMP's wait policy is read when torch loads (engine/__init__.py)
+
+# isort: split
 import argparse
 import importlib
 import inspect

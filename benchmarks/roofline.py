@@ -21,6 +21,9 @@ benchmarks/results/roofline.json (with the machine) and a roofline plot beside i
 
 from __future__ import annotations
 
+import kvharbor.engine  # noqa: F401  first: OpenMP's wait policy is read when torch loads (engine/__init__.py)
+
+# isort: split
 import argparse
 import ctypes
 import json

@@ -70,7 +70,7 @@ def test_bfloat16_logits_are_float32_sums(tiny_llama, make_llm, options):
     assert got.dtype == torch.float32 and hidden.dtype == torch.float32
     assert (got != got.bfloat16().float()).float().mean() > 0.9  # float32 values, not bfloat16 ones
     h = F.rms_norm(hidden.double(), (hidden.shape[-1],), model.norm.double(), model.arch.rms_norm_eps)
-    want = F.linear(h, model.lm_head.double())
+    want = F.linear(h, model.head_weight().double())
     assert (got.double() - want).abs().max() <= 1e-4 * want.abs().max()
 
 

@@ -13,7 +13,7 @@ ENGINE = Path(__file__).resolve().parent.parent / "engine"
 # Bottom to top. A root module by its name, a subpackage by its folder.
 LAYERS: list[tuple[str, set[str]]] = [
     ("contracts and basics", {"config", "sampling_params", "request", "core_io", "outputs", "quantize", "pooling",
-                              "decode_fit", "link_frames", "detokenizer", "counter_board"}),
+                              "decode_fit", "link_frames", "detokenizer", "counter_board", "omp_policy"}),
     ("kernels", {"cpu", "kernels"}),
     ("the KV cache", {"kv"}),
     ("the model", {"model", "lora"}),

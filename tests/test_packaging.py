@@ -158,3 +158,17 @@ def test_importing_the_engine_makes_openmp_wait_passively():
     code = "import os, kvharbor.engine; print(os.environ['OMP_WAIT_POLICY'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "PASSIVE"
+
+
+@pytest.mark.slow  # fresh interpreters
+def test_an_engine_loaded_after_torch_without_a_policy_says_how_to_fix_it():
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    code = ("import logging, sys; logging.basicConfig(); {first}\n"
+            "from kvharbor.engine.model.device import set_cpu_threads\n"
+            "import torch; cpu = torch.device('cpu'); set_cpu_threads(cpu, 1); set_cpu_threads(cpu, 1)")  # fmt: skip
+    late = subprocess.run([sys.executable, "-c", code.format(first="import torch")], env=env, capture_output=True,
+                          text=True, check=True)  # fmt: skip
+    assert late.stderr.count("OMP_WAIT_POLICY=PASSIVE") == 1  # once per process
+    early = subprocess.run([sys.executable, "-c", code.format(first="import kvharbor.engine")], env=env,
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    assert "OMP_WAIT_POLICY" not in early.stderr

@@ -1,7 +1,8 @@
 """The batch-invariant packed GEMM (engine/cpu/csrc/packed_gemm.c) on both of its microkernels
 (panels 16 wide on AVX2, 32 on AVX-512F where the CPU has it), float32 and bfloat16 weights:
 against float64, and each row's bits the same alone, among 7 and 127 others, in chunks of every
-size and on one thread or two."""
+size and on one thread or two; a packed weight's rows read back exact, and a batch-invariant model
+keeping only the packed copies (a tied embedding read from its LM head's)."""
 
 from __future__ import annotations
 
@@ -91,3 +92,30 @@ def test_a_packing_on_a_width_the_cpu_lacks_is_refused():
     odd = cpu_kernels.PackedWeight(torch.zeros(1, 8, 24), 4, 8, 24)  # no microkernel is 24 wide
     with pytest.raises(ValueError, match="24 wide"):
         KERNELS.linear_packed(torch.zeros(2, 8), odd)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_a_packed_weight_gives_back_its_rows(kernels, dtype):
+    """A tied embedding's lookups read the LM head's packed copy: every row comes back exact."""
+    w = torch.randn(77, 40, generator=torch.Generator().manual_seed(3)).to(dtype)
+    packed = kernels.pack(w)
+    ids = torch.tensor([0, 76, 15, 16, 31, 32, 33, 15])
+    assert torch.equal(packed.rows(ids), w[ids])
+    assert torch.equal(packed.unpack(), w)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("case", ["tiny_llama", "tiny_qwen2"])  # an LM head of its own, a tied one
+def test_a_batch_invariant_model_keeps_only_the_packed_copies(case, dtype, make_llm, request):
+    model_case = request.getfixturevalue(case)
+    llm = make_llm(model_case.loaded, dtype=dtype, batch_invariant="on")
+    model = llm.engine.core.model
+    assert all(p.numel() == 0 for layer in model.layers for p in (layer.qkv, layer.o_proj, layer.gate_up, layer.down))
+    assert model.lm_head.numel() == 0 and (model.embed.numel() == 0) == model.arch.tie_word_embeddings
+    packed = [f.weight.nbytes for layer in model.layers for f in layer.fast.values()]
+    packed.append(model.lm_head_fast.weight.nbytes)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model.weight_bytes() == sum(packed) + params  # the packed copies, counted once
+    ids = torch.tensor(model_case.prompts[0])
+    want = model_case.hf.get_input_embeddings().weight[ids].to(getattr(torch, dtype))
+    assert torch.equal(model._embed(ids), want)  # a tied embedding read back from the packed head

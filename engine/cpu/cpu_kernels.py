@@ -443,6 +443,19 @@ class PackedWeight:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight as it was before packing, [len(ids), k]: a tied embedding's
+        lookups read the LM head's packed copy, so no unpacked one is kept."""
+        panel, col = ids // self.width, ids % self.width
+        if self.data.dtype == torch.bfloat16:  # the half-panels interleaved (pack)
+            half = self.width // 2
+            col = torch.where(col < half, 2 * col, 2 * (col - half) + 1)
+        return self.data[panel, :, col]
+
+    def unpack(self) -> torch.Tensor:
+        """The whole weight as it was before packing, [n, k]."""
+        return self.rows(torch.arange(self.n))
+
 
 @dataclass(frozen=True)
 class LoRAPlan:

@@ -8,8 +8,8 @@
   (engine/cpu/csrc/packed_gemm.c: float32 weights, or bfloat16 weights widened exactly, products
   summed in float32), whose order of summation does not depend on how many rows a call has;
   oneDNN and MKL choose their blocking by the row count, so a token's projection would change with
-  the batch it runs in. The projections are packed once at load and their unpacked copies
-  released; the LM head (often the embedding too) stays as it is, on the dot-product kernel.
+  the batch it runs in. The projections and the LM head are packed once at load and their
+  unpacked copies released; a tied embedding's lookups read the LM head's packed copy.
 
 The LM head has its own choice, `float32_head`: logits are always float32 sums of float32 (or
 exactly widened) products, never rounded to the model dtype: bfloat16 logits of ~25 are 0.125
@@ -110,7 +110,7 @@ PREFILL_ROWS_HINT = 128
 
 
 def _invariant_linears(dtype: torch.dtype, device: torch.device, threads: int) -> LinearPlan:
-    from kvharbor.engine.cpu.cpu_kernels import SkinnyLinear, load
+    from kvharbor.engine.cpu.cpu_kernels import load
 
     gemm = load(threads) if device.type == "cpu" else None
     if gemm is None or dtype not in (torch.float32, torch.bfloat16):
@@ -123,9 +123,7 @@ def _invariant_linears(dtype: torch.dtype, device: torch.device, threads: int) -
             f"{gemm.lanes()} lanes, panels {gemm.packed_width()} wide)")  # fmt: skip
     if dtype == torch.bfloat16:
         what += ", float32 activations"
-    return LinearPlan(
-        what, lambda w: PackedLinear(gemm, w), lambda w: SkinnyLinear(gemm, w, None, max_rows=None)
-    )  # fmt: skip
+    return LinearPlan(what, lambda w: PackedLinear(gemm, w), lambda w: PackedLinear(gemm, w))
 
 
 class PackedLinear:

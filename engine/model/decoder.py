@@ -139,6 +139,7 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq_local", None if local is None else local.to(device), persistent=False)
         self.embed_scale = arch.hidden_size**0.5 if arch.embed_scale else None
         self.lm_head_fast: cpu_linear.FastLinear | None = None
+        self.embed_packed = None  # a tied embedding read from the LM head's packed copy (_release_head)
         # GGUF blocks kept as they are (--quantization gguf) for the embedding and the LM head.
         self.embed_blocks: QuantWeight | None = None
         self.head_blocks: QuantWeight | None = None
@@ -172,8 +173,10 @@ class LlamaModel(nn.Module):
         if chosen is not None:
             for layer in self.layers:
                 layer.prepare(chosen.make)
-            if dtype == torch.float32:
+            if dtype == torch.float32 or invariant:  # a float32 head either way
                 self.lm_head_fast = self.lm_head_fast or chosen.make_head(self.lm_head.data)
+                if getattr(self.lm_head_fast, "owns_weight", False):
+                    self._release_head(self.lm_head_fast.weight)
         self.head = cpu_linear.float32_head(self.lm_head.data, self.lm_head_fast, kernels)
         return chosen.what if chosen is not None else None
 
@@ -232,7 +235,23 @@ class LlamaModel(nn.Module):
             total += self.embed_blocks.nbytes  # the tied case counts once, as the LM head
         return total
 
+    def _release_head(self, packed) -> None:
+        """Keep only the LM head's packed copy (cpu_kernels.PackedWeight); a tied embedding then
+        reads its rows from it."""
+        if self.arch.tie_word_embeddings:
+            self.embed_packed = packed
+            self.embed.data = torch.empty(0, dtype=self.embed.dtype, device=self.embed.device)
+        else:
+            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype, device=self.lm_head.device)
+
+    def head_weight(self) -> torch.Tensor:
+        """The LM head's weight [vocab, hidden], unpacked again if only a packed copy is kept."""
+        packed = getattr(self.lm_head_fast, "weight", None)
+        return packed.unpack() if self.lm_head.numel() == 0 and hasattr(packed, "unpack") else self.lm_head
+
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_packed is not None:
+            return self.embed_packed.rows(input_ids)
         if self.embed_blocks is None:
             return F.embedding(input_ids, self.embed)
         return self.embed_blocks.dequantize(input_ids).to(self.embed.dtype)  # only the rows asked for

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 
 import torch
 
 from kvharbor.common.machine import CpuInfo, auto_cpu_dtype
+from kvharbor.engine import omp_policy
+
+log = logging.getLogger("kvharbor.engine.model.device")
 
 
 def physical_cores() -> int:
@@ -48,3 +53,14 @@ def cpu_threads(device: torch.device, threads: int | None) -> int:
 def set_cpu_threads(device: torch.device, threads: int | None) -> None:
     if device.type == "cpu":
         torch.set_num_threads(cpu_threads(device, threads))
+        if not omp_policy.POLICY_SET:
+            _warn_spinning_threads()
+
+
+@functools.cache  # once per process
+def _warn_spinning_threads() -> None:
+    log.warning(
+        "torch was imported before kvharbor.engine, so OpenMP's idle threads spin and slow every "
+        "step (about 2x on 2 cores): import kvharbor.engine first, or set OMP_WAIT_POLICY=PASSIVE "
+        "GOMP_SPINCOUNT=20000 in the environment"
+    )
