@@ -986,16 +986,21 @@ static inline __attribute__((always_inline)) __m256 load_row(const int KV, const
     return _mm256_loadu_ps((const float *)row + i);
 }
 
-// a . row over d elements (row as load_row reads it).
-static inline __attribute__((always_inline)) float dot(const int KV, const float *a, const char *row, int64_t d) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_row(KV, row, i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load_row(KV, row, i + 8), s1);
+// The scores of q against 8 rows (as load_row reads them) over d elements: one 8-lane sum per row,
+// in d order, then the 8 sums reduced together in one fixed tree (hadd pairs within 128-bit
+// halves, then the halves added), 9 instructions for 8 scores where one hsum each took ~5.
+// A score's bits depend only on q and its own row, never on the other seven.
+static inline __attribute__((always_inline)) __m256 scores8(const int KV, const float *q, const char *const *rows,
+                                                            int64_t d) {
+    __m256 v[8];
+    for (int i = 0; i < 8; i++) v[i] = _mm256_setzero_ps();
+    for (int64_t e = 0; e < d; e += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + e);
+        for (int i = 0; i < 8; i++) v[i] = _mm256_fmadd_ps(qv, load_row(KV, rows[i], e), v[i]);
     }
-    if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load_row(KV, row, i), s0);
-    return hsum(_mm256_add_ps(s0, s1));
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
 // Units [first, last) of (sequence, KV head), each: the G query heads of that KV head against
@@ -1027,10 +1032,14 @@ static inline __attribute__((always_inline)) void attention_units(const int KV, 
             const int64_t nb = ctx - t0 < ATT_BLOCK ? ctx - t0 : ATT_BLOCK;
             const char *krow[ATT_BLOCK], *vrow[ATT_BLOCK];
             float kscale[ATT_BLOCK], vscale[ATT_BLOCK];
-            for (int64_t i = 0; i < nb; i++) {
-                int64_t t = t0 + i, slot = (int64_t)table[t / j.block_size] * j.block_size + t % j.block_size;
-                krow[i] = kc + slot * row;
-                vrow[i] = vc + slot * row;
+            // The block's slots: one division, then the offset steps through the cache blocks.
+            int64_t blk = t0 / j.block_size, off = t0 % j.block_size;
+            for (int64_t i = 0; i < ATT_BLOCK; i++) {
+                // Positions past the context read the block's first row; their scores are dropped.
+                const int64_t slot = i < nb ? (int64_t)table[blk] * j.block_size + off : -1;
+                krow[i] = slot < 0 ? krow[0] : kc + slot * row;
+                vrow[i] = slot < 0 ? vrow[0] : vc + slot * row;
+                if (++off == j.block_size) off = 0, blk++;
                 if (Q8) {
                     uint16_t hk, hv;
                     __builtin_memcpy(&hk, krow[i] + D, 2);
@@ -1040,9 +1049,11 @@ static inline __attribute__((always_inline)) void attention_units(const int KV, 
             }
             for (int64_t h = 0; h < G; h++) {
                 float s[ATT_BLOCK] __attribute__((aligned(32)));
+                _mm256_store_ps(s, scores8(KV, q + h * D, krow, D));
+                if (nb > 8) _mm256_store_ps(s + 8, scores8(KV, q + h * D, krow + 8, D));
                 float top = m[h];
                 for (int64_t i = 0; i < nb; i++) {
-                    s[i] = dot(KV, q + h * D, krow[i], D) * (Q8 ? kscale[i] : j.scale);
+                    s[i] *= Q8 ? kscale[i] : j.scale;
                     if (j.softcap > 0.0f) s[i] = j.softcap * tanhf(s[i] / j.softcap);
                     top = s[i] > top ? s[i] : top;
                 }
