@@ -126,6 +126,52 @@ def test_decode_attention_reads_bfloat16_rows_and_each_query_alone_gives_the_sam
         KERNELS.decode_attention(q, k_cache, v_cache.float(), tables, ctx_lens, block_size, out)
 
 
+def prompt_rows(lengths: list[tuple[int, int]], num_blocks: int, block_size: int, gen) -> tuple:
+    """Prefill rows of several sequences, (start, n) each: every row its sequence's table, its
+    context up to its own position; and the runs that group each sequence's rows."""
+    tables, ctx_lens, runs = [], [], [0]
+    for start, n in lengths:
+        table = torch.randperm(num_blocks, generator=gen)[: -(-(start + n) // block_size)]
+        table = torch.cat([table, table.new_zeros(num_blocks - len(table))])
+        tables += [table] * n
+        ctx_lens += range(start + 1, start + n + 1)
+        runs.append(runs[-1] + n)
+    return (torch.stack(tables).to(torch.int32), torch.tensor(ctx_lens, dtype=torch.int32),
+            torch.tensor(runs, dtype=torch.int64))  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize(("heads", "kv_heads", "window", "softcap"), [(9, 3, 0, 0.0), (16, 1, 0, 0.0), (8, 2, 21, 0.0),
+                                                                     (4, 4, 7, 3.0)])  # fmt: skip
+def test_prompt_rows_in_tiles_give_each_query_its_bits_alone(kv_dtype, heads, kv_heads, window, softcap):
+    """A prompt's rows attended in tiles that share their K/V reads (runs: up to 16 rows, or
+    48 query heads, a tile) give every query the bits it gets alone, as a decode row, and match
+    float64: windows cut mid-block, tiles of 3 rows (16 heads per KV head), chunks with a cached
+    start, a one-row run."""
+    dim, block_size, num_blocks = 32, 16, 20
+    gen = torch.Generator().manual_seed(heads + window)
+    k_cache = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen).to(kv_dtype)
+    v_cache = torch.randn(kv_heads, num_blocks * block_size, dim, generator=gen).to(kv_dtype)
+    tables, ctx_lens, runs = prompt_rows([(0, 45), (37, 20), (100, 1), (3, 17)], num_blocks, block_size, gen)
+    q = torch.randn(len(ctx_lens), heads, dim, generator=gen)
+    tiled = torch.empty(len(ctx_lens), heads, dim)
+    how = dict(window=window, softcap=softcap)
+    KERNELS.decode_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, tiled, runs=runs, **how)
+    want = reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, None, window, softcap)
+    assert (tiled.double() - want).abs().max() <= 1e-5
+    alone = torch.empty_like(tiled)
+    KERNELS.decode_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, alone, **how)  # a tile per row
+    assert torch.equal(tiled, alone)
+    for row in (0, 44, 45, 64, 65, 81):
+        one = torch.empty(1, heads, dim)
+        part = slice(row, row + 1)
+        KERNELS.decode_attention(q[part], k_cache, v_cache, tables[part], ctx_lens[part], block_size, one, **how)
+        assert torch.equal(one[0], tiled[row])
+    with pytest.raises(ValueError, match="runs"):
+        KERNELS.decode_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, tiled, runs=runs[:-1], **how)
+
+
 @needs_kernels
 @pytest.mark.parametrize(("n", "k"), [(1, 8), (7, 13), (1000, 64), (96, 576)])
 def test_a_bfloat16_weight_gives_float32_sums_the_same_for_any_row_count(n, k):

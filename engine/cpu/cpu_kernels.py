@@ -105,7 +105,7 @@ class CpuKernels:
         lib.kvharbor_dequantize.restype = c_int
         lib.kvharbor_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64,
                                                   i64, i64, ctypes.c_float, ctypes.c_int, i64,
-                                                  ctypes.c_float]  # fmt: skip
+                                                  ctypes.c_float, ptr, i64]  # fmt: skip
         lib.kvharbor_decode_attention.restype = ctypes.c_int
         lib.kvharbor_kv_write_int8.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64]
         lib.kvharbor_kv_write_int8.restype = None
@@ -402,11 +402,14 @@ class CpuKernels:
         scale: float | None = None,  # the scores' scale; None: dim ** -0.5
         window: int = 0,  # > 0: attend to the last `window` positions of each context only
         softcap: float = 0.0,  # > 0: scores soft-capped, softcap * tanh(score / softcap)
+        runs: torch.Tensor | None = None,  # int64 [n + 1] row offsets: runs of one sequence's rows
     ) -> None:
-        """Attention of one query per sequence over its first ctx_lens positions, in place from
-        the paged cache (float32 or bfloat16 rows, or engine/kv/kv_quant.py's int8 rows); q and out
-        float32. A query's result does not depend on the others in the call. Raises ValueError for
-        a shape the kernel does not take."""
+        """Attention of one query per row over its first ctx_lens positions, in place from the
+        paged cache (float32 or bfloat16 rows, or engine/kv/kv_quant.py's int8 rows); q and out
+        float32. `runs`: rows [runs[i], runs[i + 1]) are one sequence's consecutive positions (the
+        same table), attended in tiles that read each K/V block once; None: every row its own.
+        A query's result does not depend on the others in the call, nor on the runs. Raises
+        ValueError for a shape the kernel does not take."""
         b, heads, dim = q.shape
         kv_heads, slots, row = k_cache.shape
         kv_fmt = KV_FORMATS.get(k_cache.dtype)
@@ -416,11 +419,17 @@ class CpuKernels:
         for name, t in (("q", q), ("out", out)):
             if t.stride(2) != 1 or t.stride(1) != dim or t.dtype != torch.float32:
                 raise ValueError(f"decode attention needs {name} float32 with its heads packed in each row")
+        if runs is not None and (runs.dtype != torch.int64 or not runs.is_contiguous() or runs[0] != 0
+                                 or runs[-1] != b or bool((runs[1:] < runs[:-1]).any())):  # fmt: skip
+            raise ValueError(f"decode attention's runs are contiguous int64 row offsets rising from 0 to {b}")
         code = self._lib.kvharbor_decode_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots * row * k_cache.element_size(),
             tables.data_ptr(), tables.stride(0), ctx_lens.data_ptr(), out.data_ptr(), out.stride(0), b, heads,
             kv_heads, dim, block_size, dim**-0.5 if scale is None else scale, kv_fmt, window, softcap,
+            _ptr(runs), 0 if runs is None else runs.numel() - 1,
         )  # fmt: skip
+        if code == -2:
+            raise MemoryError("decode attention could not allocate its tiles")
         if code != 0:
             raise ValueError(f"decode attention does not take heads={heads}, kv_heads={kv_heads}, dim={dim}")
 

@@ -63,6 +63,7 @@ class CpuDecode:
     kernels: Any  # cpu_kernels.CpuKernels
     tables: torch.Tensor  # [rows, max_blocks] int32, padded with 0
     ctx_lens: torch.Tensor  # [rows] int32
+    runs: torch.Tensor | None = None  # int64 row offsets of each sequence's rows (tiled); None: a row each
 
 
 @dataclass(frozen=True)
@@ -241,24 +242,25 @@ def _invariant_metadata(
 ) -> AttentionMetadata:
     """Every row of the step through the CPU kernel, each as one query over the context up to its
     own position (written first): the same computation for a token whether it is decoded alone,
-    in a batch, in a prefill chunk of any size, or recomputed after a preemption.
-    NOTE: prefill attention then costs one pass over the context per row (no shared tiles): fine
-    for chat-sized prompts, a visible share of a long document's prefill."""
+    in a batch, in a prefill chunk of any size, or recomputed after a preemption. A sequence's rows
+    go as one run, which the kernel attends in tiles that share their K/V reads."""
     if kernels is None or kv_dtype == "fp8":
         raise ValueError("batch-invariant attention needs the CPU kernels and a float32, bfloat16 or int8 KV cache")
     rows = sum(lengths)
     width = max(-(-(s + n) // block_size) for s, n in zip(starts, lengths, strict=True))
     tables = torch.zeros(rows, width, dtype=torch.int32)
     ctx_lens = torch.empty(rows, dtype=torch.int32)
-    r = 0
+    r, runs = 0, [0]
     for table, start, n in zip(block_tables, starts, lengths, strict=True):
         used = -(-(start + n) // block_size)
         tables[r : r + n, :used] = torch.tensor(table[:used], dtype=torch.int32)
         ctx_lens[r : r + n] = torch.arange(start + 1, start + n + 1, dtype=torch.int32)
         r += n
+        runs.append(r)
     return AttentionMetadata(
         block_size, torch.tensor(slots, dtype=torch.long), num_decodes, [], [],
-        cpu_decode=CpuDecode(kernels, tables, ctx_lens), kv_dtype=kv_dtype, kv_writer=kernels,
+        cpu_decode=CpuDecode(kernels, tables, ctx_lens, torch.tensor(runs, dtype=torch.int64)), kv_dtype=kv_dtype,
+        kv_writer=kernels,
         slot_bounds=(min(slots), max(slots)) if slots else None,
     )  # fmt: skip
 
@@ -340,7 +342,7 @@ def paged_attention(
     bs = meta.block_size
     if (cpu := meta.cpu_decode) is not None:
         n = cpu.tables.shape[0]
-        how = dict(scale=layer.scale, window=layer.window or 0, softcap=layer.softcap or 0.0)
+        how = dict(scale=layer.scale, window=layer.window or 0, softcap=layer.softcap or 0.0, runs=cpu.runs)
         if q.dtype == torch.float32:
             cpu.kernels.decode_attention(q[:n], k_cache, v_cache, cpu.tables, cpu.ctx_lens, bs, out[:n], **how)
         else:  # bfloat16: the kernel takes float32 queries (widened exactly) and writes float32

@@ -67,6 +67,8 @@ typedef struct {
     float scale, softcap;  // softcap 0: none; else each score becomes softcap * tanh(score / softcap)
     int kv_fmt;
     int64_t window;  // 0: the whole context; else only its last `window` positions (sliding window)
+    const int64_t *tile_starts;  // tiles + 1 row offsets: a tile's rows share their sequence's table
+    int64_t tiles;
 } attention_job_t;
 
 static int job_kind;  // 0 linear, 1 decode attention, 2 linear of weight format job_q, 3 dequantize,
@@ -684,7 +686,7 @@ static void lora_expand(int64_t c0, int64_t c1) {
     }
 }
 
-static void run_attention(int64_t first, int64_t last);
+static void run_attention(int64_t first, int64_t stride);
 static void start_workers(int n);
 static int wanted;
 static atomic_int forked;
@@ -709,8 +711,7 @@ static void run_share(int t) {
         else
             run_columns(job_kind == 0 ? 0 : job_q, a, b);
     } else {
-        int64_t units = ajob.seqs * ajob.kv_heads;
-        run_attention(units * t / num_threads, units * (t + 1) / num_threads);
+        run_attention(t, num_threads);
     }
 }
 
@@ -1003,69 +1004,97 @@ static inline __attribute__((always_inline)) __m256 scores8(const int KV, const 
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
-// Units [first, last) of (sequence, KV head), each: the G query heads of that KV head against
-// every position of the sequence's context, in blocks of ATT_BLOCK positions:
+// One unit: a tile of query rows (consecutive rows of one sequence, so one block table; a decode
+// row is a tile of its own) x one KV head, its G query heads per row, against the positions of
+// their contexts in blocks of ATT_BLOCK, each block's K and V rows loaded once for the whole tile:
 //   | block 0 | block 1 | ... |   scores -> running max m, sum l, and acc = sum p v, rescaled.
 // int8 rows: a score is (q . codes) x the K row's scale; a value row adds p x its scale x codes.
-// NOTE: a query's result depends only on it and its context (the positions are visited in the same
-// order, in the same blocks, whatever else the call holds): batch-invariant mode runs prefill rows
-// through here too, so a token's attention is the same bits in any batch or chunk.
-static inline __attribute__((always_inline)) void attention_units(const int KV, int64_t first, int64_t last) {
-    const attention_job_t j = ajob;
+// NOTE: a query's result depends only on it and its context: its blocks are the same (aligned to
+// ATT_BLOCK in absolute positions, those before its window or past its context masked), visited
+// in the same order with the same arithmetic, whatever tile it is in and whatever else the call
+// holds. Batch-invariant mode runs prefill rows through here, so a token's attention is the same
+// bits in any batch or chunk, and a long prompt's rows share their K/V reads (a 2,048-token
+// prompt's queries each read 1.3 MB of K/V per head, one row at a time; in tiles of 16, 1/16 of it).
+#define TILE_ROWS 16
+#define TILE_HEADS 48  // query heads (rows x G) a tile holds sums for: 48 x 256 floats, 48 KB of stack
+static inline __attribute__((always_inline)) void attention_tile(const int KV, const attention_job_t *j, int64_t r0,
+                                                                 int64_t r1, int64_t g) {
     const int Q8 = KV == 1;
-    const int64_t G = j.heads / j.kv_heads, D = j.dim;
+    const int64_t G = j->heads / j->kv_heads, D = j->dim, T = r1 - r0;
     const int64_t row = Q8 ? D + 2 : KV == 2 ? D * 2 : D * 4;  // bytes per (slot, head) row
-    for (int64_t u = first; u < last; u++) {
-        const int64_t b = u / j.kv_heads, g = u % j.kv_heads, ctx = j.ctx_lens[b];
-        const int64_t begin = j.window > 0 && ctx > j.window ? ctx - j.window : 0;
-        const int32_t *table = j.tables + b * j.table_stride;
-        const char *kc = (const char *)j.k_cache + g * j.head_stride, *vc = (const char *)j.v_cache + g * j.head_stride;
-        const float *q = j.q + b * j.q_row + g * G * D;
-        float acc[MAX_GROUP][MAX_DIM] __attribute__((aligned(32)));
-        float m[MAX_GROUP], l[MAX_GROUP];
-        for (int64_t h = 0; h < G; h++) {
-            m[h] = -INFINITY;
-            l[h] = 0.0f;
-            for (int64_t d = 0; d < D; d++) acc[h][d] = 0.0f;
-        }
-        for (int64_t t0 = begin; t0 < ctx; t0 += ATT_BLOCK) {
-            const int64_t nb = ctx - t0 < ATT_BLOCK ? ctx - t0 : ATT_BLOCK;
-            const char *krow[ATT_BLOCK], *vrow[ATT_BLOCK];
-            float kscale[ATT_BLOCK], vscale[ATT_BLOCK];
-            // The block's slots: one division, then the offset steps through the cache blocks.
-            int64_t blk = t0 / j.block_size, off = t0 % j.block_size;
-            for (int64_t i = 0; i < ATT_BLOCK; i++) {
-                // Positions past the context read the block's first row; their scores are dropped.
-                const int64_t slot = i < nb ? (int64_t)table[blk] * j.block_size + off : -1;
-                krow[i] = slot < 0 ? krow[0] : kc + slot * row;
-                vrow[i] = slot < 0 ? vrow[0] : vc + slot * row;
-                if (++off == j.block_size) off = 0, blk++;
-                if (Q8) {
-                    uint16_t hk, hv;
-                    __builtin_memcpy(&hk, krow[i] + D, 2);
-                    __builtin_memcpy(&hv, vrow[i] + D, 2);
-                    kscale[i] = bf16_to_float(hk) * j.scale, vscale[i] = bf16_to_float(hv);
-                }
+    const int32_t *table = j->tables + r0 * j->table_stride;
+    const char *kc = (const char *)j->k_cache + g * j->head_stride, *vc = (const char *)j->v_cache + g * j->head_stride;
+    float acc[TILE_HEADS][MAX_DIM] __attribute__((aligned(32)));
+    float m[TILE_HEADS], l[TILE_HEADS];
+    int64_t ctx[TILE_ROWS], begin[TILE_ROWS], first = INT64_MAX, last = 0;
+    for (int64_t r = 0; r < T; r++) {
+        ctx[r] = j->ctx_lens[r0 + r];
+        begin[r] = j->window > 0 && ctx[r] > j->window ? ctx[r] - j->window : 0;
+        first = begin[r] < first ? begin[r] : first;
+        last = ctx[r] > last ? ctx[r] : last;
+    }
+    for (int64_t hh = 0; hh < T * G; hh++) {
+        m[hh] = -INFINITY;
+        l[hh] = 0.0f;
+        for (int64_t d = 0; d < D; d++) acc[hh][d] = 0.0f;
+    }
+    for (int64_t t0 = first - first % ATT_BLOCK; t0 < last; t0 += ATT_BLOCK) {
+        const int64_t nb = last - t0 < ATT_BLOCK ? last - t0 : ATT_BLOCK;
+        const char *krow[ATT_BLOCK], *vrow[ATT_BLOCK];
+        float kscale[ATT_BLOCK], vscale[ATT_BLOCK];
+        // The block's slots: one division, then the offset steps through the cache blocks.
+        int64_t blk = t0 / j->block_size, off = t0 % j->block_size;
+        for (int64_t i = 0; i < ATT_BLOCK; i++) {
+            // Positions past every context read the block's first row; their scores are dropped.
+            const int64_t slot = i < nb ? (int64_t)table[blk] * j->block_size + off : -1;
+            krow[i] = slot < 0 ? krow[0] : kc + slot * row;
+            vrow[i] = slot < 0 ? vrow[0] : vc + slot * row;
+            if (++off == j->block_size) off = 0, blk++;
+            if (Q8) {
+                uint16_t hk, hv;
+                __builtin_memcpy(&hk, krow[i] + D, 2);
+                __builtin_memcpy(&hv, vrow[i] + D, 2);
+                kscale[i] = bf16_to_float(hk) * j->scale, vscale[i] = bf16_to_float(hv);
             }
+        }
+        for (int64_t r = 0; r < T; r++) {
+            if (t0 >= ctx[r] || t0 + ATT_BLOCK <= begin[r]) continue;  // none of r's positions
+            const int64_t n = ctx[r] - t0 < ATT_BLOCK ? ctx[r] - t0 : ATT_BLOCK;  // r's positions here
+            const int64_t skip = begin[r] > t0 ? begin[r] - t0 : 0;              // before r's window
+            const float *q = j->q + (r0 + r) * j->q_row + g * G * D;
             for (int64_t h = 0; h < G; h++) {
+                float *a_h = acc[r * G + h];
+                float *m_h = m + r * G + h, *l_h = l + r * G + h;
                 float s[ATT_BLOCK] __attribute__((aligned(32)));
-                _mm256_store_ps(s, scores8(KV, q + h * D, krow, D));
-                if (nb > 8) _mm256_store_ps(s + 8, scores8(KV, q + h * D, krow + 8, D));
-                float top = m[h];
-                for (int64_t i = 0; i < nb; i++) {
-                    s[i] *= Q8 ? kscale[i] : j.scale;
-                    if (j.softcap > 0.0f) s[i] = j.softcap * tanhf(s[i] / j.softcap);
-                    top = s[i] > top ? s[i] : top;
+                __m256 s0 = scores8(KV, q + h * D, krow, D);
+                __m256 s1 = n > 8 ? scores8(KV, q + h * D, krow + 8, D) : _mm256_setzero_ps();
+                s0 = _mm256_mul_ps(s0, Q8 ? _mm256_loadu_ps(kscale) : _mm256_set1_ps(j->scale));
+                s1 = _mm256_mul_ps(s1, Q8 ? _mm256_loadu_ps(kscale + 8) : _mm256_set1_ps(j->scale));
+                if (j->softcap > 0.0f) {  // Gemma 2: scalar tanhf, as the reference's
+                    _mm256_store_ps(s, s0);
+                    _mm256_store_ps(s + 8, s1);
+                    for (int64_t i = 0; i < n; i++) s[i] = j->softcap * tanhf(s[i] / j->softcap);
+                    s0 = _mm256_load_ps(s), s1 = _mm256_load_ps(s + 8);
                 }
-                for (int64_t i = nb; i < ATT_BLOCK; i++) s[i] = -INFINITY;
+                // Positions before r's window or past its context: -inf (no weight).
+                const __m256i i0 = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), i1 = _mm256_add_epi32(i0, _mm256_set1_epi32(8));
+                const __m256i lo = _mm256_set1_epi32((int)skip - 1), hi = _mm256_set1_epi32((int)n);
+                const __m256 none = _mm256_set1_ps(-INFINITY);
+                s0 = _mm256_blendv_ps(none, s0, _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(i0, lo), _mm256_cmpgt_epi32(hi, i0))));
+                s1 = _mm256_blendv_ps(none, s1, _mm256_castsi256_ps(_mm256_and_si256(_mm256_cmpgt_epi32(i1, lo), _mm256_cmpgt_epi32(hi, i1))));
+                __m256 mx = _mm256_max_ps(s0, s1);
+                mx = _mm256_max_ps(mx, _mm256_permute2f128_ps(mx, mx, 1));
+                mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0x4e));
+                mx = _mm256_max_ps(mx, _mm256_shuffle_ps(mx, mx, 0xb1));
+                const float top = _mm256_cvtss_f32(mx) > *m_h ? _mm256_cvtss_f32(mx) : *m_h;
                 const __m256 mv = _mm256_set1_ps(top);
-                __m256 p0 = exp256(_mm256_sub_ps(_mm256_load_ps(s), mv));
-                __m256 p1 = exp256(_mm256_sub_ps(_mm256_load_ps(s + 8), mv));
+                __m256 p0 = exp256(_mm256_sub_ps(s0, mv));
+                __m256 p1 = exp256(_mm256_sub_ps(s1, mv));
                 _mm256_store_ps(s, p0);
                 _mm256_store_ps(s + 8, p1);
-                const float corr = m[h] == -INFINITY ? 0.0f : expf(m[h] - top);
-                l[h] = l[h] * corr + hsum(_mm256_add_ps(p0, p1));
-                m[h] = top;
+                const float corr = *m_h == -INFINITY ? 0.0f : expf(*m_h - top);
+                *l_h = *l_h * corr + hsum(_mm256_add_ps(p0, p1));
+                *m_h = top;
                 const __m256 cv = _mm256_set1_ps(corr);
                 // acc = acc * corr + sum_i p_i v_i, each 8-float chunk a chain over i in order (the
                 // same bits as one chunk at a time); 64 floats at a time keep 8 such chains in
@@ -1075,53 +1104,90 @@ static inline __attribute__((always_inline)) void attention_units(const int KV, 
                 int64_t d = 0;
                 for (; d + 64 <= D; d += 64) {
                     __m256 a[8];
-                    for (int c = 0; c < 8; c++) a[c] = _mm256_mul_ps(_mm256_load_ps(acc[h] + d + 8 * c), cv);
-                    for (int64_t i = 0; i < nb; i++) {
+                    for (int c = 0; c < 8; c++) a[c] = _mm256_mul_ps(_mm256_load_ps(a_h + d + 8 * c), cv);
+                    for (int64_t i = 0; i < n; i++) {
                         const __m256 p = _mm256_set1_ps(Q8 ? s[i] * vscale[i] : s[i]);
                         for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(p, load_row(KV, vrow[i], d + 8 * c), a[c]);
                     }
-                    for (int c = 0; c < 8; c++) _mm256_store_ps(acc[h] + d + 8 * c, a[c]);
+                    for (int c = 0; c < 8; c++) _mm256_store_ps(a_h + d + 8 * c, a[c]);
                 }
                 for (; d < D; d += 8) {
-                    __m256 a = _mm256_mul_ps(_mm256_load_ps(acc[h] + d), cv);
-                    for (int64_t i = 0; i < nb; i++)
+                    __m256 a = _mm256_mul_ps(_mm256_load_ps(a_h + d), cv);
+                    for (int64_t i = 0; i < n; i++)
                         a = _mm256_fmadd_ps(_mm256_set1_ps(Q8 ? s[i] * vscale[i] : s[i]), load_row(KV, vrow[i], d), a);
-                    _mm256_store_ps(acc[h] + d, a);
+                    _mm256_store_ps(a_h + d, a);
                 }
             }
         }
-        float *out = j.out + b * j.out_row + g * G * D;
+    }
+    for (int64_t r = 0; r < T; r++) {
+        float *out = j->out + (r0 + r) * j->out_row + g * G * D;
         for (int64_t h = 0; h < G; h++) {
-            const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
-            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(out + h * D + d, _mm256_mul_ps(_mm256_load_ps(acc[h] + d), inv));
+            const __m256 inv = _mm256_set1_ps(1.0f / l[r * G + h]);
+            for (int64_t d = 0; d < D; d += 8)
+                _mm256_storeu_ps(out + h * D + d, _mm256_mul_ps(_mm256_load_ps(acc[r * G + h] + d), inv));
         }
     }
 }
 
-static void run_attention(int64_t first, int64_t last) {
-    switch (ajob.kv_fmt) {
-        case 1: attention_units(1, first, last); break;
-        case 2: attention_units(2, first, last); break;
-        default: attention_units(0, first, last); break;
+// Units first, first + stride, ... of (tile, KV head): interleaved over the threads, so that a
+// long prompt's later tiles (longer contexts) do not all fall to one thread.
+static inline __attribute__((always_inline)) void attention_units(const int KV, int64_t first, int64_t stride) {
+    const attention_job_t j = ajob;
+    for (int64_t u = first; u < j.tiles * j.kv_heads; u += stride) {
+        const int64_t tile = u / j.kv_heads, g = u % j.kv_heads;
+        attention_tile(KV, &j, j.tile_starts[tile], j.tile_starts[tile + 1], g);
     }
 }
+
+static void run_attention(int64_t first, int64_t stride) {
+    switch (ajob.kv_fmt) {
+        case 1: attention_units(1, first, stride); break;
+        case 2: attention_units(2, first, stride); break;
+        default: attention_units(0, first, stride); break;
+    }
+}
+
+// Row offsets of this call's tiles (under call_lock): each run of rows cut into tiles of up to
+// TILE_ROWS rows and TILE_HEADS query heads.
+static int64_t *tile_starts;
+static int64_t tile_starts_len;
 
 // out[b, h, :] = softmax(q[b, h] . K_b^T * scale) V_b for each decode sequence b, with K_b/V_b the
 // first ctx_lens[b] positions of its blocks in the paged cache. q rows: [heads * dim] floats every
 // q_row; caches: [kv_heads][slots][row] with row dim floats (kv_fmt 0), dim int8 codes and a bf16
 // scale (1), or dim bfloat16 (2); head_stride in bytes; tables: int32 block ids, table_stride per sequence. Needs
 // heads / kv_heads <= 16, dim a multiple of 8, at most 256. window > 0: only the last `window` positions
-// of each context (a sliding-window layer); softcap > 0: scores soft-capped (Gemma 2).
+// of each context (a sliding-window layer); softcap > 0: scores soft-capped (Gemma 2). runs: NULL
+// (every row a sequence of its own), or num_runs + 1 row offsets whose runs are rows of one
+// sequence each (its table in every row), consecutive positions: they are attended in tiles.
+// Returns -1 for a shape it does not take, -2 when out of memory.
 int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache, const void *v_cache,
                               int64_t head_stride, const int32_t *tables, int64_t table_stride,
                               const int32_t *ctx_lens, float *out, int64_t out_row, int64_t seqs, int64_t heads,
                               int64_t kv_heads, int64_t dim, int64_t block_size, float scale, int kv_fmt,
-                              int64_t window, float softcap) {
+                              int64_t window, float softcap, const int64_t *runs, int64_t num_runs) {
     if (heads % kv_heads || heads / kv_heads > MAX_GROUP || dim % 8 || dim > MAX_DIM || kv_fmt < 0 || kv_fmt > 2)
         return -1;
+    const int64_t per_tile = TILE_HEADS / (heads / kv_heads) < TILE_ROWS ? TILE_HEADS / (heads / kv_heads) : TILE_ROWS;
+    int64_t tiles = 0;
+    for (int64_t i = 0; i < num_runs; i++) tiles += (runs[i + 1] - runs[i] + per_tile - 1) / per_tile;
+    if (!runs) tiles = seqs;
     pthread_mutex_lock(&call_lock);
+    int64_t *starts = grown(tile_starts, &tile_starts_len, tiles + 1, sizeof(int64_t));
+    if (!starts) {
+        pthread_mutex_unlock(&call_lock);
+        return -2;
+    }
+    tile_starts = starts;
+    int64_t t = 0;
+    for (int64_t i = 0; runs && i < num_runs; i++)
+        for (int64_t r = runs[i]; r < runs[i + 1]; r += per_tile) starts[t++] = r;
+    for (; t < tiles; t++) starts[t] = t;  // no runs: a tile per row
+    starts[tiles] = runs ? runs[num_runs] : seqs;
     ajob = (attention_job_t){q, k_cache, v_cache, tables, ctx_lens, out, q_row, head_stride, table_stride,
-                             out_row, seqs, heads, kv_heads, dim, block_size, scale, softcap, kv_fmt, window};
+                             out_row, seqs, heads, kv_heads, dim, block_size, scale, softcap, kv_fmt, window,
+                             starts, tiles};
     run_job(1);
     pthread_mutex_unlock(&call_lock);
     return 0;
