@@ -25,7 +25,9 @@ class CpuInfo:
 
     def fast_bf16(self, quantized: bool = False) -> bool:
         """Whether the engine runs bfloat16 faster than float32 here: on x86 with AMX, and with
-        AVX512-BF16 for weights that are not quantized.
+        AVX512-BF16 for weights that are not quantized. The fallback rule: where kvharbor's
+        kernels run, `--dtype auto` with float weights follows what engine/cpu/kernel_probe.py
+        measures at start-up instead (benchmarks that name `auto`'s dtype still read this rule).
         NOTE: measured 2026-12-06 on a 2-core AMD EPYC Zen 4 (avx512_bf16, no AMX), SmolLM2, with
         the kernels of that day (benchmarks/dtype_auto.py, results/dtype_auto.json): bfloat16
         decoded 2.07x / 1.32x float32's output tok/s at 1 / 8 sequences (72.3 / 254.7 against

@@ -18,6 +18,7 @@ from kvharbor.common.machine import pin_to_cpus
 from kvharbor.common.tokenizer import Tokenizer
 from kvharbor.engine.config import EngineConfig, LoRAConfig
 from kvharbor.engine.counter_board import CounterBoard
+from kvharbor.engine.cpu import kernel_probe
 from kvharbor.engine.kv.block_pool import BlockPool, SaveOn
 from kvharbor.engine.kv.capacity import KVCapacity, check_max_model_len, plan_capacity
 from kvharbor.engine.kv.kv_cache_manager import KVCacheManager
@@ -63,10 +64,10 @@ class CoreParts:
         self.config = config
         self.board = CounterBoard()
         self.device = resolve_device(config.model.device)
-        self.dtype = resolve_dtype(config.model.dtype, self.device, quantized=config.model.quantization != "none")
         pin_to_cpus(config.runtime.cpu_affinity)  # first: the thread count follows the CPUs left
         set_cpu_threads(self.device, config.runtime.threads)
         threads = cpu_threads(self.device, config.runtime.threads)
+        self.dtype = self._dtype(threads, say)
         fingerprint = self._build_model(loaded_model, say)
         self.attention_backend = resolve_backend(
             config.runtime.attention_backend, self.device, config.cache.block_size, config.cache.kv_cache_dtype,
@@ -85,6 +86,20 @@ class CoreParts:
         self._size_kv(reserved, say, save_on)
         self._build_step(threads, fingerprint, say, save_blocks=bool(save_on))
         self.proposer, self.adaptive_k = self._speculation(config, say)
+
+    def _dtype(self, threads: int, say: Progress) -> torch.dtype:
+        """The engine's dtype; `auto` on CPU with float weights as the start-up probe measured it
+        (engine/cpu/kernel_probe.py), where kvharbor's kernels run."""
+        model, runtime = self.config.model, self.config.runtime
+        quantized = model.quantization != "none"
+        measured = None
+        if model.dtype == "auto" and self.device.type == "cpu" and not quantized and runtime.cpu_kernels:
+            say("dtype auto: timing float32 and bfloat16 linears on this CPU ...")
+            choice = kernel_probe.probed(threads, runtime.batch_invariant != "off")
+            if choice is not None:
+                measured = choice.dtype
+                say(f"dtype auto: {choice.dtype} ({choice.why})")
+        return resolve_dtype(model.dtype, self.device, quantized=quantized, measured=measured)
 
     def _build_model(self, loaded_model: LoadedModel | None, say: Progress) -> str:
         """Loads (or adopts: its tensors are copied, not changed) the weights into a LlamaModel in

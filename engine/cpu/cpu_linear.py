@@ -1,8 +1,10 @@
 """CPU fast paths for the model's linear layers, chosen once at load: `prepare_linears`.
 
 - bfloat16 with oneDNN: weights prepacked for oneDNN (below).
-- float32 on x86 with AVX2 + FMA: decode-sized inputs through kvharbor's kernel
-  (engine/cpu/cpu_kernels.py), larger ones through F.linear on the same weight.
+- float32 on x86 with AVX2 + FMA: kvharbor's packed GEMM for every row count where the start-up
+  probe measured it faster than oneDNN (engine/cpu/kernel_probe.py); else decode-sized inputs
+  through kvharbor's kernel (engine/cpu/cpu_kernels.py), larger ones through oneDNN's packed copy
+  or F.linear.
 - anything else: F.linear.
 - batch-invariant mode (`invariant=True`): every row count through kvharbor's packed GEMM
   (engine/cpu/csrc/packed_gemm.c: float32 weights, or bfloat16 weights widened exactly, products
@@ -94,8 +96,12 @@ def prepare_linears(
         return LinearPlan("weights prepacked for oneDNN", onednn, onednn)
     if device.type == "cpu" and dtype == torch.float32:
         from kvharbor.engine.cpu.cpu_kernels import SkinnyLinear, load
+        from kvharbor.engine.cpu.kernel_probe import probed
 
         gemm = load(threads)
+        if gemm is not None and probed(threads, False).prefill == "kvharbor":  # measured faster here
+            what = f"kvharbor's packed GEMM for every row count, measured faster than oneDNN ({gemm.threads} threads)"
+            return LinearPlan(what, lambda w: PackedLinear(gemm, w), lambda w: PackedLinear(gemm, w))
         prefill = packing_available(dtype, device) and weight_bytes <= PREFILL_PACK_MAX_BYTES
         if gemm is not None:
             what = f"AVX2 kernel for float32 decode rows ({gemm.threads} threads)"

@@ -36,13 +36,18 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device, cpu: CpuInfo | None = None, quantized: bool = False) -> torch.dtype:
-    """'auto' is bfloat16 where the engine runs fastest in it (CUDA; CPUs with AMX; CPUs with
-    AVX512-BF16 unless the weights are `quantized`), else float32: CpuInfo.fast_bf16 has the
-    measurements. `cpu` defaults to this machine."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else getattr(torch, auto_cpu_dtype(cpu, quantized))
-    return getattr(torch, name)
+def resolve_dtype(
+    name: str, device: torch.device, cpu: CpuInfo | None = None, quantized: bool = False,
+    measured: str | None = None,
+) -> torch.dtype:  # fmt: skip
+    """'auto' is bfloat16 on CUDA; on CPU, `measured` (what engine/cpu/kernel_probe.py timed for
+    float weights), else the rule of CpuInfo.fast_bf16 (CPUs with AMX; with AVX512-BF16 unless the
+    weights are `quantized`). `cpu` defaults to this machine."""
+    if name != "auto":
+        return getattr(torch, name)
+    if device.type == "cuda":
+        return torch.bfloat16
+    return getattr(torch, measured if measured is not None and not quantized else auto_cpu_dtype(cpu, quantized))
 
 
 def cpu_threads(device: torch.device, threads: int | None) -> int:

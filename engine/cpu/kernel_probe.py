@@ -1,0 +1,146 @@
+"""What runs fastest on this CPU, measured at start-up: `--dtype auto`'s dtype, and (with
+`--batch-invariant off`) who runs float32 prefill rows, kvharbor's packed GEMM or oneDNN.
+
+Why measure: the rule it replaces (common/machine.py `CpuInfo.fast_bf16`, now the fallback where
+the kernels cannot run) was fitted to the kernels of its day on two CPUs. Since the packed GEMM
+(engine/cpu/csrc/packed_gemm.c), bfloat16 weights cost float32's time at prefill sizes on any
+AVX2 CPU and half its bytes at decode sizes, and oneDNN's speed differs by CPU (AMX, AVX512-BF16,
+AVX2). A CPU no session has seen is decided by what it does, not by a guess.
+
+The probe times SmolLM2-135M's gate/up and down projections, each candidate:
+- at PREFILL_ROWS rows (bound by the cores), and
+- at DECODE_ROWS rows, cycling through STREAM_BYTES of weights so that they come from memory as a
+  decode step's do.
+A candidate's cost is one turn of chat: a prompt's prefill plus DECODE_STEPS decode steps.
+bfloat16 must beat float32 by BF16_MARGIN, since it costs accuracy (a mean KL of ~1e-4 on
+SmolLM2). About 0.3 s; once per process.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+log = logging.getLogger("kvharbor.engine.cpu.kernel_probe")
+
+SHAPES = ((3072, 576), (576, 1536))  # SmolLM2-135M's fused gate/up and down, [out, in]
+PREFILL_ROWS, DECODE_ROWS = 128, 8
+DECODE_STEPS = 16  # a turn: one 128-token prompt, then its share of decode steps at 8 requests
+STREAM_BYTES = 64 << 20  # float32 weights cycled at decode sizes: past the L3 of every CPU seen here
+BF16_MARGIN = 0.9  # bfloat16 only when its turn takes at most this much of float32's
+ONEDNN_MARGIN = 0.95  # oneDNN's prefill only when it takes at most this much of kvharbor's time
+ROUNDS = 3  # the best of these counts
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Seconds per candidate (its name: "<who> <dtype>"): one pass of SHAPES at PREFILL_ROWS, and
+    at DECODE_ROWS with the weights from memory."""
+
+    prefill: dict[str, float]
+    decode: dict[str, float]
+
+    def turn(self, name: str) -> float:
+        return self.prefill[name] + DECODE_STEPS * self.decode[name]
+
+    def line(self) -> str:
+        """The figures as a log line: GFLOP/s at prefill rows, GB/s of float32-equivalent weights at decode rows."""
+        flops = sum(2.0 * PREFILL_ROWS * n * k for n, k in SHAPES)
+        return "; ".join(f"{name}: prefill {flops / self.prefill[name] / 1e9:.0f} GFLOP/s, decode turn "
+                         f"{self.turn(name) * 1e3:.2f} ms" for name in self.prefill)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Choice:
+    dtype: str  # "float32" or "bfloat16"
+    prefill: str  # who runs float32 prefill rows with the mode off: "kvharbor" or "onednn"
+    why: str
+
+
+def choose(figures: Figures, invariant: bool) -> Choice:
+    """The dtype and the float32 prefill kernel these figures call for. Batch-invariant engines
+    run kvharbor's kernels in either dtype; with the mode off each dtype takes its faster one."""
+
+    def best(dtype: str) -> str:
+        names = [n for n in figures.prefill if n.endswith(dtype) and (not invariant or n.startswith("kvharbor"))]
+        return min(names, key=figures.turn)
+
+    f32, bf16 = best("float32"), best("bfloat16")
+    ratio = figures.turn(bf16) / figures.turn(f32)
+    dtype = "bfloat16" if ratio <= BF16_MARGIN else "float32"
+    onednn, ours = figures.prefill.get("onednn float32"), figures.prefill["kvharbor float32"]
+    prefill = "onednn" if onednn is not None and onednn <= ONEDNN_MARGIN * ours else "kvharbor"
+    why = (f"a turn in bfloat16 ({bf16}) takes {ratio:.2f}x float32's ({f32}); bfloat16 needs "
+           f"<= {BF16_MARGIN}x")  # fmt: skip
+    return Choice(dtype, prefill, why)
+
+
+def measure(kernels, onednn: bool) -> Figures:
+    """Time the candidates here: kvharbor's packed GEMM in float32 and bfloat16, and oneDNN's
+    packed linears where `onednn` (engine/cpu/cpu_linear.py finds them usable)."""
+    from kvharbor.engine.cpu import cpu_linear
+
+    makers: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
+        "kvharbor float32": lambda w: _packed(kernels, w),
+        "kvharbor bfloat16": lambda w: _packed(kernels, w.bfloat16()),
+    }
+    if onednn:
+        makers["onednn float32"] = lambda w: _onednn(cpu_linear, w, torch.float32)
+        makers["onednn bfloat16"] = lambda w: _onednn(cpu_linear, w, torch.bfloat16)
+    # Constant weights: the time does not depend on the values, and filling is far cheaper than randn.
+    per_copy = sum(n * k * 4 for n, k in SHAPES)
+    copies = max(2, STREAM_BYTES // per_copy)
+    prefill, decode = {}, {}
+    for name, make in makers.items():
+        linears = [[make(torch.full((n, k), 0.01)) for n, k in SHAPES] for _ in range(copies)]
+        prefill[name] = _best(linears[:1], PREFILL_ROWS)
+        decode[name] = _best(linears, DECODE_ROWS) / copies
+    return Figures(prefill, decode)
+
+
+def _packed(kernels, w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = kernels.pack(w)
+    return lambda x: kernels.linear_packed(x, packed)
+
+
+def _onednn(cpu_linear, w: torch.Tensor, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = cpu_linear.pack(w.to(dtype))
+    return lambda x: cpu_linear.packed_linear(x.to(dtype), packed, None)
+
+
+def _best(linears: list[list[Callable]], rows: int) -> float:
+    inputs = [torch.full((rows, k), 0.5) for _, k in SHAPES]
+
+    def one_pass() -> None:
+        for layer in linears:
+            for fn, x in zip(layer, inputs, strict=True):
+                fn(x)
+
+    one_pass()  # warm: first touch, oneDNN's primitive
+    best = float("inf")
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        one_pass()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@cache
+def probed(threads: int, invariant: bool) -> Choice | None:
+    """This process's choice, measured once (None where kvharbor's kernels do not run here)."""
+    from kvharbor.engine.cpu import cpu_kernels, cpu_linear
+
+    kernels = cpu_kernels.load(threads)
+    if kernels is None:
+        return None
+    onednn = not invariant and cpu_linear.packing_available(torch.bfloat16, torch.device("cpu"))
+    figures = measure(kernels, onednn)
+    choice = choose(figures, invariant)
+    log.info("dtype auto: %s (%s); measured %s", choice.dtype, choice.why, figures.line(),
+             extra={"dtype": choice.dtype, "prefill": choice.prefill})  # fmt: skip
+    return choice
