@@ -258,7 +258,9 @@ def test_a_vllm_service_runs_vllm_pods_scaled_on_their_metrics_and_refuses_disag
         api.patch_status("apps/v1", "Deployment", "vl-engine", NS, {"readyReplicas": 1, "updatedReplicas": 1})
         replicas = lambda: api.get("apps/v1", "Deployment", "vl-engine", NS)["spec"]["replicas"]  # noqa: E731
         wait_for(lambda: replicas() == 3, 30, "3 replicas from vLLM's queue")
-        assert condition(api, "vl", "Degraded").get("reason") == "Healthy"  # /metrics answered
+        # /metrics answered. Waited for: the condition's patch may land after the replicas' (seen once
+        # in a full run).
+        wait_for(lambda: condition(api, "vl", "Degraded").get("reason") == "Healthy", 30, "Degraded=Healthy")
         svc = api.get(API, "InferenceService", "vl", NS)
         svc["spec"]["disaggregation"] = {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
         api.apply(svc)
