@@ -19,10 +19,11 @@
 //   AVX2    (16 registers):  6 x 16 -> 12 sums + 2 weights + 1 broadcast;  8 loads per 12 FMAs.
 // Rows left over (M % MR) take the same microkernel with fewer rows: the same sums.
 //
-// BLOCKING: a thread walks its panels for each block of MC rows: the block's x (MC x K floats,
-// <= 590 KB for K = 1,536) and the panel in use (<= 196 KB) share the 1 MB L2 of a Zen 4/5 core;
-// each panel streams from memory once per row block (once per call at decode sizes), its first
-// tile prefetching ahead (`stream`), the block's other tiles reading it from L2.
+// BLOCKING: a thread walks its panels for each block of rows (block_rows: its x within 512 KB,
+// 216 rows at K = 576, 84 at 1,536) and the panel in use (<= 196 KB) share the 1 MB L2 of a
+// Zen 4/5 core; each panel streams from memory once per row block (once per call at decode sizes
+// and a 128-token prompt's at K = 576), its first tile prefetching ahead (`stream`), the block's
+// other tiles reading it from L2.
 #include "packed_gemm.h"
 
 #include <immintrin.h>
@@ -33,7 +34,15 @@
 #define NR16 32
 #define MR8 6
 #define NR8 16
-#define MC 96  // rows per block, a multiple of both MRs
+#ifndef X_BLOCK_BYTES
+#define X_BLOCK_BYTES (512*1024)
+#endif
+// Rows per block: as many as keep the block's x within X_BLOCK_BYTES (half a Zen 4/5 core's L2),
+// a multiple of both tiles' rows (12 and 6), at least one tile.
+static int64_t block_rows(int64_t k) {
+    const int64_t rows = X_BLOCK_BYTES / (k * 4) / 12 * 12;
+    return rows > 12 ? rows : 12;
+}
 // How far ahead of its reads a tile that streams its panel from memory prefetches (into L2).
 // Measured here (AMD EPYC family 26, 2 threads, 30 gate/up weights at 8 rows): the hardware
 // prefetchers alone streamed 36-40 GB/s, 45-50 with this; 4 and 16 KB ahead were no better.
@@ -102,8 +111,9 @@ AI AVX512 void rows16(const int BF, const packed_job_t *j, int64_t r0, int64_t r
 
 AI AVX512 void panels16(const int BF, const packed_job_t *j, int64_t p0, int64_t p1) {
     const int64_t panel_bytes = j->k * NR16 * (BF ? 2 : 4);
-    for (int64_t r0 = 0; r0 < j->m; r0 += MC) {
-        const int64_t r1 = r0 + MC < j->m ? r0 + MC : j->m;
+    const int64_t mc = block_rows(j->k);
+    for (int64_t r0 = 0; r0 < j->m; r0 += mc) {
+        const int64_t r1 = r0 + mc < j->m ? r0 + mc : j->m;
         for (int64_t p = p0; p < p1; p++) {
             const int64_t c0 = p * NR16, left = j->n - c0;
             rows16(BF, j, r0, r1, (const char *)j->w + p * panel_bytes, c0, left < NR16 ? (int)left : NR16);
@@ -173,8 +183,9 @@ AI void rows8(const int BF, const packed_job_t *j, int64_t r0, int64_t r1, const
 
 AI void panels8(const int BF, const packed_job_t *j, int64_t p0, int64_t p1) {
     const int64_t panel_bytes = j->k * NR8 * (BF ? 2 : 4);
-    for (int64_t r0 = 0; r0 < j->m; r0 += MC) {
-        const int64_t r1 = r0 + MC < j->m ? r0 + MC : j->m;
+    const int64_t mc = block_rows(j->k);
+    for (int64_t r0 = 0; r0 < j->m; r0 += mc) {
+        const int64_t r1 = r0 + mc < j->m ? r0 + mc : j->m;
         for (int64_t p = p0; p < p1; p++) {
             const int64_t c0 = p * NR8, left = j->n - c0;
             rows8(BF, j, r0, r1, (const char *)j->w + p * panel_bytes, c0, left < NR8 ? (int)left : NR8);
