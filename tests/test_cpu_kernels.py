@@ -350,6 +350,35 @@ def test_gated_activations_match_float64_also_far_out(name, inter):
 
 
 @needs_kernels
+def test_pointwise_rows_shared_over_threads_keep_each_rows_bits():
+    """From 32 rows the pointwise ops split their rows over the pool's threads (a prefill chunk in
+    batch-invariant mode): each row's result is the bits it gets alone, on the calling thread."""
+    gen = torch.Generator().manual_seed(9)
+    rows, hidden, heads, dim, inter = 100, 96, 3, 32, 40
+    residual, x = torch.randn(rows, hidden, generator=gen), torch.randn(rows, hidden, generator=gen)
+    w = torch.randn(hidden, generator=gen)
+    q = torch.randn(rows, heads * dim, generator=gen)
+    angles = torch.randn(rows, dim // 2, generator=gen)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    gate_up = torch.randn(rows, 2 * inter, generator=gen) * 3
+    shared_res = residual.clone()
+    normed = KERNELS.add_rms_norm(x, shared_res, w, 1e-5)
+    rotated = q.clone()
+    KERNELS.rope(rotated, heads, dim, cos, sin)
+    silu, gelu = KERNELS.silu_mul(gate_up), KERNELS.gelu_tanh_mul(gate_up)
+    for r in (0, 31, 32, 63, 99):
+        one = slice(r, r + 1)
+        res = residual[one].clone()
+        assert torch.equal(KERNELS.add_rms_norm(x[one], res, w, 1e-5), normed[one])
+        assert torch.equal(res, shared_res[one])
+        alone = q[one].clone()
+        KERNELS.rope(alone, heads, dim, cos[one], sin[one])
+        assert torch.equal(alone, rotated[one])
+        assert torch.equal(KERNELS.silu_mul(gate_up[one]), silu[one])
+        assert torch.equal(KERNELS.gelu_tanh_mul(gate_up[one]), gelu[one])
+
+
+@needs_kernels
 def test_kv_write_copies_each_row_to_its_slot_and_checks_slots():
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(4, 3 * 2 * 8 + 5, generator=gen)  # k rows strided inside a fused projection
