@@ -7,6 +7,8 @@ bandwidth. Then, on every thread the engine uses:
 - the linears at M = 1, 8, 128 and 2,048 rows on SmolLM2-135M's shapes: kvharbor's batch-invariant
   packed GEMM (float32 weights, and bfloat16 weights widened to float32; the LM head's shape on the
   dot-product kernel that serves it) and torch's (MKL / oneDNN) float32 and bfloat16 matmuls;
+- the paged attention kernel: a 2,048-row prompt in tiles (against the float32 peak) and 8
+  decode rows over 2,000 positions each, K/V from memory (against the bandwidth);
 - a whole decode step of SmolLM2-135M at 8 running requests, float32, batch-invariant.
 
 Each figure is set against the limit that binds it: the roofline time is the larger of its
@@ -61,12 +63,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="threads (default: the CPUs this process has)")
     parser.add_argument("--no-decode", action="store_true", help="skip the whole decode step (it loads SmolLM2)")
     parser.add_argument("--decode-steps", type=int, default=24, help="timed decode steps (their median counts)")
+    parser.add_argument("--prompt", type=int, default=2048, help="prompt rows of the attention prefill figure")
+    parser.add_argument("--context", type=int, default=2000, help="context of the attention decode figure")
     parser.add_argument("--out", type=Path, default=RESULTS / "roofline.json")
     args = parser.parse_args(argv)
     if min(args.rows) < 1 or max(args.rows) > 8192:
         parser.error("--rows must be 1-8192")
     if args.rounds < 1 or args.decode_steps < 1 or (args.threads is not None and args.threads < 1):
         parser.error("--rounds, --decode-steps and --threads must be >= 1")
+    if not 16 <= args.prompt <= 8192 or not 16 <= args.context <= 32768:
+        parser.error("--prompt must be 16-8192 and --context 16-32768")
     return args
 
 
@@ -174,6 +180,50 @@ def figure(shape: str, n: int, k: int, m: int, name: str, dtype: str, form: torc
             "of_roofline": max(flops / peak, nbytes / bandwidth) / seconds}  # fmt: skip
 
 
+# -- attention ------------------------------------------------------------------------------------
+
+# SmolLM2-135M's attention: 9 query heads over 3 KV heads of 64; blocks of 16 slots.
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def measure_attention(args: argparse.Namespace, limits: dict, kernels) -> list[dict]:
+    """The paged attention kernel: one prompt's rows in tiles (batch-invariant prefill, bound by
+    the cores) and 8 decode rows over long contexts in shuffled blocks, 30 layers' caches cycled
+    so that K/V come from memory (bound by the bandwidth)."""
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    n = args.prompt
+    k = torch.randn(KV_HEADS, n + BLOCK, HEAD_DIM, generator=gen)
+    v = torch.randn(KV_HEADS, n + BLOCK, HEAD_DIM, generator=gen)
+    table = torch.arange((n + BLOCK) // BLOCK, dtype=torch.int32).repeat(n, 1)
+    q, o = torch.randn(n, HEADS, HEAD_DIM, generator=gen), torch.empty(n, HEADS, HEAD_DIM)
+    runs, lens = torch.tensor([0, n]), torch.arange(1, n + 1, dtype=torch.int32)
+    seconds = best_time(lambda: kernels.decode_attention(q, k, v, table, lens, BLOCK, o, runs=runs), args.rounds)
+    pairs = n * (n + 1) / 2 * HEADS
+    out.append(attention_figure(f"prefill {n}", n, seconds, 4.0 * HEAD_DIM * pairs, 0.0, limits))
+    ctx, seqs, layers = args.context, 8, 30
+    blocks = seqs * (ctx // BLOCK + 1)
+    caches = [(torch.randn(KV_HEADS, blocks * BLOCK, HEAD_DIM, generator=gen),
+               torch.randn(KV_HEADS, blocks * BLOCK, HEAD_DIM, generator=gen)) for _ in range(layers)]  # fmt: skip
+    tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(seqs, -1)
+    q, o = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen), torch.empty(seqs, HEADS, HEAD_DIM)
+    lens = torch.full((seqs,), ctx, dtype=torch.int32)
+    seconds = best_time(lambda: [kernels.decode_attention(q, kc, vc, tables, lens, BLOCK, o) for kc, vc in caches],
+                        args.rounds) / layers  # fmt: skip
+    kv_bytes = 2.0 * seqs * ctx * KV_HEADS * HEAD_DIM * 4
+    out.append(attention_figure(f"decode 8x{ctx}", seqs, seconds, 4.0 * HEAD_DIM * seqs * ctx * HEADS, kv_bytes,
+                                limits))  # fmt: skip
+    return out
+
+
+def attention_figure(shape: str, rows: int, seconds: float, flops: float, nbytes: float, limits: dict) -> dict:
+    peak, bandwidth = limits["float32_peak_flops"], limits["read_bytes_per_s"]
+    bound = "compute" if flops / peak >= nbytes / bandwidth else "memory"
+    return {"shape": shape, "rows": rows, "kernel": "kvharbor attention float32", "seconds": seconds,
+            "gflops": flops / seconds / 1e9, "bound": bound, "of_peak": flops / seconds / peak,
+            "of_roofline": max(flops / peak, nbytes / bandwidth) / seconds}  # fmt: skip
+
+
 # -- the decode step --------------------------------------------------------------------------------
 
 
@@ -212,10 +262,10 @@ def print_report(limits: dict, linears: list[dict], decode: dict | None, threads
     for name, value in limits["peaks_flops"].items():
         print(f"  peak {name:16} {value / 1e9:8.1f} GFLOP/s")
     print(f"  read bandwidth        {limits['read_bytes_per_s'] / 1e9:8.1f} GB/s")
-    print(f"\n{'shape':8} {'M':>5} {'kernel':32} {'ms':>8} {'GFLOP/s':>8} {'of peak':>8} {'bound':>8} "
+    print(f"\n{'shape':14} {'M':>5} {'kernel':32} {'ms':>8} {'GFLOP/s':>8} {'of peak':>8} {'bound':>8} "
           f"{'of roofline':>12}")  # fmt: skip
     for r in linears:
-        print(f"{r['shape']:8} {r['rows']:>5} {r['kernel']:32} {r['seconds'] * 1e3:>8.3f} {r['gflops']:>8.1f} "
+        print(f"{r['shape']:14} {r['rows']:>5} {r['kernel']:32} {r['seconds'] * 1e3:>8.3f} {r['gflops']:>8.1f} "
               f"{r['of_peak']:>7.0%} {r['bound']:>8} {r['of_roofline']:>11.0%}")  # fmt: skip
     if decode:
         print(
@@ -257,10 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         limits = measure_limits(build_probe(Path(tmp)), threads, args.rounds)
     linears = measure_linears(args, limits, kernels)
+    attention = [] if kernels is None else measure_attention(args, limits, kernels)
     decode = None if args.no_decode else measure_decode(args, limits, threads)
-    print_report(limits, linears, decode, threads)
+    print_report(limits, linears + attention, decode, threads)
     record = {"benchmark": "roofline", "threads": threads, "rounds": args.rounds, "machine": machine_record(),
-              "limits": limits, "linears": linears, "decode": decode}  # fmt: skip
+              "limits": limits, "linears": linears, "attention": attention, "decode": decode}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     png = args.out.with_suffix(".png")

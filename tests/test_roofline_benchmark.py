@@ -20,7 +20,8 @@ def test_the_report_sets_each_kernel_against_its_binding_limit(tmp_path, capsys)
     if cpu_kernels._compiler() is None:
         pytest.skip("no C compiler: the probes cannot be built")
     out = tmp_path / "roofline.json"
-    argv = ["--rows", "1", "128", "--shapes", "kv", "--rounds", "3", "--decode-steps", "3", "--out", str(out)]
+    argv = ["--rows", "1", "128", "--shapes", "kv", "--rounds", "3", "--decode-steps", "3", "--prompt", "64",
+            "--context", "64", "--out", str(out)]
     assert roofline.main(argv) == 0
     record = json.loads(out.read_text())
     limits = record["limits"]
@@ -38,6 +39,10 @@ def test_the_report_sets_each_kernel_against_its_binding_limit(tmp_path, capsys)
         # Nothing beats the machine: a probe that measured too little (its accumulators spilled to
         # the stack once, half the rate) shows as kernels far past 100%. 1.5 leaves room for noise.
         assert 0 < r["of_roofline"] < 1.5, r
+    prefill, decode_rows = record["attention"]  # small here: only their shape and arithmetic are checked
+    assert prefill["shape"] == "prefill 64" and prefill["bound"] == "compute" and decode_rows["rows"] == 8
+    assert prefill["gflops"] == pytest.approx(4 * 64 * (64 * 65 / 2 * 9) / prefill["seconds"] / 1e9)
+    assert all(r["of_roofline"] > 0 for r in record["attention"])
     decode = record["decode"]
     assert decode["batch_invariant"] and decode["requests"] == 8
     assert decode["of_bandwidth_bound"] == pytest.approx(decode["bound_seconds"] / decode["step_seconds"])
@@ -46,7 +51,8 @@ def test_the_report_sets_each_kernel_against_its_binding_limit(tmp_path, capsys)
     assert "of roofline" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--rows", "0"], ["--rounds", "0"], ["--shapes", "nope"], ["--threads", "0"]])
+@pytest.mark.parametrize("argv", [["--rows", "0"], ["--rounds", "0"], ["--shapes", "nope"], ["--threads", "0"],
+                                  ["--prompt", "8"], ["--context", "0"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         roofline.main(argv)
