@@ -1,6 +1,8 @@
 """kvharbor's float32 CPU kernels (engine/cpu/csrc/cpu_kernels.c, AVX2 + FMA): the linears of
-decode-sized inputs (float32 and quantized weights, engine/quantize.py), dequantization, and paged
-decode attention read in place from the KV cache.
+decode-sized inputs (float32 and quantized weights, engine/quantize.py), dequantization, paged
+attention read in place from the KV cache (decode rows, and prompt rows in tiles), the layers'
+pointwise ops; and the batch-invariant GEMM over packed weights (csrc/packed_gemm.c: pack,
+linear_packed).
 
 The C file is compiled once, with the system's C compiler, into a cache directory
 ($KVHARBOR_CACHE_DIR, else ~/.cache/kvharbor) under a name that hashes the source and the flags,

@@ -10,7 +10,8 @@
 // far below both the cores' FMA rate and the memory bandwidth a step needs (each weight read once).
 //
 // The weight stays as torch holds it, row-major [N, K]: no packed copy, so no extra memory and
-// prefill keeps using MKL on the same tensor. A tile is R rows of x (held in L1) against C rows of
+// prefill keeps using MKL on the same tensor. (Batch-invariant engines pack their weights once and
+// run packed_gemm.c instead, for every row count.) A tile is R rows of x (held in L1) against C rows of
 // W, R x C <= 8 vector sums over K in registers; each weight row is read once per R rows of x.
 // The C sums of a tile are reduced across lanes at the end (one hadd tree for all eight).
 // Work is split by output columns.
