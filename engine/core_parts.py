@@ -95,7 +95,11 @@ class CoreParts:
         measured = None
         if model.dtype == "auto" and self.device.type == "cpu" and not quantized and runtime.cpu_kernels:
             say("dtype auto: timing float32 and bfloat16 linears on this CPU ...")
-            choice = kernel_probe.probed(threads, runtime.batch_invariant != "off")
+            # Invariant unless turned off, or (auto) a LoRA adapter or an fp8 cache will turn it off.
+            off = runtime.batch_invariant == "off" or (
+                runtime.batch_invariant == "auto" and (self.config.lora.enabled or
+                                                       self.config.cache.kv_cache_dtype == "fp8"))  # fmt: skip
+            choice = kernel_probe.probed(threads, not off)
             if choice is not None:
                 measured = choice.dtype
                 say(f"dtype auto: {choice.dtype} ({choice.why})")

@@ -44,6 +44,10 @@ def test_with_the_mode_off_each_dtype_takes_its_fastest_kernels():
     faster = figures(kvharbor_float32=(0.010, 0.004), kvharbor_bfloat16=(0.010, 0.004),
                      onednn_float32=(0.009, 0.004), onednn_bfloat16=(0.010, 0.004))  # fmt: skip
     assert choose(faster, invariant=False).prefill == "onednn"  # 10% faster
+    # The mode off never runs bfloat16 on the packed GEMM: without oneDNN it stays float32.
+    no_onednn = figures(kvharbor_float32=(0.010, 0.004), kvharbor_bfloat16=(0.005, 0.002))
+    assert choose(no_onednn, invariant=False).dtype == "float32"
+    assert choose(no_onednn, invariant=True).dtype == "bfloat16"
     tie = figures(kvharbor_float32=(0.010, 0.004), kvharbor_bfloat16=(0.010, 0.004),
                   onednn_float32=(0.0098, 0.004), onednn_bfloat16=(0.010, 0.004))  # fmt: skip
     assert choose(tie, invariant=False).prefill == "kvharbor"  # 2%: noise, keep one path

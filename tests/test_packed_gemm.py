@@ -17,6 +17,7 @@ KERNELS = cpu_kernels.load(2)
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the AVX2 kernels cannot run or build here")
 LANES = [8, 16] if "avx512f" in cpu_info().flags else [8]
 SHAPES = [(1, 8), (33, 17), (100, 576), (577, 64), (40, 1536)]  # n % width and odd k included
+ROWS = 200  # past one block of rows at k = 1,536 (84), within one at small k
 
 
 @pytest.fixture(params=LANES, ids=lambda lanes: f"{lanes}-lanes")
@@ -42,12 +43,12 @@ def test_the_packed_gemm_matches_float64(kernels, dtype, n, k):
     assert packed.width == (32 if kernels.lanes() == 16 else 16)
     assert packed.data.shape == (-(-n // packed.width), k, packed.width)
     bias = torch.randn(n, generator=gen)
-    wide = torch.randn(29, k + 3, generator=gen)
+    wide = torch.randn(ROWS, k + 3, generator=gen)
     x = wide[:, 1 : 1 + k]  # rows strided, as a slice of a fused projection's output
     for b in (None, bias):
         got = kernels.linear_packed(x, packed, b)
         want = F.linear(x.double(), w.double(), None if b is None else b.double())
-        assert got.shape == (29, n) and got.dtype == torch.float32
+        assert got.shape == (ROWS, n) and got.dtype == torch.float32
         assert ((got.double() - want).abs() <= error_bound(x, w) + 1e-6 * (0 if b is None else 1)).all()
 
 
@@ -56,7 +57,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(kernels, dtype):
     """Alone, among 7 and among 127 others, in chunks of every size from 1 to 25, and on one
     thread against two: the same bits."""
     gen = torch.Generator().manual_seed(5)
-    n, k = 200, 96
+    n, k = 200, 1536  # 84 rows a block: 128 rows take two
     w = torch.randn(n, k, generator=gen).to(dtype)
     packed, bias = kernels.pack(w), torch.randn(n, generator=gen)
     x = torch.randn(128, k, generator=gen)
@@ -82,9 +83,16 @@ def test_bad_inputs_are_refused_with_what_was_given():
         KERNELS.pack(torch.zeros(4, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match=r"\[n, k\]"):
         KERNELS.pack(torch.zeros(8))
+    with pytest.raises(ValueError, match=r"\[n, k\]"):
+        KERNELS.pack(torch.zeros(4, 0))  # no k: nothing to sum
     packed = KERNELS.pack(torch.zeros(4, 8))
     with pytest.raises(ValueError, match=r"x \[m, 8\]"):
         KERNELS.linear_packed(torch.zeros(2, 9), packed)
+    with pytest.raises(ValueError, match=r"bias of \[4\]"):
+        KERNELS.linear_packed(torch.zeros(2, 8), packed, torch.zeros(3))  # would read past its end
+    torn = cpu_kernels.PackedWeight(packed.data[:, :4], 4, 8, packed.width)  # not as pack() lays it out
+    with pytest.raises(ValueError, match="lays it out"):
+        KERNELS.linear_packed(torch.zeros(2, 8), torn)
     assert KERNELS.linear_packed(torch.zeros(0, 8), packed).shape == (0, 4)
 
 

@@ -203,7 +203,8 @@ class CpuKernels:
         """A float32 or bfloat16 [n, k] weight in the layout linear_packed reads (packed_gemm.c):
         panels of this ISA's width, [ceil(n / width)][k][width], the last padded with zeros; a
         bfloat16 panel's two halves interleaved (element 2i column i, 2i + 1 column i + width / 2)."""
-        if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+        if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" \
+                or weight.shape[1] < 1:  # fmt: skip
             raise ValueError(f"pack takes a float32 or bfloat16 [n, k] CPU weight, got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")  # fmt: skip
         nr = self.packed_width()
@@ -224,8 +225,16 @@ class CpuKernels:
         m, k = x.shape
         if x.dtype != torch.float32 or k != weight.k:
             raise ValueError(f"linear_packed takes float32 x [m, {weight.k}], got {x.dtype} {tuple(x.shape)}")
-        if bias is not None and bias.dtype != torch.float32:
-            bias = bias.float()
+        data = weight.data
+        laid_out = (-(-weight.n // max(1, weight.width)), weight.k, weight.width)
+        if data.dtype not in (torch.float32, torch.bfloat16) or not data.is_contiguous() or data.device.type != "cpu" \
+                or tuple(data.shape) != laid_out or weight.k < 1:  # fmt: skip
+            raise ValueError(f"linear_packed takes a weight as pack() lays it out, {laid_out}, got {data.dtype} "
+                             f"{tuple(data.shape)}")  # fmt: skip
+        if bias is not None:
+            bias = bias.float().contiguous()
+            if bias.shape != (weight.n,) or bias.device.type != "cpu":
+                raise ValueError(f"linear_packed takes a bias of [{weight.n}], got {tuple(bias.shape)}")
         y = torch.empty(m, weight.n, dtype=torch.float32)
         if m == 0:
             return y
@@ -421,8 +430,9 @@ class CpuKernels:
         for name, t in (("q", q), ("out", out)):
             if t.stride(2) != 1 or t.stride(1) != dim or t.dtype != torch.float32:
                 raise ValueError(f"decode attention needs {name} float32 with its heads packed in each row")
-        if runs is not None and (runs.dtype != torch.int64 or not runs.is_contiguous() or runs[0] != 0
-                                 or runs[-1] != b or bool((runs[1:] < runs[:-1]).any())):  # fmt: skip
+        # Attributes only here (this runs every layer); the kernel checks the offsets themselves.
+        if runs is not None and (runs.dtype != torch.int64 or not runs.is_contiguous() or runs.dim() != 1
+                                 or runs.numel() < 2):  # fmt: skip
             raise ValueError(f"decode attention's runs are contiguous int64 row offsets rising from 0 to {b}")
         code = self._lib.kvharbor_decode_attention(
             q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), slots * row * k_cache.element_size(),
@@ -432,6 +442,8 @@ class CpuKernels:
         )  # fmt: skip
         if code == -2:
             raise MemoryError("decode attention could not allocate its tiles")
+        if code == -3:
+            raise ValueError(f"decode attention's runs are contiguous int64 row offsets rising from 0 to {b}")
         if code != 0:
             raise ValueError(f"decode attention does not take heads={heads}, kv_heads={kv_heads}, dim={dim}")
 

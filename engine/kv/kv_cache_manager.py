@@ -35,7 +35,9 @@ class KVCacheManager:
     to the pool (cached blocks stay cached, so a later prefix hit still finds them) and puts the
     null block in its table slot. The null block is held for the manager's life and never
     written (no token's slot is in it), so it stays the zeros the cache starts as: the torch
-    path gathers it and masks it out, the CPU kernel never reads before the window. A sequence
+    path gathers it and masks it out; the CPU kernel reads at most the 15 positions before the
+    window that share its first 16-position block (weight 0: finite rows, or the null block's
+    zeros, so nothing can turn into NaN). A sequence
     then holds about window / block_size + 1 blocks however long it grows.
     """
 

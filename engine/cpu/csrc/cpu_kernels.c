@@ -1172,7 +1172,8 @@ static int64_t tile_starts_len;
 // of each context (a sliding-window layer); softcap > 0: scores soft-capped (Gemma 2). runs: NULL
 // (every row a sequence of its own), or num_runs + 1 row offsets whose runs are rows of one
 // sequence each (its table in every row), consecutive positions: they are attended in tiles.
-// Returns -1 for a shape it does not take, -2 when out of memory.
+// Returns -1 for a shape it does not take, -2 when out of memory, -3 for runs that do not rise
+// from 0 to seqs.
 int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache, const void *v_cache,
                               int64_t head_stride, const int32_t *tables, int64_t table_stride,
                               const int32_t *ctx_lens, float *out, int64_t out_row, int64_t seqs, int64_t heads,
@@ -1182,7 +1183,11 @@ int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache
         return -1;
     const int64_t per_tile = TILE_HEADS / (heads / kv_heads) < TILE_ROWS ? TILE_HEADS / (heads / kv_heads) : TILE_ROWS;
     int64_t tiles = 0;
-    for (int64_t i = 0; i < num_runs; i++) tiles += (runs[i + 1] - runs[i] + per_tile - 1) / per_tile;
+    if (runs && (runs[0] != 0 || runs[num_runs] != seqs)) return -3;
+    for (int64_t i = 0; i < num_runs; i++) {
+        if (runs[i + 1] < runs[i]) return -3;
+        tiles += (runs[i + 1] - runs[i] + per_tile - 1) / per_tile;
+    }
     if (!runs) tiles = seqs;
     pthread_mutex_lock(&call_lock);
     int64_t *starts = grown(tile_starts, &tile_starts_len, tiles + 1, sizeof(int64_t));
