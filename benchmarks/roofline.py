@@ -42,6 +42,7 @@ import torch
 
 from kvharbor.common.machine import cpu_info, machine_record, machine_title
 from kvharbor.engine.cpu import cpu_kernels
+from kvharbor.engine.cpu.kernel_probe import best_seconds
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -112,16 +113,6 @@ def measure_limits(lib: ctypes.CDLL, threads: int, rounds: int) -> dict:
 # -- the linears ----------------------------------------------------------------------------------
 
 
-def best_time(fn: Callable[[], object], rounds: int) -> float:
-    fn()  # warm: packing, allocation, first touch
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def linear_impls(kernels: cpu_kernels.CpuKernels | None, shape: str) -> dict[str, tuple[str, torch.dtype, Callable,
                                                                                            Callable]]:
     """name -> (the dtype whose peak binds it, the weight's form, weight -> what the call takes,
@@ -161,7 +152,7 @@ def measure_linears(args: argparse.Namespace, limits: dict, kernels) -> list[dic
             dense = [torch.randn(n, k, generator=gen) / k**0.5 for _ in range(copies_for(m))]
             for name, (dtype, form, prepare, call) in linear_impls(kernels, shape).items():
                 ws = [prepare(w.to(form)) for w in dense]
-                seconds = best_time(lambda x=x, ws=ws, call=call: [call(x, w) for w in ws], args.rounds) / len(ws)
+                seconds = best_seconds(lambda x=x, ws=ws, call=call: [call(x, w) for w in ws], args.rounds) / len(ws)
                 out.append(figure(shape, n, k, m, name, dtype, form, seconds, limits))
     return out
 
@@ -198,7 +189,7 @@ def measure_attention(args: argparse.Namespace, limits: dict, kernels) -> list[d
     table = torch.arange((n + BLOCK) // BLOCK, dtype=torch.int32).repeat(n, 1)
     q, o = torch.randn(n, HEADS, HEAD_DIM, generator=gen), torch.empty(n, HEADS, HEAD_DIM)
     runs, lens = torch.tensor([0, n]), torch.arange(1, n + 1, dtype=torch.int32)
-    seconds = best_time(lambda: kernels.decode_attention(q, k, v, table, lens, BLOCK, o, runs=runs), args.rounds)
+    seconds = best_seconds(lambda: kernels.decode_attention(q, k, v, table, lens, BLOCK, o, runs=runs), args.rounds)
     pairs = n * (n + 1) / 2 * HEADS
     out.append(attention_figure(f"prefill {n}", n, seconds, 4.0 * HEAD_DIM * pairs, 0.0, limits))
     ctx, seqs, layers = args.context, 8, 30
@@ -208,7 +199,7 @@ def measure_attention(args: argparse.Namespace, limits: dict, kernels) -> list[d
     tables = torch.randperm(blocks, generator=gen).to(torch.int32).view(seqs, -1)
     q, o = torch.randn(seqs, HEADS, HEAD_DIM, generator=gen), torch.empty(seqs, HEADS, HEAD_DIM)
     lens = torch.full((seqs,), ctx, dtype=torch.int32)
-    seconds = best_time(lambda: [kernels.decode_attention(q, kc, vc, tables, lens, BLOCK, o) for kc, vc in caches],
+    seconds = best_seconds(lambda: [kernels.decode_attention(q, kc, vc, tables, lens, BLOCK, o) for kc, vc in caches],
                         args.rounds) / layers  # fmt: skip
     kv_bytes = 2.0 * seqs * ctx * KV_HEADS * HEAD_DIM * 4
     out.append(attention_figure(f"decode 8x{ctx}", seqs, seconds, 4.0 * HEAD_DIM * seqs * ctx * HEADS, kv_bytes,

@@ -95,10 +95,9 @@ class CoreParts:
         measured = None
         if model.dtype == "auto" and self.device.type == "cpu" and not quantized and runtime.cpu_kernels:
             say("dtype auto: timing float32 and bfloat16 linears on this CPU ...")
-            # Invariant unless turned off, or (auto) a LoRA adapter or an fp8 cache will turn it off.
-            off = runtime.batch_invariant == "off" or (
-                runtime.batch_invariant == "auto" and (self.config.lora.enabled or
-                                                       self.config.cache.kv_cache_dtype == "fp8"))  # fmt: skip
+            # Invariant unless turned off, or (auto) the configuration alone will turn it off.
+            mode = runtime.batch_invariant
+            off = mode == "off" or (mode == "auto" and self._config_blocker() is not None)
             choice = kernel_probe.probed(threads, not off)
             if choice is not None:
                 measured = choice.dtype
@@ -276,6 +275,15 @@ class CoreParts:
             log.info("batch-invariant mode off: %s", blocker)
         return blocker is None
 
+    def _config_blocker(self) -> str | None:
+        """What in the configuration alone keeps batch-invariant mode from running (known before
+        the model loads, so the dtype probe can ask), or None."""
+        if self.config.cache.kv_cache_dtype == "fp8":
+            return "the kernels read no fp8 KV cache (use --kv-cache-dtype int8 or auto)"
+        if self.config.lora.enabled:
+            return "LoRA adapters' prefill deltas run through torch's products"
+        return None
+
     def _invariance_blocker(self, threads: int) -> str | None:
         """Why batch-invariant mode cannot run with this configuration, or None."""
         config, a = self.config, self.arch
@@ -287,10 +295,8 @@ class CoreParts:
             return "it needs --cpu-kernels"
         if self.dtype not in (torch.float32, torch.bfloat16):
             return f"it runs float32 and bfloat16, not {str(self.dtype).removeprefix('torch.')}"
-        if config.cache.kv_cache_dtype == "fp8":
-            return "the kernels read no fp8 KV cache (use --kv-cache-dtype int8 or auto)"
-        if config.lora.enabled:
-            return "LoRA adapters' prefill deltas run through torch's products"
+        if blocker := self._config_blocker():
+            return blocker
         if self.attention_backend != "torch":
             return f"it runs on the torch attention backend, not {self.attention_backend}"
         if not cpu_kernels.CpuKernels.takes_attention(a.num_heads, a.num_kv_heads, a.head_dim):

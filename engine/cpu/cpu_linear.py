@@ -101,7 +101,8 @@ def prepare_linears(
         gemm = load(threads)
         if gemm is not None and probed(threads, False).prefill == "kvharbor":  # measured faster here
             what = f"kvharbor's packed GEMM for every row count, measured faster than oneDNN ({gemm.threads} threads)"
-            return LinearPlan(what, lambda w: PackedLinear(gemm, w), lambda w: PackedLinear(gemm, w))
+            packed = functools.partial(PackedLinear, gemm)
+            return LinearPlan(what, packed, packed)
         prefill = packing_available(dtype, device) and weight_bytes <= PREFILL_PACK_MAX_BYTES
         if gemm is not None:
             what = f"AVX2 kernel for float32 decode rows ({gemm.threads} threads)"
@@ -129,7 +130,8 @@ def _invariant_linears(dtype: torch.dtype, device: torch.device, threads: int) -
             f"{gemm.lanes()} lanes, panels {gemm.packed_width()} wide)")  # fmt: skip
     if dtype == torch.bfloat16:
         what += ", float32 activations"
-    return LinearPlan(what, lambda w: PackedLinear(gemm, w), lambda w: PackedLinear(gemm, w))
+    packed = functools.partial(PackedLinear, gemm)
+    return LinearPlan(what, packed, packed)
 
 
 class PackedLinear:

@@ -134,11 +134,18 @@ def _best(linears: list[list[Callable]], rows: int) -> float:
             for fn, x in zip(layer, inputs, strict=True):
                 fn(x)
 
-    one_pass()  # warm: first touch, oneDNN's primitive
+    return best_seconds(one_pass, ROUNDS)
+
+
+def best_seconds(fn: Callable[[], object], rounds: int) -> float:
+    """The fastest of `rounds` calls of fn, after one untimed call (first touch, packing, oneDNN's
+    primitive): on a shared machine the best run is the one least disturbed. benchmarks/roofline.py
+    times with it too."""
+    fn()
     best = float("inf")
-    for _ in range(ROUNDS):
+    for _ in range(rounds):
         start = time.perf_counter()
-        one_pass()
+        fn()
         best = min(best, time.perf_counter() - start)
     return best
 

@@ -32,6 +32,12 @@ QUANT_MAX_ROWS = 32
 QUANT_MAX_ROWS_WIDE = 64  # the LM head: dequantizing its 49,152 rows costs more
 
 
+def _release(param: torch.Tensor) -> None:
+    """Drop a parameter's storage, keeping its dtype and device: a packed or quantized copy holds
+    its weights now."""
+    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+
 def _linear(x: torch.Tensor, weight: torch.Tensor, fast: cpu_linear.FastLinear | None, bias=None) -> torch.Tensor:
     return F.linear(x, weight, bias) if fast is None else fast(x, bias)
 
@@ -77,7 +83,7 @@ class DecoderLayer(nn.Module):
                 weight = getattr(self, name)
                 self.fast[name] = fast = make(weight.data)
                 if getattr(fast, "owns_weight", False):  # a packed copy: the only one kept
-                    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+                    _release(weight)
 
     def forward(
         self,
@@ -196,7 +202,7 @@ class LlamaModel(nn.Module):
                 weight = getattr(layer, name)
                 qw = (layer.blocks.pop(name, None) or quantize(weight.data.float(), mode)).to(self.embed.device)
                 layer.fast[name] = fast = QuantLinear(gemm, qw, QUANT_MAX_ROWS, invariant)
-                weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # only the quantized copy stays
+                _release(weight)  # only the quantized copy stays
                 total += fast.nbytes
         return total + self._quantize_head(gemm, mode, invariant)
 
@@ -215,10 +221,10 @@ class LlamaModel(nn.Module):
         total = 0
         if self.head_blocks is not None:
             self.lm_head_fast = QuantLinear(gemm, self.head_blocks, QUANT_MAX_ROWS_WIDE, invariant)
-            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype, device=self.lm_head.device)
+            _release(self.lm_head)
             total += self.head_blocks.nbytes if self.embed_blocks is not self.head_blocks else 0
         if self.embed_blocks is not None:
-            self.embed.data = torch.empty(0, dtype=self.embed.dtype, device=self.embed.device)
+            _release(self.embed)
             total += self.embed_blocks.nbytes
         return total
 
@@ -240,9 +246,9 @@ class LlamaModel(nn.Module):
         reads its rows from it."""
         if self.arch.tie_word_embeddings:
             self.embed_packed = packed
-            self.embed.data = torch.empty(0, dtype=self.embed.dtype, device=self.embed.device)
+            _release(self.embed)
         else:
-            self.lm_head.data = torch.empty(0, dtype=self.lm_head.dtype, device=self.lm_head.device)
+            _release(self.lm_head)
 
     def head_weight(self) -> torch.Tensor:
         """The LM head's weight [vocab, hidden], unpacked again if only a packed copy is kept."""
