@@ -90,9 +90,8 @@ def test_bad_inputs_are_refused_with_what_was_given():
         KERNELS.linear_packed(torch.zeros(2, 9), packed)
     with pytest.raises(ValueError, match=r"bias of \[4\]"):
         KERNELS.linear_packed(torch.zeros(2, 8), packed, torch.zeros(3))  # would read past its end
-    torn = cpu_kernels.PackedWeight(packed.data[:, :4], 4, 8, packed.width)  # not as pack() lays it out
-    with pytest.raises(ValueError, match="lays it out"):
-        KERNELS.linear_packed(torch.zeros(2, 8), torn)
+    with pytest.raises(ValueError, match="lays it out"):  # not as pack() lays it out: refused when made
+        KERNELS.linear_packed(torch.zeros(2, 8), cpu_kernels.PackedWeight(packed.data[:, :4], 4, 8, packed.width))
     assert KERNELS.linear_packed(torch.zeros(0, 8), packed).shape == (0, 4)
 
 

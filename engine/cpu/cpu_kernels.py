@@ -225,12 +225,6 @@ class CpuKernels:
         m, k = x.shape
         if x.dtype != torch.float32 or k != weight.k:
             raise ValueError(f"linear_packed takes float32 x [m, {weight.k}], got {x.dtype} {tuple(x.shape)}")
-        data = weight.data
-        laid_out = (-(-weight.n // max(1, weight.width)), weight.k, weight.width)
-        if data.dtype not in (torch.float32, torch.bfloat16) or not data.is_contiguous() or data.device.type != "cpu" \
-                or tuple(data.shape) != laid_out or weight.k < 1:  # fmt: skip
-            raise ValueError(f"linear_packed takes a weight as pack() lays it out, {laid_out}, got {data.dtype} "
-                             f"{tuple(data.shape)}")  # fmt: skip
         if bias is not None:
             bias = bias.float().contiguous()
             if bias.shape != (weight.n,) or bias.device.type != "cpu":
@@ -461,6 +455,15 @@ class PackedWeight:
     n: int
     k: int
     width: int
+
+    def __post_init__(self) -> None:
+        # Checked once here, not on every linear_packed call (a step makes ~120): the kernel reads
+        # data through its raw pointer, as this layout.
+        data, laid_out = self.data, (-(-self.n // max(1, self.width)), self.k, self.width)
+        if data.dtype not in (torch.float32, torch.bfloat16) or not data.is_contiguous() or data.device.type != "cpu" \
+                or tuple(data.shape) != laid_out or self.k < 1:  # fmt: skip
+            raise ValueError(f"a packed weight is laid out as pack() lays it out, {laid_out}, got {data.dtype} "
+                             f"{tuple(data.shape)}")  # fmt: skip
 
     @property
     def nbytes(self) -> int:
