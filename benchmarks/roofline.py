@@ -42,7 +42,6 @@ import torch
 
 from kvharbor.common.machine import cpu_info, machine_record, machine_title
 from kvharbor.engine.cpu import cpu_kernels
-from kvharbor.engine.cpu.kernel_probe import best_seconds
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -111,6 +110,16 @@ def measure_limits(lib: ctypes.CDLL, threads: int, rounds: int) -> dict:
 
 
 # -- the linears ----------------------------------------------------------------------------------
+
+
+def best_seconds(fn: Callable[[], object], rounds: int) -> float:
+    fn()  # warm: packing, allocation, first touch
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def linear_impls(kernels: cpu_kernels.CpuKernels | None, shape: str) -> dict[str, tuple[str, torch.dtype, Callable,

@@ -96,12 +96,16 @@ def test_cpu_lists_parse_and_bad_ones_say_how_to_write_them():
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 def test_the_engine_resolves_auto_for_its_own_weights(monkeypatch, tiny_llama, quantization):
-    """On a Zen 4, auto is bfloat16 for plain weights and float32 for quantized ones: the engine
-    must tell the rule which it holds."""
+    """On a Zen 4, the rule's auto is bfloat16 for plain weights and float32 for quantized ones: the
+    engine must tell the rule which it holds."""
     from kvharbor.common import machine
     from kvharbor.engine import LLM
+    from kvharbor.engine.cpu import kernel_probe
 
     zen4 = parse_cpuinfo(fake_cpuinfo("zen4"), "x86_64", cores=2)
     monkeypatch.setattr(machine, "cpu_info", lambda: zen4)
+    # The rule is the fallback where the start-up probe does not run (engine/cpu/kernel_probe.py);
+    # the probe's own choice is timed, so it is faked away here and tested in test_kernel_probe.py.
+    monkeypatch.setattr(kernel_probe, "probed", lambda threads, invariant: None)
     llm = LLM(loaded_model=tiny_llama.loaded, quantization=quantization, num_kv_blocks=16)
     assert llm.engine.core.dtype == EXPECTED["zen4"][quantization != "none"]

@@ -99,7 +99,8 @@ def prepare_linears(
         from kvharbor.engine.cpu.kernel_probe import probed
 
         gemm = load(threads)
-        if gemm is not None and probed(threads, False).prefill == "kvharbor":  # measured faster here
+        choice = probed(threads, False) if gemm is not None else None
+        if choice is not None and choice.prefill == "kvharbor":  # measured faster here
             what = f"kvharbor's packed GEMM for every row count, measured faster than oneDNN ({gemm.threads} threads)"
             packed = functools.partial(PackedLinear, gemm)
             return LinearPlan(what, packed, packed)

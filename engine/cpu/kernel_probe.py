@@ -108,12 +108,11 @@ def measure(kernels, onednn: bool) -> Figures:
     # Constant weights: the time does not depend on the values, and filling is far cheaper than randn.
     per_copy = sum(n * k * 4 for n, k in SHAPES)
     copies = max(2, STREAM_BYTES // per_copy)
-    prefill, decode = {}, {}
-    for name, make in makers.items():
-        linears = [[make(torch.full((n, k), 0.01)) for n, k in SHAPES] for _ in range(copies)]
-        prefill[name] = _best(linears[:1], PREFILL_ROWS)
-        decode[name] = _best(linears, DECODE_ROWS) / copies
-    return Figures(prefill, decode)
+    linears = {name: [[make(torch.full((n, k), 0.01)) for n, k in SHAPES] for _ in range(copies)]
+               for name, make in makers.items()}  # fmt: skip
+    prefill = _interleaved({name: _pass(ls[:1], PREFILL_ROWS) for name, ls in linears.items()})
+    decode = _interleaved({name: _pass(ls, DECODE_ROWS) for name, ls in linears.items()})
+    return Figures(prefill, {name: seconds / copies for name, seconds in decode.items()})
 
 
 def _packed(kernels, w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -126,7 +125,7 @@ def _onednn(cpu_linear, w: torch.Tensor, dtype: torch.dtype) -> Callable[[torch.
     return lambda x: cpu_linear.packed_linear(x.to(dtype), packed, None)
 
 
-def _best(linears: list[list[Callable]], rows: int) -> float:
+def _pass(linears: list[list[Callable]], rows: int) -> Callable[[], None]:
     inputs = [torch.full((rows, k), 0.5) for _, k in SHAPES]
 
     def one_pass() -> None:
@@ -134,19 +133,22 @@ def _best(linears: list[list[Callable]], rows: int) -> float:
             for fn, x in zip(layer, inputs, strict=True):
                 fn(x)
 
-    return best_seconds(one_pass, ROUNDS)
+    return one_pass
 
 
-def best_seconds(fn: Callable[[], object], rounds: int) -> float:
-    """The fastest of `rounds` calls of fn, after one untimed call (first touch, packing, oneDNN's
-    primitive): on a shared machine the best run is the one least disturbed. benchmarks/roofline.py
-    times with it too."""
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+def _interleaved(passes: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Each candidate's best of ROUNDS, the candidates taking turns within each round, so a burst
+    of a neighbour's load falls on all of them, not on one. (Timed one candidate after another,
+    an engine in a full test suite here once got float32 where the probe alone gives bfloat16
+    0.66-0.71x float32's turn.)"""
+    for one_pass in passes.values():
+        one_pass()  # warm: first touch, oneDNN's primitive
+    best = dict.fromkeys(passes, float("inf"))
+    for _ in range(ROUNDS):
+        for name, one_pass in passes.items():
+            start = time.perf_counter()
+            one_pass()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
