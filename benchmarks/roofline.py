@@ -52,6 +52,11 @@ PROBES = {"avx2_fma": 0, "avx512_fma": 1, "avx512_bf16_dot": 2}
 PROBE_FLAGS = {"avx2_fma": {"avx2", "fma"}, "avx512_fma": {"avx512f"}, "avx512_bf16_dot": {"avx512f", "avx512_bf16"}}
 FMA_ROUNDS = 20_000_000  # ~0.1-0.2 s per probe here
 READ_BYTES = 512 << 20  # far past any cache here
+# At least this many probes of each kind, whatever --rounds: a probe's figure is all threads' work
+# over the slowest thread's time, so a neighbour on one core for part of a probe lowers it, while
+# the kernels' millisecond calls find quiet windows (a kernel read 155% of a 3-probe "peak" beside
+# a busy test worker).
+PROBE_ROUNDS = 8
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -96,14 +101,14 @@ def build_probe(out_dir: Path) -> ctypes.CDLL:
 
 def measure_limits(lib: ctypes.CDLL, threads: int, rounds: int) -> dict:
     """Peak operations per second of each probe this CPU can run, and read bytes per second
-    (best of `rounds`)."""
+    (best of `rounds`, at least PROBE_ROUNDS)."""
     flags = cpu_info().flags
     peaks = {}
     for name, kind in PROBES.items():
         if PROBE_FLAGS[name] <= flags:
-            peaks[name] = max(lib.kvh_probe(kind, threads, FMA_ROUNDS, None) for _ in range(rounds))
+            peaks[name] = max(lib.kvh_probe(kind, threads, FMA_ROUNDS, None) for _ in range(max(rounds, PROBE_ROUNDS)))
     buf = np.ones(READ_BYTES // 4, dtype=np.float32)
-    bandwidth = max(lib.kvh_probe(3, threads, buf.nbytes, buf.ctypes.data) for _ in range(rounds))
+    bandwidth = max(lib.kvh_probe(3, threads, buf.nbytes, buf.ctypes.data) for _ in range(max(rounds, PROBE_ROUNDS)))
     f32 = max(v for k, v in peaks.items() if k.endswith("_fma"))
     return {"peaks_flops": peaks, "float32_peak_flops": f32, "bfloat16_peak_flops": peaks.get("avx512_bf16_dot", f32),
             "read_bytes_per_s": bandwidth}  # fmt: skip
@@ -144,11 +149,16 @@ def linear_impls(kernels: cpu_kernels.CpuKernels | None, shape: str) -> dict[str
     return impls
 
 
-def copies_for(m: int) -> int:
-    """Weights a figure cycles through: at few rows, SmolLM2's 30 layers' worth, so each call reads
-    its weight from memory as a decode step does (one would sit in the cache and beat the
-    bandwidth); at many rows the work binds, and 2 suffice."""
-    return 30 if m <= 32 else 2
+# Float32 weight bytes a few-row figure cycles through: twice the largest L3 seen here (32 MiB)
+# even as bfloat16, so every call reads its weight from memory as a decode step does.
+STREAM_BYTES = 128 << 20
+
+
+def copies_for(m: int, n: int, k: int) -> int:
+    """Weights a figure cycles through: at few rows, STREAM_BYTES' worth. A fixed 30 (SmolLM2's
+    layers) let the small k/v weight (442 KB) sit in the L3, and the packed GEMM then read 185% of
+    the bandwidth bound. At many rows the work binds, and 2 suffice."""
+    return max(2, -(-STREAM_BYTES // (n * k * 4))) if m <= 32 else 2
 
 
 def measure_linears(args: argparse.Namespace, limits: dict, kernels) -> list[dict]:
@@ -158,7 +168,8 @@ def measure_linears(args: argparse.Namespace, limits: dict, kernels) -> list[dic
         n, k = SHAPES[shape]
         for m in args.rows:
             x = torch.randn(m, k, generator=gen)
-            dense = [torch.randn(n, k, generator=gen) / k**0.5 for _ in range(copies_for(m))]
+            base = torch.randn(n, k, generator=gen) / k**0.5
+            dense = [base.clone() for _ in range(copies_for(m, n, k))]  # the values do not change the time
             for name, (dtype, form, prepare, call) in linear_impls(kernels, shape).items():
                 ws = [prepare(w.to(form)) for w in dense]
                 seconds = best_seconds(lambda x=x, ws=ws, call=call: [call(x, w) for w in ws], args.rounds) / len(ws)
