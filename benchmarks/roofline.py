@@ -50,13 +50,16 @@ PROBE_SOURCE = HERE / "csrc" / "roofline_probe.c"
 SHAPES = {"qo": (576, 576), "kv": (192, 576), "gate_up": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 PROBES = {"avx2_fma": 0, "avx512_fma": 1, "avx512_bf16_dot": 2}
 PROBE_FLAGS = {"avx2_fma": {"avx2", "fma"}, "avx512_fma": {"avx512f"}, "avx512_bf16_dot": {"avx512f", "avx512_bf16"}}
-FMA_ROUNDS = 20_000_000  # ~0.1-0.2 s per probe here
+FMA_ROUNDS = 2_000_000  # ~3 ms per probe here
 READ_BYTES = 512 << 20  # far past any cache here
-# At least this many probes of each kind, whatever --rounds: a probe's figure is all threads' work
-# over the slowest thread's time, so a neighbour on one core for part of a probe lowers it, while
-# the kernels' millisecond calls find quiet windows (a kernel read 155% of a 3-probe "peak" beside
-# a busy test worker).
-PROBE_ROUNDS = 8
+# The FMA peak is one core's best times the threads: a peak probed on all threads at once is
+# lowered by a neighbour on any one core for the whole probe (beside a busy test worker, every one
+# of 40 probes read half the peak, and then the kernels, timed after the neighbour finished, read
+# 166% of it), while one thread finds a free core. The best of many short probes finds the quiet
+# windows: 40 of 3 ms gave the same best as 8 of 30 ms here, in half the time. Bandwidth is shared
+# by the cores, not per core, so it is probed on all threads.
+FMA_PROBES = 40
+READ_PROBES = 8
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -100,15 +103,16 @@ def build_probe(out_dir: Path) -> ctypes.CDLL:
 
 
 def measure_limits(lib: ctypes.CDLL, threads: int, rounds: int) -> dict:
-    """Peak operations per second of each probe this CPU can run, and read bytes per second
-    (best of `rounds`, at least PROBE_ROUNDS)."""
+    """Peak operations per second of each probe this CPU can run on `threads` cores, and read bytes
+    per second (best of `rounds`, at least FMA_PROBES or READ_PROBES)."""
     flags = cpu_info().flags
     peaks = {}
     for name, kind in PROBES.items():
         if PROBE_FLAGS[name] <= flags:
-            peaks[name] = max(lib.kvh_probe(kind, threads, FMA_ROUNDS, None) for _ in range(max(rounds, PROBE_ROUNDS)))
+            core = max(lib.kvh_probe(kind, 1, FMA_ROUNDS, None) for _ in range(max(rounds, FMA_PROBES)))
+            peaks[name] = core * threads
     buf = np.ones(READ_BYTES // 4, dtype=np.float32)
-    bandwidth = max(lib.kvh_probe(3, threads, buf.nbytes, buf.ctypes.data) for _ in range(max(rounds, PROBE_ROUNDS)))
+    bandwidth = max(lib.kvh_probe(3, threads, buf.nbytes, buf.ctypes.data) for _ in range(max(rounds, READ_PROBES)))
     f32 = max(v for k, v in peaks.items() if k.endswith("_fma"))
     return {"peaks_flops": peaks, "float32_peak_flops": f32, "bfloat16_peak_flops": peaks.get("avx512_bf16_dot", f32),
             "read_bytes_per_s": bandwidth}  # fmt: skip

@@ -15,8 +15,10 @@
 // The chains are unrolled (the pragma), so the accumulators live in registers: a loop over an
 // array of them kept them on the stack and measured half the rate.
 //
-// Threads start together on a barrier; the figure is all threads' work over the slowest thread's
-// wall time. Compiled for AVX2 + FMA; the AVX-512 probes carry their own target attribute and are
+// Threads start together on a barrier and each reads the clock itself, after the barrier and
+// after its work; the figure is all threads' work over the span from the first start to the last
+// end. (The caller's clock, read after its own barrier wait, raced the workers: on 2 cores the
+// third thread was often scheduled after short probes had finished, which read 4e15 FLOP/s.) Compiled for AVX2 + FMA; the AVX-512 probes carry their own target attribute and are
 // only called where the CPU reports the flags (the Python side checks /proc/cpuinfo).
 
 #include <immintrin.h>
@@ -33,6 +35,7 @@ typedef struct {
     int64_t rounds;  // FMA probes: rounds of CHAINS instructions; read: bytes of this thread's slice
     const float *buf;
     double sink;  // the accumulators' sum: the compiler may not drop the work
+    double start, end;
 } probe_t;
 
 static pthread_barrier_t barrier;
@@ -102,12 +105,14 @@ static double read_sum(const float *p, int64_t bytes) {
 static void *run(void *arg) {
     probe_t *p = arg;
     pthread_barrier_wait(&barrier);
+    p->start = now();
     switch (p->kind) {
         case 0: p->sink = fma_avx2(p->rounds); break;
         case 1: p->sink = fma_avx512(p->rounds); break;
         case 2: p->sink = dot_bf16(p->rounds); break;
         case 3: p->sink = read_sum(p->buf, p->rounds); break;
     }
+    p->end = now();
     return NULL;
 }
 
@@ -121,13 +126,17 @@ double kvh_probe(int kind, int threads, int64_t work, const float *buf) {
     const int64_t slice = (work / threads) & ~(int64_t)255;  // whole 256-byte steps per thread
     pthread_barrier_init(&barrier, NULL, threads + 1);
     for (int t = 0; t < threads; t++) {
-        probes[t] = (probe_t){kind, kind == 3 ? slice : work, kind == 3 ? buf + t * slice / sizeof(float) : NULL, 0};
+        probes[t] = (probe_t){kind, kind == 3 ? slice : work, kind == 3 ? buf + t * slice / sizeof(float) : NULL, 0, 0, 0};
         pthread_create(&ids[t], NULL, run, &probes[t]);
     }
     pthread_barrier_wait(&barrier);
-    const double t0 = now();
-    for (int t = 0; t < threads; t++) pthread_join(ids[t], NULL);
-    const double seconds = now() - t0;
+    double first = 0, last = 0;
+    for (int t = 0; t < threads; t++) {
+        pthread_join(ids[t], NULL);
+        first = t == 0 || probes[t].start < first ? probes[t].start : first;
+        last = probes[t].end > last ? probes[t].end : last;
+    }
+    const double seconds = last - first;
     pthread_barrier_destroy(&barrier);
     static const double per_round[3] = {CHAINS * 8 * 2, CHAINS * 16 * 2, CHAINS * 16 * 4};
     const double done = kind == 3 ? (double)slice * threads : per_round[kind] * (double)work * threads;
