@@ -136,6 +136,8 @@ class CpuKernels:
         lib.kvharbor_linear_isa.restype = c_int
         lib.kvharbor_packed_width.argtypes = []
         lib.kvharbor_packed_width.restype = c_int
+        lib.kvharbor_bf16_dot.argtypes = []
+        lib.kvharbor_bf16_dot.restype = c_int
         lib.kvharbor_linear_packed.argtypes = [c_int, c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         lib.kvharbor_linear_packed.restype = c_int
         self._lib = lib
@@ -199,19 +201,34 @@ class CpuKernels:
         """The panel width pack uses on this process's ISA (lanes()): 32 columns on 16 lanes, else 16."""
         return self._lib.kvharbor_packed_width()
 
-    def pack(self, weight: torch.Tensor) -> PackedWeight:
+    def bf16_dot(self) -> bool:
+        """Whether pack(..., dot=True) runs here: AVX512-BF16 with the linears on 16 lanes."""
+        return bool(self._lib.kvharbor_bf16_dot())
+
+    def pack(self, weight: torch.Tensor, dot: bool = False) -> PackedWeight:
         """A float32 or bfloat16 [n, k] weight in the layout linear_packed reads (packed_gemm.c):
         panels of this ISA's width, [ceil(n / width)][k][width], the last padded with zeros; a
-        bfloat16 panel's two halves interleaved (element 2i column i, 2i + 1 column i + width / 2)."""
+        bfloat16 panel's two halves interleaved (element 2i column i, 2i + 1 column i + width / 2).
+        `dot` (a bfloat16 weight, where bf16_dot()): panels of k-pairs, [ceil(n / 32)][ceil(k / 2)]
+        [32 x 2], which linear_packed multiplies by x rounded to bfloat16 (vdpbf16ps)."""
         if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu" \
                 or weight.shape[1] < 1:  # fmt: skip
             raise ValueError(f"pack takes a float32 or bfloat16 [n, k] CPU weight, got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")  # fmt: skip
+        if dot and (weight.dtype != torch.bfloat16 or not self.bf16_dot()):
+            raise ValueError(f"pack(dot=True) takes a bfloat16 weight on a CPU with AVX512-BF16 (got {weight.dtype}"
+                             f"{'' if self.bf16_dot() else '; this CPU has none'}): pack it without dot")  # fmt: skip
         nr = self.packed_width()
         n, k = weight.shape
         panels = -(-n // nr)
         if n % nr:
             weight = torch.cat([weight, weight.new_zeros(panels * nr - n, k)])
+        if dot:
+            pairs = -(-k // 2)
+            if k % 2:
+                weight = torch.cat([weight, weight.new_zeros(weight.shape[0], 1)], dim=1)
+            grouped = weight.view(panels, nr, pairs, 2).transpose(1, 2)
+            return PackedWeight(grouped.reshape(panels, pairs, 2 * nr).contiguous(), n, k, nr, dot=True)
         grouped = weight.view(panels, nr, k)
         if weight.dtype == torch.bfloat16:
             grouped = grouped.view(panels, 2, nr // 2, k).transpose(1, 2).reshape(panels, nr, k)
@@ -219,7 +236,8 @@ class CpuKernels:
 
     def linear_packed(self, x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [m, k] float32 @ W^T (+ bias float32) over a packed weight (pack), as float32: each output
-        one float32 sum over k in order, whatever m, so a row's result does not depend on the others."""
+        one float32 sum over k in order, whatever m, so a row's result does not depend on the others.
+        A `dot` weight takes x rounded to bfloat16 (each element by itself), products in k-pairs."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
@@ -232,13 +250,16 @@ class CpuKernels:
         y = torch.empty(m, weight.n, dtype=torch.float32)
         if m == 0:
             return y
-        bf16 = int(weight.data.dtype == torch.bfloat16)
+        fmt = 2 if weight.dot else int(weight.data.dtype == torch.bfloat16)
         code = self._lib.kvharbor_linear_packed(
-            bf16, weight.width, x.data_ptr(), x.stride(0), weight.data.data_ptr(), _ptr(bias), y.data_ptr(),
+            fmt, weight.width, x.data_ptr(), x.stride(0), weight.data.data_ptr(), _ptr(bias), y.data_ptr(),
             weight.n, m, k, weight.n,
         )  # fmt: skip
+        if code == -2:
+            raise MemoryError(f"linear_packed could not allocate x in bfloat16 for {m} rows")
         if code != 0:
-            raise ValueError(f"this CPU has no microkernel for panels {weight.width} wide (packed on another CPU?)")
+            kind = "bfloat16 k-pair panels" if weight.dot else f"panels {weight.width} wide"
+            raise ValueError(f"this CPU has no microkernel for {kind} (packed on another CPU?)")
         return y
 
     def lora_plan(self, a: torch.Tensor, bt: list[torch.Tensor], offsets: list[int]) -> LoRAPlan:
@@ -449,18 +470,23 @@ class CpuKernels:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight as CpuKernels.pack lays it out: `data` [panels, k, width], `n` real columns."""
+    """A weight as CpuKernels.pack lays it out: `data` [panels, k, width], or with `dot` [panels,
+    ceil(k / 2), 2 * width] (k-pairs), `n` real columns."""
 
     data: torch.Tensor
     n: int
     k: int
     width: int
+    dot: bool = False
 
     def __post_init__(self) -> None:
         # Checked once here, not on every linear_packed call (a step makes ~120): the kernel reads
         # data through its raw pointer, as this layout.
-        data, laid_out = self.data, (-(-self.n // max(1, self.width)), self.k, self.width)
-        if data.dtype not in (torch.float32, torch.bfloat16) or not data.is_contiguous() or data.device.type != "cpu" \
+        panels = -(-self.n // max(1, self.width))
+        laid_out = (panels, -(-self.k // 2), 2 * self.width) if self.dot else (panels, self.k, self.width)
+        dtypes = (torch.bfloat16,) if self.dot else (torch.float32, torch.bfloat16)
+        data = self.data
+        if data.dtype not in dtypes or not data.is_contiguous() or data.device.type != "cpu" \
                 or tuple(data.shape) != laid_out or self.k < 1:  # fmt: skip
             raise ValueError(f"a packed weight is laid out as pack() lays it out, {laid_out}, got {data.dtype} "
                              f"{tuple(data.shape)}")  # fmt: skip
@@ -473,6 +499,9 @@ class PackedWeight:
         """Rows `ids` of the weight as it was before packing, [len(ids), k]: a tied embedding's
         lookups read the LM head's packed copy, so no unpacked one is kept."""
         panel, col = ids // self.width, ids % self.width
+        if self.dot:  # [panels, pairs, width, 2]
+            pairs = self.data.view(self.data.shape[0], -1, self.width, 2)[panel, :, col]
+            return pairs.reshape(len(ids), -1)[:, : self.k]
         if self.data.dtype == torch.bfloat16:  # the half-panels interleaved (pack)
             half = self.width // 2
             col = torch.where(col < half, 2 * col, 2 * (col - half) + 1)

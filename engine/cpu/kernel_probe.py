@@ -94,13 +94,14 @@ def _prefill(figures: Figures) -> str:
 
 
 def measure(kernels, onednn: bool) -> Figures:
-    """Time the candidates here: kvharbor's packed GEMM in float32 and bfloat16, and oneDNN's
+    """Time the candidates here: kvharbor's packed GEMM in float32 and bfloat16 (in k-pairs where
+    the CPU has AVX512-BF16), and oneDNN's
     packed linears where `onednn` (engine/cpu/cpu_linear.py finds them usable)."""
     from kvharbor.engine.cpu import cpu_linear
 
     makers: dict[str, Callable[[torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]] = {
         "kvharbor float32": lambda w: _packed(kernels, w),
-        "kvharbor bfloat16": lambda w: _packed(kernels, w.bfloat16()),
+        "kvharbor bfloat16": lambda w: _packed(kernels, w.bfloat16(), dot=kernels.bf16_dot()),
     }
     if onednn:
         makers["onednn float32"] = lambda w: _onednn(cpu_linear, w, torch.float32)
@@ -115,8 +116,8 @@ def measure(kernels, onednn: bool) -> Figures:
     return Figures(prefill, {name: seconds / copies for name, seconds in decode.items()})
 
 
-def _packed(kernels, w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    packed = kernels.pack(w)
+def _packed(kernels, w: torch.Tensor, dot: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+    packed = kernels.pack(w, dot=dot)  # as the engine packs it (cpu_linear._invariant_linears)
     return lambda x: kernels.linear_packed(x, packed)
 
 

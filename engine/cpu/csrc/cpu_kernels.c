@@ -837,14 +837,40 @@ int kvharbor_packed_width(void) {
     return nr;
 }
 
-// y = x @ W^T + bias over W packed in panels of nr columns (packed_gemm.c; float32, or bfloat16
-// with `bf16`). The packing's width picks the microkernel, so a weight's rows keep their bits
-// whatever the process chose later. Returns -1 for a width this CPU has no microkernel for.
-int kvharbor_linear_packed(int bf16, int nr, const float *x, int64_t ldx, const void *w, const float *bias, float *y,
+// Whether kvharbor_linear_packed takes format 2 (PACKED_BF16_DOT) here: AVX512-BF16, and the linears
+// on 16 lanes (its panels are 32 wide).
+int kvharbor_bf16_dot(void) { return kvharbor_packed_width() == packed_width(1) && packed_has_bf16_dot(); }
+
+static uint16_t *xh;  // PACKED_BF16_DOT's x in bfloat16 (under call_lock)
+static int64_t xh_len;
+#define SHARE_ROWS 32  // share_rows, below: rows from which a pointwise pass is split over threads
+
+// y = x @ W^T + bias over W packed as `fmt` says (packed_gemm.h: float32, bfloat16, or bfloat16
+// k-pairs with x rounded to bfloat16) in panels of nr columns. The packing's width picks the
+// microkernel, so a weight's rows keep their bits whatever the process chose later. Returns -1 for
+// a format or width this CPU has no microkernel for, -2 when out of memory.
+int kvharbor_linear_packed(int fmt, int nr, const float *x, int64_t ldx, const void *w, const float *bias, float *y,
                            int64_t ldy, int64_t m, int64_t k, int64_t n) {
     if (nr != packed_width(0) && !(nr == packed_width(1) && __builtin_cpu_supports("avx512f"))) return -1;
+    if (fmt < PACKED_F32 || fmt > PACKED_BF16_DOT || (fmt == PACKED_BF16_DOT && !(nr == packed_width(1) &&
+                                                                                 packed_has_bf16_dot())))
+        return -1;
     pthread_mutex_lock(&call_lock);
-    pjob = (packed_job_t){x, w, bias, y, m, k, n, ldx, ldy, bf16, nr};
+    pjob = (packed_job_t){x, w, bias, y, m, k, n, ldx, ldy, fmt, nr, NULL, packed_xh_stride(k)};
+    if (fmt == PACKED_BF16_DOT) {
+        uint16_t *h = grown(xh, &xh_len, m * pjob.ldxh, sizeof(uint16_t));
+        if (!h) {
+            pthread_mutex_unlock(&call_lock);
+            return -2;
+        }
+        xh = pjob.xh = h;
+        if (m < SHARE_ROWS) {
+            packed_round_rows(&pjob, 0, m);
+        } else {
+            rjob = (rows_job_t){packed_round_rows, &pjob, m};
+            run_job(8);
+        }
+    }
     run_job(7);
     pthread_mutex_unlock(&call_lock);
     return 0;
@@ -1217,8 +1243,7 @@ int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache
 // on the calling thread (too little work to share), SHARE_ROWS rows or more (a prefill chunk in
 // batch-invariant mode, where every row comes here) split by rows over the pool's threads. On
 // 2,048 rows on the 2-core family-26 EPYC: RMS norm 245 -> 127 us, SiLU-and-multiply 2.1 -> 0.7 ms,
-// RoPE 130 -> 76 us.
-#define SHARE_ROWS 32
+// RoPE 130 -> 76 us. (SHARE_ROWS is defined above, by kvharbor_linear_packed, its first user.)
 
 static void share_rows(void (*fn)(const void *, int64_t, int64_t), const void *args, int64_t rows) {
     if (rows < SHARE_ROWS) {
