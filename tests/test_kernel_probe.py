@@ -1,6 +1,7 @@
 """`--dtype auto` and the float32 prefill kernel chosen by measurement (engine/cpu/kernel_probe.py):
-the choice on faked figures (CPUs no session has seen), the figures measured here, and an engine
-that logs what it chose and why."""
+the choice on faked figures (CPUs no session has seen), the figures measured here and kept for the
+machine's later engines (a torn or unwritable cache costs a measurement, never a start), and an
+engine that logs what it chose and why."""
 
 from __future__ import annotations
 
@@ -63,7 +64,8 @@ def test_a_measured_dtype_decides_auto_but_not_an_asked_one_nor_quantized_weight
 
 
 @needs_kernels
-def test_the_probe_times_every_candidate_here_and_says_why(caplog):
+def test_the_probe_times_every_candidate_here_and_says_why(caplog, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVHARBOR_CACHE_DIR", str(tmp_path))  # nothing kept from before: measured here
     kernel_probe.probed.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger="kvharbor.engine.cpu.kernel_probe"):
@@ -84,3 +86,52 @@ def test_an_engine_on_auto_runs_the_measured_dtype(tiny_llama, make_llm, monkeyp
     assert llm.engine.core.model.embed.dtype == torch.bfloat16
     picked = kernel_probe.Choice("float32", "kvharbor", "faked")
     assert make_llm(tiny_llama.loaded, dtype="auto").engine.core.model.embed.dtype == torch.float32
+
+
+@needs_kernels
+def test_the_figures_are_kept_for_the_machines_later_engines(caplog, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVHARBOR_CACHE_DIR", str(tmp_path))
+    faked = figures(kvharbor_float32=(0.010, 0.004), kvharbor_bfloat16=(0.010, 0.002))
+    calls = []
+    monkeypatch.setattr(kernel_probe, "measure", lambda kernels, onednn: calls.append(onednn) or faked)
+
+    def start() -> kernel_probe.Choice:  # a new engine process: probed is cached per process
+        kernel_probe.probed.cache_clear()
+        try:
+            with caplog.at_level(logging.INFO, logger="kvharbor.engine.cpu.kernel_probe"):
+                return kernel_probe.probed(2, True)
+        finally:
+            kernel_probe.probed.cache_clear()
+
+    first = start()
+    kept = kernel_probe.cache_path(cpu_kernels.load(2), 2, True)
+    assert calls == [False] and first.dtype == "bfloat16" and kept.is_file()
+    assert f"measured now, kept at {kept}" in caplog.records[-1].getMessage()
+    assert start() == first and calls == [False]  # read, not measured again
+    assert f"measured at {kept}" in caplog.records[-1].getMessage()
+    assert kernel_probe.cache_path(cpu_kernels.load(2), 2, False) != kept  # the other mode: its own figures
+
+    for torn in ("{", '{"prefill": {"kvharbor float32": 0.01}, "decode": {}}',
+                 '{"prefill": {"kvharbor float32": -1}, "decode": {"kvharbor float32": 1}}'):  # fmt: skip
+        kept.write_text(torn)
+        assert start() == first and len(calls) == 2  # measured again, and kept again whole
+        assert "cannot be read" in caplog.text and kernel_probe._read(kept) == faked
+        calls.pop()
+        caplog.clear()
+
+
+@needs_kernels
+def test_a_cache_that_cannot_be_written_still_starts_the_engine(caplog, tmp_path, monkeypatch):
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a file where the cache's folder would go
+    monkeypatch.setenv("KVHARBOR_CACHE_DIR", str(blocked))
+    faked = figures(kvharbor_float32=(0.010, 0.004), kvharbor_bfloat16=(0.010, 0.0039))
+    monkeypatch.setattr(kernel_probe, "measure", lambda kernels, onednn: faked)
+    kernel_probe.probed.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="kvharbor.engine.cpu.kernel_probe"):
+            assert kernel_probe.probed(2, True).dtype == "float32"
+    finally:
+        kernel_probe.probed.cache_clear()
+    assert "could not keep the kernel probe's figures" in caplog.text
+    assert caplog.records[-1].getMessage().endswith("measured now: " + faked.line())

@@ -96,6 +96,7 @@ class CpuKernels:
     """The loaded kernels; every call is thread-safe (one runs at a time, on the pool's threads)."""
 
     def __init__(self, path: Path, threads: int) -> None:
+        self.path = path  # the build: its name hashes the source and the flags (build)
         lib = ctypes.CDLL(str(path))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.kvharbor_linear.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]

@@ -13,16 +13,28 @@ The probe times SmolLM2-135M's gate/up and down projections, each candidate:
   decode step's do.
 A candidate's cost is one turn of chat: a prompt's prefill plus DECODE_STEPS decode steps.
 bfloat16 must beat float32 by BF16_MARGIN, since it costs accuracy (a mean KL of ~1e-4 on
-SmolLM2). About 0.1 s; once per process.
+SmolLM2). About 0.1 s.
+
+The figures are measured once per machine, not once per process: they are kept in
+$KVHARBOR_CACHE_DIR/kernel-probe/ under a name that hashes what they depend on (the CPU's model
+and flags, the threads, the mode, the kernels' build and torch's version), and every later engine
+of that machine reads them. On a busy machine a fresh probe could choose differently from one
+start to the next (a full test suite's load once moved bfloat16's turn from 0.7x to > 0.9x
+float32's), and engines of one model on one machine must agree on the dtype: their KV blocks
+carry it, and blocks of another dtype are never imported. Delete the file to measure again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cache
+from pathlib import Path
 
 import torch
 
@@ -155,15 +167,64 @@ def _interleaved(passes: dict[str, Callable[[], None]]) -> dict[str, float]:
 
 @cache
 def probed(threads: int, invariant: bool) -> Choice | None:
-    """This process's choice, measured once (None where kvharbor's kernels do not run here)."""
+    """This machine's choice: its figures read from the cache, or measured and kept there (None
+    where kvharbor's kernels do not run here)."""
     from kvharbor.engine.cpu import cpu_kernels, cpu_linear
 
     kernels = cpu_kernels.load(threads)
     if kernels is None:
         return None
-    onednn = not invariant and cpu_linear.packing_available(torch.bfloat16, torch.device("cpu"))
-    figures = measure(kernels, onednn)
+    path = cache_path(kernels, threads, invariant)
+    figures = _read(path)
+    source = f"measured at {path}"
+    if figures is None:
+        onednn = not invariant and cpu_linear.packing_available(torch.bfloat16, torch.device("cpu"))
+        figures = measure(kernels, onednn)
+        source = f"measured now, kept at {path}" if _keep(path, figures) else "measured now"
     choice = choose(figures, invariant)
-    log.info("dtype auto: %s (%s); measured %s", choice.dtype, choice.why, figures.line(),
+    log.info("dtype auto: %s (%s); %s: %s", choice.dtype, choice.why, source, figures.line(),
              extra={"dtype": choice.dtype, "prefill": choice.prefill})  # fmt: skip
     return choice
+
+
+def cache_path(kernels, threads: int, invariant: bool) -> Path:
+    """Where this machine's figures are kept: named by what they depend on."""
+    from kvharbor.common.machine import cpu_info
+    from kvharbor.engine.cpu.cpu_kernels import cache_dir
+
+    cpu = cpu_info()
+    key = [cpu.model, sorted(cpu.flags), threads, invariant, kernels.path.name, torch.__version__]
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+    return cache_dir() / "kernel-probe" / f"{digest}.json"
+
+
+def _read(path: Path) -> Figures | None:
+    """The kept figures, or None where there are none or they cannot be read (measured again)."""
+    try:
+        data = json.loads(path.read_text())
+        figures = Figures(dict(data["prefill"]), dict(data["decode"]))
+        seconds = [*figures.prefill.values(), *figures.decode.values()]
+        if figures.prefill.keys() != figures.decode.keys() or "kvharbor float32" not in figures.prefill:
+            raise ValueError("not the figures of every candidate")
+        if not all(isinstance(v, float) and v > 0 for v in seconds):
+            raise ValueError("a time that is not a positive number")
+        return figures
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning("the kept kernel probe at %s cannot be read (%s): measuring again", path, exc)
+        return None
+
+
+def _keep(path: Path, figures: Figures) -> bool:
+    """Write the figures whole or not at all (another engine may be reading); False where the
+    cache cannot be written (a read-only home): the figures still serve this process."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        part = path.with_suffix(f".{os.getpid()}.part")
+        part.write_text(json.dumps(asdict(figures)))
+        os.replace(part, path)
+        return True
+    except OSError as exc:
+        log.warning("could not keep the kernel probe's figures at %s (%s): later engines measure again", path, exc)
+        return False
