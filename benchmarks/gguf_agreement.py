@@ -137,11 +137,24 @@ def pair(a: list[list[int]], b: list[list[int]]) -> dict:
     return {"mean_match": sum(lengths) / len(lengths), "full": full, "lengths": lengths}
 
 
+def falls_behind(greedy: dict[str, list[list[int]]], questions: tuple[str, ...], margin) -> list[dict]:
+    """The prompts where llama.cpp follows float32 further than kvharbor's gguf does, with
+    float32's margin (`margin(prompt index, position, gguf's token)`) at gguf's first difference."""
+    out = []
+    for i, (ref, ours, theirs) in enumerate(zip(greedy["float32"], greedy["gguf"], greedy["llama.cpp"], strict=True)):
+        at = matched_prefix(ours, ref)
+        if matched_prefix(theirs, ref) > at:
+            out.append({"prompt": questions[i], "at": at, "float32_token": ref[at], "gguf_token": ours[at],
+                        "float32_margin": margin(i, at, ours[at])})  # fmt: skip
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.manual_seed(0)
-    loaded = load_model(str(args.gguf))
-    llms = {name: LLM(loaded_model=loaded, dtype="float32", quantization=q, max_model_len=2048, num_kv_blocks=256)
+    # float32 on the file dequantized; gguf on its own blocks (kept only when asked for).
+    loaded = {"none": load_model(str(args.gguf)), "gguf": load_model(str(args.gguf), keep_blocks=True)}
+    llms = {name: LLM(loaded_model=loaded[q], dtype="float32", quantization=q, max_model_len=2048, num_kv_blocks=256)
             for name, q in (("float32", "none"), ("gguf", "gguf"))}  # fmt: skip
     tokenizer = llms["float32"].get_tokenizer()
     questions = (README_PROMPT, *HELD_OUT)
@@ -152,14 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     greedy["llama.cpp"] = run_llama(args, prompts, logs)
     pairs = {f"{a} / {b}": pair(greedy[a], greedy[b]) for a, b in (("gguf", "float32"), ("llama.cpp", "float32"),
                                                                     ("gguf", "llama.cpp"))}  # fmt: skip
-    ours, theirs = pairs["gguf / float32"]["lengths"], pairs["llama.cpp / float32"]["lengths"]
-    behind = []
-    for i, (n_ours, n_theirs) in enumerate(zip(ours, theirs, strict=True)):
-        if n_theirs > n_ours:  # llama.cpp follows float32 further than kvharbor's gguf
-            ref, got = greedy["float32"][i], greedy["gguf"][i]
-            margin = margin_at(llms["float32"], prompts[i], ref, n_ours, got[n_ours])
-            behind.append({"prompt": questions[i], "at": n_ours, "float32_token": ref[n_ours],
-                           "gguf_token": got[n_ours], "float32_margin": margin})  # fmt: skip
+    margin = lambda i, at, token: margin_at(llms["float32"], prompts[i], greedy["float32"][i], at, token)  # noqa: E731
+    behind = falls_behind(greedy, questions, margin)
     answers = {name: tokenizer.decode(greedy[name][0]) for name in GENERATORS}
     report(pairs, behind, answers, len(prompts), args.tokens)
     record = {"benchmark": "gguf_agreement", "machine": machine_record(), "gguf": str(args.gguf), "tokens": args.tokens,
