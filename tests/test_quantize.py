@@ -98,7 +98,7 @@ def test_each_kernel_format_equals_a_float64_product_of_its_dequantized_weight(f
     bias = torch.randn(n, generator=g)
     qw = FORMATS[fmt](w)
     dense = qw.dequantize().double()
-    got = QuantLinear(GEMM, qw, QUANT_MAX_ROWS)(x, bias)  # rows above QUANT_MAX_ROWS: dequantized + MKL
+    got = QuantLinear(GEMM, qw, QUANT_MAX_ROWS)(x, bias)  # rows above QUANT_MAX_ROWS: dequantized + packed GEMM
     assert torch.all((got.double() - (x.double() @ dense.T + bias.double())).abs() <= kernel_bound(x, dense))
     strided = torch.randn(rows, 2 * k, generator=g)[:, :k]  # rows of a wider tensor, as attention hands them
     error = (GEMM.linear_quant(strided, qw).double() - strided.double() @ dense.T).abs()
@@ -117,15 +117,18 @@ def test_int8_rows_that_are_not_whole_groups_keep_float_activations(rows):
 
 
 @needs_kernels
-def test_a_wide_weight_goes_through_mkl_in_bounded_slices(monkeypatch):
+def test_a_wide_weight_goes_through_the_packed_gemm_in_bounded_slices(monkeypatch):
     import kvharbor.engine.quantize as quantize_module
 
     monkeypatch.setattr(quantize_module, "SCRATCH_FLOATS", 64 * 10)  # ten rows of 64 per slice
+    slices = []
+    monkeypatch.setattr(GEMM, "pack", lambda w, dot=False: slices.append(w.shape) or type(GEMM).pack(GEMM, w, dot))
     qw = quantize_int4(torch.randn(37, 64))
     x, bias = torch.randn(5, 64), torch.randn(37)
     got = QuantLinear(GEMM, qw, max_rows=2)(x, bias)
     assert torch.allclose(got, x @ qw.dequantize().T + bias, atol=1e-4)
     assert GEMM._scratch.numel() >= 640
+    assert slices == [(10, 64)] * 3 + [(7, 64)]  # each dequantized slice packed, never the whole weight
 
 
 @needs_kernels
