@@ -379,22 +379,25 @@ def test_pointwise_rows_shared_over_threads_keep_each_rows_bits():
 
 
 @needs_kernels
-def test_kv_write_copies_each_row_to_its_slot_and_checks_slots():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_kv_write_copies_each_row_to_its_slot_and_checks_slots(dtype):
     gen = torch.Generator().manual_seed(3)
     qkv = torch.randn(4, 3 * 2 * 8 + 5, generator=gen)  # k rows strided inside a fused projection
+    qkv[0, 5:9] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -(2**-130), 3.0e38])  # ties to even, a subnormal, a big one
     rows = qkv[:, 5 : 5 + 16].view(4, 2, 8)
-    cache = torch.zeros(2, 40, 8)
+    cache = torch.zeros(2, 40, 8, dtype=dtype)
     slots = torch.tensor([7, 0, 39, 12])
     KERNELS.kv_write(rows, slots, cache)
-    want = torch.zeros(2, 40, 8)
-    want.index_copy_(1, slots, rows.transpose(0, 1))
-    assert torch.equal(cache, want)
+    want = torch.zeros(2, 40, 8, dtype=dtype)
+    want.index_copy_(1, slots, rows.transpose(0, 1).to(dtype))  # a bfloat16 cache: rounded as torch rounds
+    assert torch.equal(cache.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))  # fmt: skip
     with pytest.raises(ValueError, match="one slot per row"):
         KERNELS.kv_write(rows, torch.tensor([7, 0, 40, 12]), cache)
     with pytest.raises(ValueError, match="one slot per row"):
         KERNELS.kv_write(rows, slots, cache, bounds=(0, 40))  # bounds given by the caller are checked too
-    with pytest.raises(ValueError, match="contiguous float32 cache"):
-        KERNELS.kv_write(rows, slots, torch.zeros(2, 40, 9))
+    with pytest.raises(ValueError, match=f"contiguous {str(dtype).removeprefix('torch.')} cache"):
+        KERNELS.kv_write(rows, slots, torch.zeros(2, 40, 9, dtype=dtype))
 
 
 @needs_kernels

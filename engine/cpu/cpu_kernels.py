@@ -114,6 +114,8 @@ class CpuKernels:
         lib.kvharbor_kv_write_int8.restype = None
         lib.kvharbor_kv_write.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64]
         lib.kvharbor_kv_write.restype = None
+        lib.kvharbor_kv_write_bf16.argtypes = [ptr, i64, i64, ptr, i64, i64, i64, ptr, i64]
+        lib.kvharbor_kv_write_bf16.restype = None
         lib.kvharbor_add_rms_norm.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]
         lib.kvharbor_add_rms_norm.restype = None
         lib.kvharbor_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr]
@@ -350,9 +352,13 @@ class CpuKernels:
     def kv_write(
         self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, bounds: tuple[int, int] | None = None
     ) -> None:
-        """Copy rows [T, heads, dim] float32 to their slots of cache [heads, slots, dim] float32
-        (`bounds` as for kv_write_int8)."""
-        self._kv_write(self._lib.kvharbor_kv_write, rows, slots, cache, bounds, torch.float32, 0)
+        """Copy rows [T, heads, dim] float32 to their slots of cache [heads, slots, dim] float32, or
+        of a bfloat16 cache rounded to nearest even (as .to(torch.bfloat16)); `bounds` as for
+        kv_write_int8."""
+        if cache.dtype == torch.bfloat16:
+            self._kv_write(self._lib.kvharbor_kv_write_bf16, rows, slots, cache, bounds, torch.bfloat16, 0)
+        else:
+            self._kv_write(self._lib.kvharbor_kv_write, rows, slots, cache, bounds, torch.float32, 0)
 
     @staticmethod
     def _kv_write(fn, rows, slots, cache, bounds, cache_dtype: torch.dtype, extra: int) -> None:

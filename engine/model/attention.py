@@ -295,10 +295,10 @@ def _write(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Atten
     chunks with a cached prefix read the cache), so an 8-bit step without one returns None."""
     slots, writer = meta.slot_mapping, meta.kv_writer if k.dtype == torch.float32 else None
     if meta.kv_dtype == "auto":
-        if writer is not None and kv_cache.dtype == torch.float32:
+        if writer is not None and kv_cache.dtype in (torch.float32, torch.bfloat16):  # bfloat16: rounded
             writer.kv_write(k, slots, kv_cache[0], meta.slot_bounds)
             writer.kv_write(v, slots, kv_cache[1], meta.slot_bounds)
-        else:  # (float32 activations into a bfloat16 cache: batch-invariant bfloat16)
+        else:  # (float32 activations into a bfloat16 cache without the kernels)
             kv_cache[0].index_copy_(1, slots, k.transpose(0, 1).to(kv_cache.dtype))
             kv_cache[1].index_copy_(1, slots, v.transpose(0, 1).to(kv_cache.dtype))
         return k, v
