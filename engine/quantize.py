@@ -35,9 +35,9 @@ was bound by widening 4-bit codes to floats, and this made SmolLM2's batch-1 lin
 figures); the cost is x's rounding, at most half of max|x_g| / 127 per element, which
 benchmarks/quality.py's decode positions measure. Rows are quantized one by one, so a row's result
 does not depend on the batch it runs in. Prefill-sized
-inputs are dequantized, a slice at a time into one reused scratch buffer, packed and multiplied
-by the packed GEMM (engine/cpu/csrc/packed_gemm.c: 1.4-1.6x MKL on the same dequantized slices,
-QuantLinear._product), which blocks large products far better than a row-tiled kernel (the int8
+inputs are dequantized, a slice at a time, straight into the packed GEMM's layout in one reused
+scratch buffer and multiplied there (engine/cpu/csrc/packed_gemm.c: 1.4-1.6x MKL on the same
+dequantized slices, QuantLinear._product), which blocks large products far better than a row-tiled kernel (the int8
 kernel alone ran at 0.8x MKL at 128 rows; llama.cpp dequantizes for BLAS in the same case). torch's own
 `aten::_weight_int8pack_mm` was measured at 5.8 ms on an 8x576 by 576x1536 product on this
 machine kind, 7x float32 MKL, so it is not used. Where the kernels do not
@@ -207,11 +207,6 @@ class QuantLinear:
     def nbytes(self) -> int:
         return self.weight.nbytes
 
-    def _dense(self, first: int, last: int, dtype: torch.dtype) -> torch.Tensor:
-        if self.gemm is not None:
-            return self.gemm.dequantize(self.weight, first, last)
-        return self.weight.dequantize(slice(first, last)).to(dtype)
-
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemm is not None and x.dtype != torch.float32:  # the kernels take float32 rows
             # NOTE: measured on the AMD EPYC Zen 4 (benchmarks/README.md, the bfloat16 ledger):
@@ -225,18 +220,20 @@ class QuantLinear:
         w = self.weight
         step = max(1, SCRATCH_FLOATS // w.k)
         if step >= w.n:
-            return self._product(x, self._dense(0, w.n, x.dtype), bias)
+            return self._product(x, 0, w.n, bias)
         y = torch.empty(x.shape[0], w.n, dtype=x.dtype, device=x.device)
         for a in range(0, w.n, step):
             b = min(w.n, a + step)
-            y[:, a:b] = self._product(x, self._dense(a, b, x.dtype), None if bias is None else bias[a:b])
+            y[:, a:b] = self._product(x, a, b, None if bias is None else bias[a:b])
         return y
 
-    def _product(self, x: torch.Tensor, dense: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ dense^T: with the kernels, the slice packed for kvharbor's packed GEMM.
-        NOTE: measured on the 2-core family-26 EPYC (2026-12-07, 128 rows, int4 weights,
-        dequantize + pack + packed GEMM against dequantize + MKL): 1.71 / 2.67 ms on SmolLM2's
-        gate/up, 0.83 / 1.18 on down, 0.32 / 0.50 on q/o; the packing is 0.06-0.27 of those."""
+    def _product(self, x: torch.Tensor, first: int, last: int, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ rows [first, last) of the weight^T: with the kernels, dequantized straight into the
+        packed GEMM's layout and multiplied there.
+        NOTE: measured on the 2-core family-26 EPYC (2026-12-07, 128 rows, int4 weights): dequantize
+        + pack + packed GEMM against dequantize + MKL, 1.71 / 2.67 ms on SmolLM2's gate/up, 0.83 /
+        1.18 on down, 0.32 / 0.50 on q/o; dequantizing into the packed layout then saves the
+        packing's 0.06-0.27 ms."""
         if self.gemm is None or x.dtype != torch.float32:
-            return F.linear(x, dense, bias)
-        return self.gemm.linear_packed(x, self.gemm.pack(dense), bias)
+            return F.linear(x, self.weight.dequantize(slice(first, last)).to(x.dtype), bias)
+        return self.gemm.linear_packed(x, self.gemm.dequantize_packed(self.weight, first, last), bias)

@@ -122,13 +122,27 @@ def test_a_wide_weight_goes_through_the_packed_gemm_in_bounded_slices(monkeypatc
 
     monkeypatch.setattr(quantize_module, "SCRATCH_FLOATS", 64 * 10)  # ten rows of 64 per slice
     slices = []
-    monkeypatch.setattr(GEMM, "pack", lambda w, dot=False: slices.append(w.shape) or type(GEMM).pack(GEMM, w, dot))
+    packed = type(GEMM).dequantize_packed
+    monkeypatch.setattr(GEMM, "dequantize_packed", lambda w, a, b: slices.append((a, b)) or packed(GEMM, w, a, b))
     qw = quantize_int4(torch.randn(37, 64))
     x, bias = torch.randn(5, 64), torch.randn(37)
     got = QuantLinear(GEMM, qw, max_rows=2)(x, bias)
     assert torch.allclose(got, x @ qw.dequantize().T + bias, atol=1e-4)
     assert GEMM._scratch.numel() >= 640
-    assert slices == [(10, 64)] * 3 + [(7, 64)]  # each dequantized slice packed, never the whole weight
+    assert slices == [(0, 10), (10, 20), (20, 30), (30, 37)]  # slice by slice, never the whole weight
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_slice_dequantizes_straight_into_the_packed_layout(fmt):
+    """The same bits as packing the row-major dequantization, the last panel's padding columns
+    zero whatever the scratch held before."""
+    qw = FORMATS[fmt](torch.randn(75, 96, generator=torch.Generator().manual_seed(2)))
+    for first, last in ((0, 75), (3, 40), (70, 75)):
+        want = GEMM.pack(GEMM.dequantize(qw, first, last).clone())
+        GEMM._scratch_for(75 * 96 * 4).fill_(float("nan"))  # stale scratch (dequantize's own buffer)
+        got = GEMM.dequantize_packed(qw, first, last)
+        assert got.n == last - first and torch.equal(got.data, want.data), (first, last)
 
 
 @needs_kernels

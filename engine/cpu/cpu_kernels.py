@@ -106,6 +106,8 @@ class CpuKernels:
         lib.kvharbor_linear_quant.restype = c_int
         lib.kvharbor_dequantize.argtypes = [c_int, ptr, ptr, ptr, ptr, i64, i64, i64]
         lib.kvharbor_dequantize.restype = c_int
+        lib.kvharbor_dequantize_packed.argtypes = [c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+        lib.kvharbor_dequantize_packed.restype = c_int
         lib.kvharbor_decode_attention.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64,
                                                   i64, i64, ctypes.c_float, ctypes.c_int, i64,
                                                   ctypes.c_float, ptr, i64]  # fmt: skip
@@ -329,17 +331,35 @@ class CpuKernels:
         """Rows [first, last) of w as float32 [last - first, k], in a scratch buffer this object
         reuses: valid until the next call."""
         rows = last - first
-        if self._scratch.numel() < rows * w.k:
-            self._scratch = torch.empty(rows * w.k, dtype=torch.float32)
-        out = self._scratch[: rows * w.k].view(rows, w.k)
+        out = self._scratch_for(rows * w.k).view(rows, w.k)
+        self._dequantize(w, first, rows, out, 0)
+        return out
+
+    def dequantize_packed(self, w: QuantWeight, first: int, last: int) -> PackedWeight:
+        """Rows [first, last) of w as a float32 packed weight (pack's layout, this ISA's width),
+        dequantized straight into it, in the scratch buffer dequantize uses: valid until the next
+        call. What a prefill product over quantized weights multiplies (linear_packed)."""
+        rows, nr = last - first, self.packed_width()
+        panels = -(-rows // nr)
+        data = self._scratch_for(panels * w.k * nr).view(panels, w.k, nr)
+        data[-1, :, rows - (panels - 1) * nr :] = 0  # the last panel's padding columns
+        self._dequantize(w, first, rows, data, nr)
+        return PackedWeight(data, rows, w.k, nr)
+
+    def _scratch_for(self, floats: int) -> torch.Tensor:
+        if self._scratch.numel() < floats:
+            self._scratch = torch.empty(floats, dtype=torch.float32)
+        return self._scratch[:floats]
+
+    def _dequantize(self, w: QuantWeight, first: int, rows: int, out: torch.Tensor, nr: int) -> None:
         per_row = w.scale.numel() // w.n
-        code = self._lib.kvharbor_dequantize(
+        code = self._lib.kvharbor_dequantize_packed(
             FORMATS[w.fmt], w.data[first:].data_ptr(), w.scale.data_ptr() + first * per_row * 4,
             w.mins.data_ptr() + first * per_row * 4 if w.mins is not None else None, out.data_ptr(), w.k, w.k, rows,
+            nr,
         )  # fmt: skip
         if code != 0:
             raise ValueError(f"the kernel does not take a {w.fmt} weight of {w.n}x{w.k}")
-        return out
 
     def kv_write_int8(
         self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor, bounds: tuple[int, int] | None = None

@@ -599,17 +599,31 @@ static void run_int_columns(int q, int64_t n0, int64_t n1) {
 
 // Rows [n0, n1) of the weight in job (format job_q) as float32 rows of y (row stride ldy): what
 // a prefill-sized product reads, so MKL's blocked GEMM does it (engine/quantize.py says why).
+// 8 dequantized weights of row n at element i: at out + i (row-major), or, packed for
+// packed_gemm.c (nr > 0: panels [k][nr]), at column n % nr of elements i .. i + 7 of its panel.
+static inline void put8(float *out, int64_t i, int64_t nr, __m256 v) {
+    if (!nr) {
+        _mm256_storeu_ps(out + i, v);
+        return;
+    }
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    for (int e = 0; e < 8; e++) out[(i + e) * nr] = tmp[e];
+}
+
+// Rows [n0, n1) dequantized into job.y: row-major at stride ldy, or, with job.ldx = nr > 0, in
+// packed_gemm.c's float32 panel layout (the caller zeroes the last panel's padding columns).
 static void run_dequantize(int q, int64_t n0, int64_t n1) {
     const linear_job_t j = job;
-    const int64_t groups = j.k / GROUP;
+    const int64_t groups = j.k / GROUP, nr = j.ldx;
     for (int64_t n = n0; n < n1; n++) {
-        float *out = j.y + n * j.ldy;
+        float *out = nr ? j.y + (n / nr) * j.k * nr + n % nr : j.y + n * j.ldy;
         if (q == 1) {
             const int8_t *w = (const int8_t *)j.w + n * j.k;
             const __m256 s = _mm256_broadcast_ss(j.scale + n);
             int64_t i = 0;
-            for (; i + 8 <= j.k; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(load_q8(w + i), s));
-            for (; i < j.k; i++) out[i] = w[i] * j.scale[n];
+            for (; i + 8 <= j.k; i += 8) put8(out, i, nr, _mm256_mul_ps(load_q8(w + i), s));
+            for (; i < j.k; i++) out[nr ? i * nr : i] = w[i] * j.scale[n];
             continue;
         }
         const uint8_t *w = (const uint8_t *)j.w + n * (q == 2 ? j.k / 2 : j.k);
@@ -618,7 +632,7 @@ static void run_dequantize(int q, int64_t n0, int64_t n1) {
             const __m256 mn = q == 2 ? _mm256_broadcast_ss(j.mins + n * groups + g) : _mm256_setzero_ps();
             for (int sub = 0; sub < 4; sub++) {
                 __m256 v = q == 2 ? load_grouped(2, w + g * 16, sub, s, mn) : load_grouped(3, w + g * 32, sub, s, mn);
-                _mm256_storeu_ps(out + g * GROUP + sub * 8, v);
+                put8(out, g * GROUP + sub * 8, nr, v);
             }
         }
     }
@@ -912,11 +926,22 @@ int kvharbor_linear_quant(int q, const float *x, int64_t ldx, const void *w, con
 }
 
 // Rows of a quantized weight of format q as float32: y [n, k] (row stride ldy) = dequantized w.
+int kvharbor_dequantize_packed(int q, const void *w, const float *scale, const float *mins, float *y, int64_t ldy,
+                               int64_t k, int64_t n, int64_t nr);
+
 int kvharbor_dequantize(int q, const void *w, const float *scale, const float *mins, float *y, int64_t ldy,
                         int64_t k, int64_t n) {
-    if (q < 1 || q > 3 || (q >= 2 && k % GROUP)) return -1;
+    return kvharbor_dequantize_packed(q, w, scale, mins, y, ldy, k, n, 0);
+}
+
+// The same, with nr > 0 into packed_gemm.c's float32 panels of nr columns ([ceil(n / nr)][k][nr],
+// ldy unused), so that a prefill product dequantizes straight into what kvharbor_linear_packed
+// reads; the caller zeroes the last panel's columns past n. Returns -1 for a format it does not take.
+int kvharbor_dequantize_packed(int q, const void *w, const float *scale, const float *mins, float *y, int64_t ldy,
+                               int64_t k, int64_t n, int64_t nr) {
+    if (q < 1 || q > 3 || (q >= 2 && k % GROUP) || nr < 0) return -1;
     pthread_mutex_lock(&call_lock);
-    job = (linear_job_t){NULL, w, scale, mins, NULL, y, 0, k, n, 0, ldy};
+    job = (linear_job_t){NULL, w, scale, mins, NULL, y, 0, k, n, nr, ldy};
     job_q = q;
     run_job(3);
     pthread_mutex_unlock(&call_lock);
