@@ -67,5 +67,5 @@ def _warn_spinning_threads() -> None:
     log.warning(
         "torch was imported before kvharbor.engine, so OpenMP's idle threads spin and slow every "
         "step (about 2x on 2 cores): import kvharbor.engine first, or set OMP_WAIT_POLICY=PASSIVE "
-        "GOMP_SPINCOUNT=20000 in the environment"
+        "GOMP_SPINCOUNT=2000 in the environment"
     )
