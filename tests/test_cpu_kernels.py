@@ -67,7 +67,10 @@ def reference_attention(q, k_cache, v_cache, tables, ctx_lens, block_size, scale
 
 
 @needs_kernels
-@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"), [(9, 3, 64, 16), (4, 4, 8, 4), (8, 2, 128, 16)])
+# GQA groups of 3 (SmolLM2), 1, 4 and 7 (the kernel takes a group's heads 3 at a time: 3 + 1, 3 + 3
+# + 1), dims of 8, 40 (a 32-float chunk and an 8-float tail), 64 and 128.
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "block_size"),
+                         [(9, 3, 64, 16), (4, 4, 8, 4), (8, 2, 128, 16), (14, 2, 40, 16)])  # fmt: skip
 def test_decode_attention_matches_float64(heads, kv_heads, dim, block_size):
     gen = torch.Generator().manual_seed(heads + dim)
     num_blocks = 40
