@@ -253,8 +253,10 @@ def make_llm():
 def hf_greedy(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
     """The reference: transformers' own forward with its own KV cache, argmax at each step.
     Returns the tokens and the float32 logits that chose each one."""
-    # transformers 5 renamed past_key_values to cache.
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    # transformers 5 renamed past_key_values to cache. A PEFT model's forward takes **kwargs and
+    # hands them to its base model, so the base model's signature decides (else: a FutureWarning).
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    cache_arg = "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
     tokens, logits = [], []
     with torch.no_grad():
         out = model(input_ids=torch.tensor([prompt]), use_cache=True)
