@@ -171,8 +171,9 @@ class LlamaModel(nn.Module):
         if kernels is not None and (dtype == torch.float32 or invariant):
             self.ops = CpuOps(kernels, None if invariant else CPU_MAX_ROWS)
             # NOTE: batch-invariant bfloat16 keeps bfloat16 weights and KV but float32 activations:
-            # the kernels widen every row to float32 anyway, and torch's bfloat16 pointwise ops
-            # are not batch-invariant (their vectorized loops' scalar tails move with the size).
+            # the kernels take float32 rows anyway (on AVX512-BF16 a projection rounds its input
+            # rows to bfloat16 itself, each element alone), and torch's bfloat16 pointwise ops are
+            # not batch-invariant (their vectorized loops' scalar tails move with the size).
             self.activation_dtype = torch.float32
         weight_bytes = sum(p.numel() * p.element_size() for p in self.parameters())
         chosen = cpu_linear.prepare_linears(dtype, device, threads, weight_bytes, invariant)
