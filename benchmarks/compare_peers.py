@@ -7,6 +7,9 @@ Hugging Face folder (benchmarks/export_hf.py). Writes benchmarks/results/serve_c
 same run, the machine (CPU, ISA flags, the --dtype both servers ran in) and both engines' versions.
 
     python benchmarks/compare_peers.py --vllm-python /path/to/vllm-venv/bin/python --hf-dir /path/to/smollm2-hf
+
+`--rounds N` measures both servers in turn N times and reports each case's median ratio with its
+range: on these shared machines one round's ratio can pass a target and the next miss it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -81,6 +85,45 @@ def measure(label: str, url: str, args: argparse.Namespace) -> dict:
         ]
     )
     return asyncio.run(serve_bench.bench(bench_args))
+
+
+def measure_round(args: argparse.Namespace, logs: Path) -> dict[str, dict]:
+    """kvharbor, then the peer: each started, measured and stopped."""
+    results = {}
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "kvharbor.launch.cli", "serve", "--port", str(port), "--log-level", "warning",
+           "--dtype", args.dtype, *args.kvharbor_args.split()]  # fmt: skip
+    print("kvharbor serve ...", file=sys.stderr)
+    with server(cmd, url, "/ready", logs / "kvharbor.log", {}, 300):
+        results["kvharbor"] = measure("kvharbor", url, args)
+    if args.vllm_python:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        cmd, env = vllm_command(args.vllm_python, args.hf_dir, port, args.dtype)
+        print("vLLM (cpu) ...", file=sys.stderr)
+        with server(cmd, url, "/v1/models", logs / "vllm.log", env, 900):
+            results["vllm-cpu"] = measure("vllm-cpu", url, args)
+    return results
+
+
+RATIOS = ("output_tok_s_ratio", "ttft_p50_ratio", "itl_mean_ratio")
+
+
+def median_ratios(per_round: list[list[dict]]) -> list[dict]:
+    """Each case's ratios as the median over the rounds, with their range (`<ratio>_range`): each
+    round pairs the two servers measured minutes apart, so a drift of this shared machine moves
+    both sides of a ratio (kvharbor alone moved 468-577 tok/s within an hour here)."""
+    out = []
+    for cases in zip(*per_round, strict=True):
+        row = {"shared_prefix": cases[0]["shared_prefix"], "concurrency": cases[0]["concurrency"],
+               "rounds": len(cases)}  # fmt: skip
+        for key in RATIOS:
+            values = sorted(c[key] for c in cases)
+            row[key] = statistics.median(values)
+            row[f"{key}_range"] = [values[0], values[-1]]
+        out.append(row)
+    return out
 
 
 def ratios(ours: dict, peer: dict) -> list[dict]:
@@ -164,9 +207,13 @@ def main() -> int:
         default="auto",
         help="dtype of both kvharbor and the peer (auto: what kvharbor's auto picks on this CPU)",
     )
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="rounds of both servers in turn; the ratios are each case's median over them")  # fmt: skip
     ap.add_argument("--out", type=Path, default=None,
                     help="the report (default: results/serve_compare.json, or serve_compare_<dtype>.json)")  # fmt: skip
     args = ap.parse_args()
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     if args.vllm_python and not args.hf_dir:
         ap.error("--vllm-python needs --hf-dir")
     # Resolved here, not by each server, so that both run the same dtype and the report can name it.
@@ -175,34 +222,11 @@ def main() -> int:
     versions = {"kvharbor": __version__, "vllm": vllm_version(args.vllm_python)}
     logs = RESULTS / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvharbor.launch.cli",
-        "serve",
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-        "--dtype",
-        args.dtype,
-        *args.kvharbor_args.split(),
-    ]
-    print("kvharbor serve ...", file=sys.stderr)
-    with server(cmd, url, "/ready", logs / "kvharbor.log", {}, 300):
-        results["kvharbor"] = measure("kvharbor", url, args)
-
-    if args.vllm_python:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd, env = vllm_command(args.vllm_python, args.hf_dir, port, args.dtype)
-        print("vLLM (cpu) ...", file=sys.stderr)
-        with server(cmd, url, "/v1/models", logs / "vllm.log", env, 900):
-            results["vllm-cpu"] = measure("vllm-cpu", url, args)
+    rounds = []
+    for n in range(args.rounds):
+        print(f"round {n + 1} of {args.rounds}", file=sys.stderr)
+        rounds.append(measure_round(args, logs))
+    results = rounds[0]
 
     report = {
         "benchmark": "serve_compare",
@@ -211,14 +235,18 @@ def main() -> int:
         "versions": versions,
         "results": results,
     }
+    if args.rounds > 1:
+        report["rounds"] = rounds
     if "vllm-cpu" in results:
-        report["kvharbor_vs_vllm"] = ratios(results["kvharbor"], results["vllm-cpu"])
-        print("\nkvharbor / vllm-cpu      output tok/s   TTFT p50   ITL mean")
+        report["kvharbor_vs_vllm"] = median_ratios([ratios(r["kvharbor"], r["vllm-cpu"]) for r in rounds])
+        rounds_note = f" (median of {args.rounds} rounds, range in brackets)" if args.rounds > 1 else ""
+        print(f"\nkvharbor / vllm-cpu{rounds_note}      output tok/s   TTFT p50   ITL mean")
         for r in report["kvharbor_vs_vllm"]:
-            print(
-                f"  prefix={r['shared_prefix']:<4} c={r['concurrency']:<3}    {r['output_tok_s_ratio']:10.2f}x "
-                f"{r['ttft_p50_ratio']:9.2f}x {r['itl_mean_ratio']:9.2f}x"
-            )
+            cells = []
+            for key in RATIOS:
+                lo, hi = r[f"{key}_range"]
+                cells.append(f"{r[key]:.2f}x" + (f" [{lo:.2f}-{hi:.2f}]" if args.rounds > 1 else ""))
+            print(f"  prefix={r['shared_prefix']:<4} c={r['concurrency']:<3}    " + "   ".join(cells))
     named = "serve_compare.json" if args.dtype == "float32" else f"serve_compare_{args.dtype}.json"
     out = args.out or RESULTS / named
     out.parent.mkdir(parents=True, exist_ok=True)
