@@ -136,13 +136,16 @@ def test_a_wide_weight_goes_through_the_packed_gemm_in_bounded_slices(monkeypatc
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_slice_dequantizes_straight_into_the_packed_layout(fmt):
     """The same bits as packing the row-major dequantization, the last panel's padding columns
-    zero whatever the scratch held before."""
-    qw = FORMATS[fmt](torch.randn(75, 96, generator=torch.Generator().manual_seed(2)))
-    for first, last in ((0, 75), (3, 40), (70, 75)):
-        want = GEMM.pack(GEMM.dequantize(qw, first, last).clone())
-        GEMM._scratch_for(75 * 96 * 4).fill_(float("nan"))  # stale scratch (dequantize's own buffer)
-        got = GEMM.dequantize_packed(qw, first, last)
-        assert got.n == last - first and torch.equal(got.data, want.data), (first, last)
+    zero whatever the scratch held before; int8 rows of 100 too (not whole 8-element steps: the
+    kernel's row-at-a-time path)."""
+    ks = (96, 100) if fmt == "int8" else (96,)
+    for k in ks:
+        qw = FORMATS[fmt](torch.randn(75, k, generator=torch.Generator().manual_seed(2)))
+        for first, last in ((0, 75), (3, 40), (70, 75)):
+            want = GEMM.pack(GEMM.dequantize(qw, first, last).clone())
+            GEMM._scratch_for(75 * k * 4).fill_(float("nan"))  # stale scratch (dequantize's own buffer)
+            got = GEMM.dequantize_packed(qw, first, last)
+            assert got.n == last - first and torch.equal(got.data, want.data), (k, first, last)
 
 
 @needs_kernels

@@ -342,8 +342,7 @@ class CpuKernels:
         rows, nr = last - first, self.packed_width()
         panels = -(-rows // nr)
         data = self._scratch_for(panels * w.k * nr).view(panels, w.k, nr)
-        data[-1, :, rows - (panels - 1) * nr :] = 0  # the last panel's padding columns
-        self._dequantize(w, first, rows, data, nr)
+        self._dequantize(w, first, rows, data, nr)  # the last panel's padding columns written as zeros
         return PackedWeight(data, rows, w.k, nr)
 
     def _scratch_for(self, floats: int) -> torch.Tensor:

@@ -597,8 +597,6 @@ static void run_int_columns(int q, int64_t n0, int64_t n1) {
     }
 }
 
-// Rows [n0, n1) of the weight in job (format job_q) as float32 rows of y (row stride ldy): what
-// a prefill-sized product reads, so MKL's blocked GEMM does it (engine/quantize.py says why).
 // 8 dequantized weights of row n, elements [i, i + 8): format q's (1 int8 per row, 2 q4 groups,
 // 3 q8 groups), as linear_job_t j holds them.
 static inline __m256 dequant8(int q, const linear_job_t *j, int64_t n, int64_t i) {
@@ -620,14 +618,17 @@ static inline void transpose8(__m256 v[8]) {
             u[r + h] = _mm256_shuffle_ps(t[r + h], t[r + 2 + h], 0x44);
             u[r + 2 + h] = _mm256_shuffle_ps(t[r + h], t[r + 2 + h], 0xee);
         }
-    // u[0]: elements 0 (rows 0-3 | 4-7 swapped halves)... gather the 128-bit halves back into rows
+    // u[0], u[2], u[1], u[3] hold elements 0, 1, 2, 3 of rows 0-3 in their low halves and elements
+    // 4, 5, 6, 7 in their high halves; u[4..7] the same of rows 4-7. Each permute joins one
+    // element's rows 0-3 and rows 4-7.
     v[0] = _mm256_permute2f128_ps(u[0], u[4], 0x20), v[4] = _mm256_permute2f128_ps(u[0], u[4], 0x31);
     v[1] = _mm256_permute2f128_ps(u[2], u[6], 0x20), v[5] = _mm256_permute2f128_ps(u[2], u[6], 0x31);
     v[2] = _mm256_permute2f128_ps(u[1], u[5], 0x20), v[6] = _mm256_permute2f128_ps(u[1], u[5], 0x31);
     v[3] = _mm256_permute2f128_ps(u[3], u[7], 0x20), v[7] = _mm256_permute2f128_ps(u[3], u[7], 0x31);
 }
 
-// Rows [n0, n1) dequantized into job.y: row-major at stride ldy, or, with job.ldx = nr > 0 and
+// Rows [n0, n1) of the weight in job (format q) as float32, what a prefill-sized product reads
+// (engine/quantize.py says why): row-major in job.y at stride ldy, or, with job.ldx = nr > 0 and
 // n0 a multiple of nr, in packed_gemm.c's float32 panel layout, the last panel's columns past n1
 // written as zeros. Packed, a panel is written in order, 8 k-steps (8 x nr floats) at a time: each
 // 8 rows' 8 x 8 block transposed in registers. (Single floats scattered at the panel's stride ran
@@ -663,6 +664,9 @@ static void run_dequantize(int q, int64_t n0, int64_t n1) {
         }
         for (; i < j.k; i++) out[i * step] = ((const int8_t *)j.w)[n * j.k + i] * j.scale[n];  // int8 only
     }
+    if (nr)  // the last panel's columns past the weight's rows (n1 ends a panel everywhere but there)
+        for (; n % nr; n++)
+            for (int64_t i = 0; i < j.k; i++) j.y[(n / nr) * j.k * nr + i * nr + n % nr] = 0.0f;
 }
 
 // ---- LoRA deltas of decode rows (engine/lora/lora_slots.py) ------------------------------------------
@@ -954,10 +958,10 @@ int kvharbor_linear_quant(int q, const float *x, int64_t ldx, const void *w, con
     return 0;
 }
 
-// Rows of a quantized weight of format q as float32: y [n, k] (row stride ldy) = dequantized w.
 int kvharbor_dequantize_packed(int q, const void *w, const float *scale, const float *mins, float *y, int64_t ldy,
                                int64_t k, int64_t n, int64_t nr);
 
+// Rows of a quantized weight of format q as float32: y [n, k] (row stride ldy) = dequantized w.
 int kvharbor_dequantize(int q, const void *w, const float *scale, const float *mins, float *y, int64_t ldy,
                         int64_t k, int64_t n) {
     return kvharbor_dequantize_packed(q, w, scale, mins, y, ldy, k, n, 0);
@@ -965,7 +969,7 @@ int kvharbor_dequantize(int q, const void *w, const float *scale, const float *m
 
 // The same, with nr > 0 into packed_gemm.c's float32 panels of nr columns ([ceil(n / nr)][k][nr],
 // ldy unused), so that a prefill product dequantizes straight into what kvharbor_linear_packed
-// reads; the caller zeroes the last panel's columns past n. Returns -1 for a format it does not take.
+// reads, the last panel's columns past n zeros. Returns -1 for a format it does not take.
 int kvharbor_dequantize_packed(int q, const void *w, const float *scale, const float *mins, float *y, int64_t ldy,
                                int64_t k, int64_t n, int64_t nr) {
     if (q < 1 || q > 3 || (q >= 2 && k % GROUP) || nr < 0) return -1;
@@ -1305,8 +1309,8 @@ static inline __attribute__((always_inline)) void attention_tile(const int KV, c
                 a_g[h % 3] = acc[r * G + h];
                 // acc = acc * corr + sum_i p_i v_i for the group's heads together, once its last
                 // head's weights are known (pv_heads). Measured on the family-26 EPYC (2026-12-07,
-                // with block_scores): a 2,048-row prompt's attention 51 -> 43 ms with the scores
-                // alone shared, bfloat16 KV, the same bits.
+                // bfloat16 KV, the same bits): a 2,048-row prompt's attention 51 -> 43 ms with the
+                // scores alone shared (block_scores), 33 ms with the value sums shared too.
                 if (h % 3 == hb - 1) {
                     switch (hb) {
                         case 1: pv_heads(KV, 1, a_g, p, corr, vrow, vscale, n, D); break;
