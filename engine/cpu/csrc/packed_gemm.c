@@ -156,11 +156,10 @@ int64_t packed_xh_stride(int64_t k) { return (k + 15) / 16 * 16; }
 
 AVX512BF16 void packed_round_rows(const void *job, int64_t r0, int64_t r1) {
     const packed_job_t *j = job;
-    const int64_t stride = packed_xh_stride(j->k);
     for (int64_t r = r0; r < r1; r++) {
         const float *x = j->x + r * j->ldx;
         uint16_t *h = j->xh + r * j->ldxh;
-        for (int64_t i = 0; i < stride; i += 16) {  // zeros past k: the odd k's pair, the last vector
+        for (int64_t i = 0; i < j->ldxh; i += 16) {  // zeros past k: the odd k's pair, the last vector
             const int64_t left = j->k - i;
             const __mmask16 valid = left >= 16 ? 0xffff : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
             const __m256bh v = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(valid, x + i));
