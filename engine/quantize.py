@@ -187,31 +187,38 @@ def quantize(weight: torch.Tensor, mode: str) -> QuantWeight:
 
 class QuantLinear:
     """One projection's quantized weight. With the CPU kernels (`gemm`): decode-sized inputs
-    through the kernel on the quantized bytes, larger ones through MKL on dequantized slices (the
-    module docstring says why); bfloat16 rows are widened to float32 for them and the result
-    rounded back once. Without them (CUDA, no AVX2): every input through slices dequantized by
-    torch ops into x's dtype: the memory of the quantized weights at the cost of a
+    through the kernel on the quantized bytes, larger ones through the packed GEMM on dequantized
+    slices (the module docstring says why); bfloat16 rows are widened to float32 for them and the
+    result rounded back once. Without them (CUDA, no AVX2): every input through slices dequantized
+    by torch ops into x's dtype: the memory of the quantized weights at the cost of a
     dequantization per step (no fused kernel for that path yet)."""
 
-    def __init__(self, gemm, weight: QuantWeight, max_rows: int, invariant: bool = False) -> None:
+    def __init__(self, gemm, weight: QuantWeight, max_rows: int, invariant: bool = False, pack: bool = False) -> None:
         """`invariant` (batch-invariant mode, needs `gemm`): every input through the kernel's
-        integer path, INT_ROWS rows a call, so a row's result never depends on the others."""
+        integer path, so a row's result never depends on the others: with `pack`, where the CPU
+        has AVX512-VNNI, through the packed integer GEMM (csrc/packed_int.c), keeping only its
+        packed copy; else through the integer tiles, INT_ROWS rows a call."""
         if invariant and gemm is None:
             raise ValueError("batch-invariant quantized linears need kvharbor's CPU kernels (AVX2)")
         self.gemm = gemm
-        self.weight = weight
         self.max_rows = max_rows if gemm is not None else -1
         self.invariant = invariant
+        self.int_packed = None
+        if invariant and pack and gemm.int_packs() and weight.k % GROUP == 0:
+            self.int_packed = gemm.pack_quant(weight)
+        self.weight: QuantWeight | None = None if self.int_packed is not None else weight
 
     @property
     def nbytes(self) -> int:
-        return self.weight.nbytes
+        return self.int_packed.nbytes if self.int_packed is not None else self.weight.nbytes
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemm is not None and x.dtype != torch.float32:  # the kernels take float32 rows
             # NOTE: measured on the AMD EPYC Zen 4 (benchmarks/README.md, the bfloat16 ledger):
             # bfloat16 through torch's dequantize-and-matmul ran gguf at 0.10x bfloat16's speed.
             return self(x.float(), None if bias is None else bias.float()).to(x.dtype)
+        if self.int_packed is not None:
+            return self.gemm.linear_qpacked(x, self.int_packed, bias)
         if self.invariant and x.shape[0] > INT_ROWS:
             return torch.cat([self.gemm.linear_quant(x[r : r + INT_ROWS], self.weight, bias)
                               for r in range(0, x.shape[0], INT_ROWS)])  # fmt: skip

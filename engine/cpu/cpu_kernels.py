@@ -28,14 +28,14 @@ import torch
 import torch.nn.functional as F
 
 from kvharbor.common.machine import cpu_info
-from kvharbor.engine.quantize import FORMATS, QuantWeight
+from kvharbor.engine.quantize import FORMATS, GROUP, QuantWeight
 
 log = logging.getLogger("kvharbor.engine.cpu.cpu_kernels")
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 # Compiled together into one library; the headers they include count in the build's hash too.
-SOURCES = (CSRC / "cpu_kernels.c", CSRC / "packed_gemm.c")
-HEADERS = (CSRC / "packed_gemm.h",)
+SOURCES = (CSRC / "cpu_kernels.c", CSRC / "packed_gemm.c", CSRC / "packed_int.c")
+HEADERS = (CSRC / "packed_gemm.h", CSRC / "packed_int.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-lpthread", "-lm")
 # Added where the CPU has VNNI: the integer dots of quantized decode products in one instruction
 # per 32 codes (cpu_kernels.c dot_u8s8), the same sums. AVX-VNNI (VEX) where the CPU reports
@@ -145,6 +145,12 @@ class CpuKernels:
         lib.kvharbor_bf16_dot.restype = c_int
         lib.kvharbor_linear_packed.argtypes = [c_int, c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         lib.kvharbor_linear_packed.restype = c_int
+        lib.kvharbor_qpacked_vnni.argtypes = []
+        lib.kvharbor_qpacked_vnni.restype = c_int
+        lib.kvharbor_qpacked_group_bytes.argtypes = [c_int]
+        lib.kvharbor_qpacked_group_bytes.restype = i64
+        lib.kvharbor_linear_qpacked.argtypes = [c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
+        lib.kvharbor_linear_qpacked.restype = c_int
         self._lib = lib
         self.int_dot = INT_DOTS[lib.kvharbor_int_dot()]
         self.threads = lib.kvharbor_set_threads(threads)
@@ -265,6 +271,49 @@ class CpuKernels:
         if code != 0:
             kind = "bfloat16 k-pair panels" if weight.dot else f"panels {weight.width} wide"
             raise ValueError(f"this CPU has no microkernel for {kind} (packed on another CPU?)")
+        return y
+
+    def int_packs(self) -> bool:
+        """Whether pack_quant and linear_qpacked run here: AVX512-VNNI, with the linears on 16 lanes."""
+        return bool(self._lib.kvharbor_qpacked_vnni())
+
+    def pack_quant(self, w: QuantWeight) -> QuantPacked:
+        """A quantized weight in the layout linear_qpacked reads (csrc/packed_int.c): panels of 32
+        columns, group by group, [ceil(n / 32)][k / 32][codes, 32 scales (, 32 mins)], the last panel
+        padded with zero columns. int8 codes are stored plus 128; an int8 weight's one scale per
+        row is repeated per group (so it runs as q8)."""
+        if not self.int_packs():
+            raise ValueError("pack_quant needs AVX512-VNNI with the linears on 16 lanes: run the weight "
+                             "through linear_quant instead")  # fmt: skip
+        if w.fmt not in FORMATS or w.k % GROUP:
+            raise ValueError(f"pack_quant takes a {'/'.join(FORMATS)} weight with k a multiple of {GROUP}, "
+                             f"got {w.fmt} with k = {w.k}")  # fmt: skip
+        return QuantPacked(_pack_quant(w), w.fmt == "q4", w.n, w.k)
+
+    def linear_qpacked(self, x: torch.Tensor, w: QuantPacked, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [m, k] float32 @ W^T (+ bias) over a packed quantized weight (pack_quant), as float32:
+        x made int8 per row and group of 32, each group an exact integer dot product, and each
+        output's groups summed in order, whatever m: a row's result does not depend on the others."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        if x.dtype != torch.float32 or k != w.k:
+            raise ValueError(f"linear_qpacked takes float32 x [m, {w.k}], got {x.dtype} {tuple(x.shape)}")
+        if bias is not None:
+            bias = bias.float().contiguous()
+            if bias.shape != (w.n,) or bias.device.type != "cpu":
+                raise ValueError(f"linear_qpacked takes a bias of [{w.n}], got {tuple(bias.shape)}")
+        y = torch.empty(m, w.n, dtype=torch.float32)
+        if m == 0:
+            return y
+        code = self._lib.kvharbor_linear_qpacked(
+            int(w.q4), x.data_ptr(), x.stride(0), w.data.data_ptr(), _ptr(bias), y.data_ptr(), w.n, m, k, w.n
+        )
+        if code == -2:
+            raise MemoryError(f"no memory for the int8 codes of {m} rows")
+        if code != 0:
+            raise ValueError("this CPU has no integer microkernel for packed quantized weights (packed on "
+                             "another CPU?): run the weight through linear_quant")
         return y
 
     def lora_plan(self, a: torch.Tensor, bt: list[torch.Tensor], offsets: list[int]) -> LoRAPlan:
@@ -536,6 +585,61 @@ class PackedWeight:
     def unpack(self) -> torch.Tensor:
         """The whole weight as it was before packing, [n, k]."""
         return self.rows(torch.arange(self.n))
+
+
+QUANT_PANEL = 32  # columns per panel of a packed quantized weight (csrc/packed_int.c)
+
+
+def quant_group_bytes(q4: bool) -> int:
+    """The bytes of one panel's group of 32 k (csrc/packed_int.c qpacked_group_bytes)."""
+    return (512 + 2 * QUANT_PANEL * 4) if q4 else (1024 + QUANT_PANEL * 4)
+
+
+@dataclass(frozen=True)
+class QuantPacked:
+    """A quantized weight as CpuKernels.pack_quant lays it out: `data` uint8 [panels, k / 32,
+    group bytes], `q4` (4-bit codes with mins; else int8 codes), `n` real columns."""
+
+    data: torch.Tensor
+    q4: bool
+    n: int
+    k: int
+
+    def __post_init__(self) -> None:
+        # Checked once here: the kernel reads data through its raw pointer, as this layout.
+        laid_out = (-(-self.n // QUANT_PANEL), self.k // GROUP, quant_group_bytes(self.q4))
+        if self.data.dtype != torch.uint8 or not self.data.is_contiguous() or tuple(self.data.shape) != laid_out \
+                or self.k < GROUP:  # fmt: skip
+            raise ValueError(f"a packed quantized weight is laid out as pack_quant lays it out, {laid_out} uint8, "
+                             f"got {self.data.dtype} {tuple(self.data.shape)}")  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+
+def _pack_quant(w: QuantWeight) -> torch.Tensor:
+    """The bytes of pack_quant's layout (csrc/packed_int.c says what each holds)."""
+    n, groups, nr = w.n, w.k // GROUP, QUANT_PANEL
+    panels = -(-n // nr)
+    pad = panels * nr - n
+    if w.fmt == "q4":  # GGUF's in-group order: byte j holds element j (low) and j + 16 (high)
+        half = w.data.view(n, groups, GROUP // 2)
+        codes = torch.cat([half & 15, half >> 4], dim=-1)  # [n, groups, 32] in element order
+    else:
+        codes = (w.data.view(n, groups, GROUP).to(torch.int16) + 128).to(torch.uint8)
+    scale = w.scale.view(n, -1).expand(n, groups) if w.fmt == "int8" else w.scale.view(n, groups)
+    floats = [scale] + ([w.mins.view(n, groups)] if w.mins is not None else [])
+    codes = F.pad(codes, (0, 0, 0, 0, 0, pad))
+    floats = [F.pad(f, (0, 0, 0, pad)) for f in floats]
+    # [panels, 2 halves, 16 columns, groups, quads, 4 k] -> [panels, groups, quads, halves, columns, 4 k]
+    quads = codes.view(panels, 2, nr // 2, groups, GROUP // 4, 4).permute(0, 3, 4, 1, 2, 5)
+    if w.fmt == "q4":  # a pair of quads in one byte each: the first low, the second high
+        quads = quads[:, :, 0::2] | (quads[:, :, 1::2] << 4)
+    laid = [quads.reshape(panels, groups, -1)]
+    for f in floats:  # [panels, 32 columns, groups] -> [panels, groups, 32] as bytes
+        laid.append(f.reshape(panels, nr, groups).transpose(1, 2).contiguous().view(torch.uint8))
+    return torch.cat(laid, dim=-1).contiguous()
 
 
 @dataclass(frozen=True)

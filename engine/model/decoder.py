@@ -202,7 +202,7 @@ class LlamaModel(nn.Module):
             for name in layer.fast:
                 weight = getattr(layer, name)
                 qw = (layer.blocks.pop(name, None) or quantize(weight.data.float(), mode)).to(self.embed.device)
-                layer.fast[name] = fast = QuantLinear(gemm, qw, QUANT_MAX_ROWS, invariant)
+                layer.fast[name] = fast = QuantLinear(gemm, qw, QUANT_MAX_ROWS, invariant, pack=True)
                 _release(weight)  # only the quantized copy stays
                 total += fast.nbytes
         return total + self._quantize_head(gemm, mode, invariant)

@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "packed_gemm.h"
+#include "packed_int.h"
 
 #define MAX_THREADS 64
 static int spin_rounds = 2000;  // _mm_pause rounds an idle worker spins before it sleeps
@@ -74,7 +75,8 @@ typedef struct {
 
 static int job_kind;  // 0 linear, 1 decode attention, 2 linear of weight format job_q, 3 dequantize,
                       // 4 the same linear through integer dot products, 5 LoRA shrink, 6 LoRA expand,
-                      // 7 linear over packed weights (packed_gemm.c), 8 a pointwise op's rows (share_rows)
+                      // 7 linear over packed weights (packed_gemm.c), 8 a pointwise op's rows (share_rows),
+                      // 9 linear over packed quantized weights (packed_int.c)
 // One projection's LoRA deltas for decode rows (kvharbor_lora_decode): x, a, bt and y all float32
 // or all bfloat16 (`bf16`); row_slot[r] is row r's slot, or -1 for the base model.
 #define LORA_MAX_SUBS 4
@@ -92,6 +94,7 @@ static linear_job_t job;
 static lora_job_t ljob;
 static attention_job_t ajob;
 static packed_job_t pjob;
+static qpacked_job_t qjob;
 // A pointwise op over rows, shared out by rows (each row's arithmetic is its own: the split never
 // changes a bit).
 typedef struct {
@@ -100,6 +103,7 @@ typedef struct {
     int64_t rows;
 } rows_job_t;
 static rows_job_t rjob;
+#define SHARE_ROWS 32  // rows from which such a pass is split over the threads (rows_shared)
 static atomic_int generation;  // bumped for every job; workers wait for it to change
 static atomic_int pending;     // workers still busy with the current job
 static int num_threads = 1;
@@ -430,24 +434,22 @@ static void run_columns(int q, int64_t n0, int64_t n1) {
 
 static int8_t *xcodes;      // [m, k] int8 codes of x
 static float *xscales;      // [m, k / 32] their scales
-static int64_t xcodes_len, xscales_len;
+static int32_t *xcomp;      // [m, k / 32] -128 times their sums (packed_int.c's int8 weights)
+static int64_t xcodes_len, xscales_len, xcomp_len;
 
-// x's codes, their scales and their groups' sums (xsums) for this call (under call_lock). Returns -1
-// when out of memory.
-static int fill_xcodes(const float *x, int64_t ldx, int64_t m, int64_t k) {
-    const int64_t groups = k / GROUP;
-    int8_t *codes = grown(xcodes, &xcodes_len, m * k, 1);
-    if (!codes) return -1;
-    xcodes = codes;
-    float *scales = grown(xscales, &xscales_len, m * groups, sizeof(float));
-    if (!scales) return -1;
-    xscales = scales;
-    float *sums = grown(xsums, &xsums_len, m * groups, sizeof(float));
-    if (!sums) return -1;
-    xsums = sums;
+typedef struct {
+    const float *x;
+    int64_t ldx, k;
+} xcodes_args_t;
+
+// Rows [r0, r1) of x as codes, scales and sums (fill_xcodes; each row's are its own).
+static void xcodes_rows(const void *args, int64_t r0, int64_t r1) {
+    const xcodes_args_t *a = args;
+    const float *x = a->x;
+    const int64_t ldx = a->ldx, k = a->k, groups = k / GROUP;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t r = 0; r < m; r++)
+    for (int64_t r = r0; r < r1; r++)
         for (int64_t g = 0; g < groups; g++) {
             const float *p = x + r * ldx + g * GROUP;
             __m256 v[4], top = _mm256_setzero_ps();
@@ -472,8 +474,32 @@ static int fill_xcodes(const float *x, int64_t ldx, int64_t m, int64_t k) {
             // sum for the same reason). On the tiny test models it cut the largest logit move (against
             // float32 on the same weights) from 1.6-4.4 to 0.3-1.0 under int4, Q4_0 and Q4_1.
             const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            xsums[r * groups + g] = d * hsum(_mm256_cvtepi32_ps(total));
+            const float codes_sum = hsum(_mm256_cvtepi32_ps(total));  // exact: |sum| <= 32 * 127
+            xsums[r * groups + g] = d * codes_sum;
+            xcomp[r * groups + g] = -128 * (int32_t)codes_sum;
         }
+}
+
+static void rows_shared(void (*fn)(const void *, int64_t, int64_t), const void *args, int64_t rows);
+
+// x's codes, their scales and their groups' sums (xsums) for this call (under call_lock), a
+// prefill chunk's rows shared over the threads. Returns -1 when out of memory.
+static int fill_xcodes(const float *x, int64_t ldx, int64_t m, int64_t k) {
+    const int64_t groups = k / GROUP;
+    int8_t *codes = grown(xcodes, &xcodes_len, m * k, 1);
+    if (!codes) return -1;
+    xcodes = codes;
+    float *scales = grown(xscales, &xscales_len, m * groups, sizeof(float));
+    if (!scales) return -1;
+    xscales = scales;
+    float *sums = grown(xsums, &xsums_len, m * groups, sizeof(float));
+    if (!sums) return -1;
+    xsums = sums;
+    int32_t *comp = grown(xcomp, &xcomp_len, m * groups, sizeof(int32_t));
+    if (!comp) return -1;
+    xcomp = comp;
+    const xcodes_args_t args = {x, ldx, k};
+    rows_shared(xcodes_rows, &args, m);
     return 0;
 }
 
@@ -750,6 +776,9 @@ static void run_share(int t) {
     if (job_kind == 7) {
         const int64_t panels = (pjob.n + pjob.nr - 1) / pjob.nr;
         packed_panels(&pjob, panels * t / num_threads, panels * (t + 1) / num_threads);
+    } else if (job_kind == 9) {
+        const int64_t panels = (qjob.n + 31) / 32;
+        qpacked_panels(&qjob, panels * t / num_threads, panels * (t + 1) / num_threads);
     } else if (job_kind == 8) {
         rjob.fn(rjob.args, rjob.rows * t / num_threads, rjob.rows * (t + 1) / num_threads);
     } else if (job_kind != 1) {
@@ -785,6 +814,16 @@ static void run_job(int kind) {
     }
     run_share(0);
     while (atomic_load_explicit(&pending, memory_order_acquire) > 0) _mm_pause();
+}
+
+// fn over rows [0, rows), from SHARE_ROWS rows split over the threads (the caller holds call_lock).
+static void rows_shared(void (*fn)(const void *, int64_t, int64_t), const void *args, int64_t rows) {
+    if (rows < SHARE_ROWS) {
+        fn(args, 0, rows);
+        return;
+    }
+    rjob = (rows_job_t){fn, args, rows};
+    run_job(8);
 }
 
 static int first_seen[MAX_THREADS];  // the generation when each worker was created
@@ -890,7 +929,6 @@ int kvharbor_bf16_dot(void) { return kvharbor_packed_width() == packed_width(1) 
 
 static uint16_t *xh;  // PACKED_BF16_DOT's x in bfloat16 (under call_lock)
 static int64_t xh_len;
-#define SHARE_ROWS 32  // share_rows, below: rows from which a pointwise pass is split over threads
 
 // y = x @ W^T + bias over W packed as `fmt` says (packed_gemm.h: float32, bfloat16, or bfloat16
 // k-pairs with x rounded to bfloat16) in panels of nr columns. The packing's width picks the
@@ -911,14 +949,33 @@ int kvharbor_linear_packed(int fmt, int nr, const float *x, int64_t ldx, const v
             return -2;
         }
         xh = pjob.xh = h;
-        if (m < SHARE_ROWS) {
-            packed_round_rows(&pjob, 0, m);
-        } else {
-            rjob = (rows_job_t){packed_round_rows, &pjob, m};
-            run_job(8);
-        }
+        rows_shared(packed_round_rows, &pjob, m);
     }
     run_job(7);
+    pthread_mutex_unlock(&call_lock);
+    return 0;
+}
+
+// Whether kvharbor_linear_qpacked runs here: AVX512-VNNI, with the linears on 16 lanes.
+int kvharbor_qpacked_vnni(void) { return kvharbor_packed_width() == packed_width(1) && qpacked_has_vnni(); }
+
+// The bytes of one 32-column panel's group of 32 k in kvharbor_linear_qpacked's layout.
+int64_t kvharbor_qpacked_group_bytes(int q4) { return qpacked_group_bytes(q4); }
+
+// y = x @ W^T + bias over a quantized W packed as packed_int.c lays it out (q4: 4-bit codes with
+// mins; else int8 codes plus 128), x made int8 per group of 32 as the integer tiles make it. Every
+// row count takes the same arithmetic (packed_int.c). Returns -1 where this CPU has no microkernel
+// for it or k is not a multiple of 32, -2 when out of memory.
+int kvharbor_linear_qpacked(int q4, const float *x, int64_t ldx, const void *w, const float *bias, float *y,
+                            int64_t ldy, int64_t m, int64_t k, int64_t n) {
+    if (!kvharbor_qpacked_vnni() || k % GROUP || k <= 0) return -1;
+    pthread_mutex_lock(&call_lock);
+    if (fill_xcodes(x, ldx, m, k) != 0) {
+        pthread_mutex_unlock(&call_lock);
+        return -2;
+    }
+    qjob = (qpacked_job_t){w, xcodes, xscales, xsums, xcomp, bias, y, m, k, n, ldy, q4 != 0};
+    run_job(9);
     pthread_mutex_unlock(&call_lock);
     return 0;
 }
@@ -1425,7 +1482,7 @@ int kvharbor_decode_attention(const float *q, int64_t q_row, const void *k_cache
 // on the calling thread (too little work to share), SHARE_ROWS rows or more (a prefill chunk in
 // batch-invariant mode, where every row comes here) split by rows over the pool's threads. On
 // 2,048 rows on the 2-core family-26 EPYC: RMS norm 245 -> 127 us, SiLU-and-multiply 2.1 -> 0.7 ms,
-// RoPE 130 -> 76 us. (SHARE_ROWS is defined above, by kvharbor_linear_packed, its first user.)
+// RoPE 130 -> 76 us.
 
 static void share_rows(void (*fn)(const void *, int64_t, int64_t), const void *args, int64_t rows) {
     if (rows < SHARE_ROWS) {
@@ -1433,8 +1490,7 @@ static void share_rows(void (*fn)(const void *, int64_t, int64_t), const void *a
         return;
     }
     pthread_mutex_lock(&call_lock);
-    rjob = (rows_job_t){fn, args, rows};
-    run_job(8);
+    rows_shared(fn, args, rows);
     pthread_mutex_unlock(&call_lock);
 }
 
