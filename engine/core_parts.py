@@ -210,7 +210,9 @@ class CoreParts:
             )  # fmt: skip
         say("repacking the GGUF blocks ..." if mode == "gguf" else f"quantizing the linear layers to {mode} ...")
         nbytes = self.model.quantize(gemm, mode, self.batch_invariant)
-        path = "AVX2 kernels" if gemm is not None else "torch dequantize + matmul"
+        path = "torch dequantize + matmul" if gemm is None else "AVX2 kernels"
+        if gemm is not None and gemm.int_packs():
+            path = "packed integer GEMM, AVX512-VNNI, 16-bit activations"
         say(f"{mode} weights: {nbytes / 2**20:.0f} MiB ({QUANT_NOTES[mode]}; {path})")
 
     def _load_loras(self, lora: LoRAConfig, say: Progress, threads: int) -> tuple[LoRAManager | None, int]:
@@ -262,11 +264,13 @@ class CoreParts:
         mode = self.config.runtime.batch_invariant
         if mode == "off":
             return False
-        if mode == "auto" and self.config.model.quantization != "none":
-            # NOTE: invariant quantized linears keep every row on the int8-activation path, prefill
-            # too: measured on the AMD EPYC Zen 4 (benchmarks/README.md), int8's top-1 fell from
-            # 97.4% to 96.4% and gguf's mean KL rose 12x. `on` still runs it.
-            log.info("batch-invariant mode off: quantized weights (--batch-invariant on forces it)")
+        if mode == "auto" and self.config.model.quantization != "none" and not self._packs_quantized(threads):
+            # NOTE: without AVX512-VNNI, invariant quantized linears keep every row on the integer
+            # tiles' int8 activations, prefill too: measured on the AMD EPYC Zen 4
+            # (benchmarks/README.md), int8's top-1 fell from 97.4% to 96.4% and gguf's mean KL rose
+            # 12x. With it, both modes run the packed integer GEMM's 16-bit activations (engine/
+            # quantize.py), so the mode costs nothing there. `on` still runs it.
+            log.info("batch-invariant mode off: quantized weights without AVX512-VNNI (--batch-invariant on forces it)")
             return False
         blocker = self._invariance_blocker(threads)
         if blocker is not None and mode == "on":
@@ -274,6 +278,15 @@ class CoreParts:
         if blocker is not None:
             log.info("batch-invariant mode off: %s", blocker)
         return blocker is None
+
+    def _packs_quantized(self, threads: int) -> bool:
+        """Whether quantized projections run on the packed integer GEMM here (QuantLinear)."""
+        if self.device.type != "cpu" or not self.config.runtime.cpu_kernels:
+            return False
+        from kvharbor.engine.cpu import cpu_kernels
+
+        kernels = cpu_kernels.load(threads)
+        return kernels is not None and kernels.int_packs()
 
     def _config_blocker(self) -> str | None:
         """What in the configuration alone keeps batch-invariant mode from running (known before

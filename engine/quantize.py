@@ -193,18 +193,19 @@ class QuantLinear:
     by torch ops into x's dtype: the memory of the quantized weights at the cost of a
     dequantization per step (no fused kernel for that path yet)."""
 
-    def __init__(self, gemm, weight: QuantWeight, max_rows: int, invariant: bool = False, pack: bool = False) -> None:
-        """`invariant` (batch-invariant mode, needs `gemm`): every input through the kernel's
-        integer path, so a row's result never depends on the others: with `pack`, where the CPU
-        has AVX512-VNNI, through the packed integer GEMM (csrc/packed_int.c), keeping only its
-        packed copy; else through the integer tiles, INT_ROWS rows a call."""
+    def __init__(self, gemm, weight: QuantWeight, max_rows: int, invariant: bool = False) -> None:
+        """Where the CPU has AVX512-VNNI (`gemm.int_packs()`), every input runs through the packed
+        integer GEMM (csrc/packed_int.c: x as 16-bit codes, near float32's products, each row on
+        its own), and only its packed copy is kept, whatever `invariant` says. Elsewhere
+        `invariant` (batch-invariant mode, needs `gemm`) keeps every input on the integer tiles,
+        INT_ROWS rows a call, so a row's result never depends on the others."""
         if invariant and gemm is None:
             raise ValueError("batch-invariant quantized linears need kvharbor's CPU kernels (AVX2)")
         self.gemm = gemm
         self.max_rows = max_rows if gemm is not None else -1
         self.invariant = invariant
         self.int_packed = None
-        if invariant and pack and gemm.int_packs() and weight.k % GROUP == 0:
+        if gemm is not None and gemm.int_packs() and weight.k % GROUP == 0:
             self.int_packed = gemm.pack_quant(weight)
         self.weight: QuantWeight | None = None if self.int_packed is not None else weight
 

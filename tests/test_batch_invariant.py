@@ -158,8 +158,17 @@ def test_auto_stands_down_where_it_cannot_run(tiny_llama, make_llm):
     assert make_llm(tiny_llama.loaded).engine.core.batch_invariant
     assert not make_llm(tiny_llama.loaded, kv_cache_dtype="fp8").engine.core.batch_invariant
     assert not make_llm(tiny_llama.loaded, batch_invariant="off").engine.core.batch_invariant
-    # Quantized weights: it would round every prefill row's activations to int8 (a quality cost).
-    assert not make_llm(tiny_llama.loaded, quantization="int8").engine.core.batch_invariant
+    # Quantized weights: on where both modes run the packed integer GEMM (AVX512-VNNI); elsewhere it
+    # would round every prefill row's activations to int8 on the integer tiles (a quality cost).
+    kernels = load(2)
+    quantized = make_llm(tiny_llama.loaded, quantization="int8").engine.core.batch_invariant
+    assert quantized == kernels.int_packs()
+    before = kernels.lanes()
+    try:
+        kernels.lanes(8)  # the linears as on a CPU without AVX-512: no packed integer GEMM
+        assert not make_llm(tiny_llama.loaded, quantization="int8").engine.core.batch_invariant
+    finally:
+        kernels.lanes(before)
     assert make_llm(tiny_llama.loaded, quantization="int8", batch_invariant="on").engine.core.batch_invariant
 
 

@@ -73,18 +73,29 @@ def test_q8_weights_are_within_half_a_step_of_their_group():
 FORMATS = {"int8": lambda w: quantize(w, "int8"), "q4": quantize_int4, "q8": quantize_q8}
 
 
-def kernel_bound(x: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+def kernel_bound(x: torch.Tensor, dense: torch.Tensor, packed: bool = False) -> torch.Tensor:
     """How far a kernel product x @ dense^T may be from float64's, and why:
     - float32 sums of k products (8 lanes then a tree, or MKL's blocking): ~k * 2^-24 * sum|x*w|,
       plus one rounding of each dequantized weight (the kernel's fma vs the reference's two steps);
     - at up to INT_ROWS rows x is made int8 per group of 32: each element within half a step,
-      max|x_g| / 254, of its group, so each group's sum within that times sum|w| over the group."""
+      max|x_g| / 254, of its group, so each group's sum within that times sum|w| over the group;
+    - `packed` (the packed integer GEMM, every row count): 16-bit codes, within max|x_g| / 65,024."""
     rows, k = x.shape
     b = (k + 2) * 2.0**-24 * (x.double().abs() @ dense.abs().T) + 1e-6
-    if rows <= INT_ROWS:
-        step = x.double().reshape(rows, -1, 32).abs().amax(-1) / 254
+    if rows <= INT_ROWS or packed:
+        step = x.double().reshape(rows, -1, 32).abs().amax(-1) / (65024 if packed else 254)
         b = b + step @ dense.abs().reshape(dense.shape[0], -1, 32).sum(-1).T
     return b
+
+
+@pytest.fixture
+def tiles():
+    """The kernels as a CPU without AVX512-VNNI runs quantized weights (the linears on 8 lanes):
+    QuantLinear keeps its row-major weight on the integer tiles and dequantized slices."""
+    before = GEMM.lanes()
+    GEMM.lanes(8)
+    yield GEMM
+    GEMM.lanes(before)
 
 
 @needs_kernels
@@ -98,8 +109,17 @@ def test_each_kernel_format_equals_a_float64_product_of_its_dequantized_weight(f
     bias = torch.randn(n, generator=g)
     qw = FORMATS[fmt](w)
     dense = qw.dequantize().double()
-    got = QuantLinear(GEMM, qw, QUANT_MAX_ROWS)(x, bias)  # rows above QUANT_MAX_ROWS: dequantized + packed GEMM
-    assert torch.all((got.double() - (x.double() @ dense.T + bias.double())).abs() <= kernel_bound(x, dense))
+    want = x.double() @ dense.T + bias.double()
+    packed = QuantLinear(GEMM, qw, QUANT_MAX_ROWS)  # every row on the packed integer GEMM where it runs
+    assert (packed.int_packed is not None) == GEMM.int_packs()
+    assert torch.all((packed(x, bias).double() - want).abs() <= kernel_bound(x, dense, GEMM.int_packs()))
+    before = GEMM.lanes()
+    try:
+        GEMM.lanes(8)  # the tiles, and rows above QUANT_MAX_ROWS dequantized + packed GEMM
+        got = QuantLinear(GEMM, qw, QUANT_MAX_ROWS)(x, bias)
+    finally:
+        GEMM.lanes(before)
+    assert torch.all((got.double() - want).abs() <= kernel_bound(x, dense))
     strided = torch.randn(rows, 2 * k, generator=g)[:, :k]  # rows of a wider tensor, as attention hands them
     error = (GEMM.linear_quant(strided, qw).double() - strided.double() @ dense.T).abs()
     assert torch.all(error <= kernel_bound(strided, dense))
@@ -117,7 +137,7 @@ def test_int8_rows_that_are_not_whole_groups_keep_float_activations(rows):
 
 
 @needs_kernels
-def test_a_wide_weight_goes_through_the_packed_gemm_in_bounded_slices(monkeypatch):
+def test_a_wide_weight_goes_through_the_packed_gemm_in_bounded_slices(monkeypatch, tiles):
     import kvharbor.engine.quantize as quantize_module
 
     monkeypatch.setattr(quantize_module, "SCRATCH_FLOATS", 64 * 10)  # ten rows of 64 per slice
@@ -197,8 +217,13 @@ def test_a_quantized_engine_generates_what_float32_generates_on_the_dequantized_
     plain = make_llm(case.loaded)
     assert quantized.engine.core.kv_io.format.fingerprint == plain.engine.core.kv_io.format.fingerprint + "+" + mode
     model = quantized.engine.core.model
-    assert model.layers[0].qkv.numel() == 0 and model.layers[0].fast["qkv"].weight.data.dtype == dtype  # no float copy
-    assert model.lm_head.numel() == 0 and model.head_blocks.fmt == "q8"
+    fast, head = model.layers[0].fast["qkv"], model.lm_head_fast
+    assert model.layers[0].qkv.numel() == 0 and model.lm_head.numel() == 0  # no float copy
+    if GEMM is not None and GEMM.int_packs():  # only the packed copies (test_packed_int.py)
+        assert fast.weight is None and fast.int_packed.fmt == ("q4" if mode == "int4" else "int8")
+        assert head.weight is None and head.int_packed.fmt == "q8"
+    else:
+        assert fast.weight.data.dtype == dtype and model.head_blocks.fmt == "q8"
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])

@@ -147,8 +147,8 @@ class CpuKernels:
         lib.kvharbor_linear_packed.restype = c_int
         lib.kvharbor_qpacked_vnni.argtypes = []
         lib.kvharbor_qpacked_vnni.restype = c_int
-        lib.kvharbor_qpacked_group_bytes.argtypes = [c_int]
-        lib.kvharbor_qpacked_group_bytes.restype = i64
+        lib.kvharbor_qpacked_panel_bytes.argtypes = [c_int, i64]
+        lib.kvharbor_qpacked_panel_bytes.restype = i64
         lib.kvharbor_linear_qpacked.argtypes = [c_int, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64]
         lib.kvharbor_linear_qpacked.restype = c_int
         self._lib = lib
@@ -279,16 +279,16 @@ class CpuKernels:
 
     def pack_quant(self, w: QuantWeight) -> QuantPacked:
         """A quantized weight in the layout linear_qpacked reads (csrc/packed_int.c): panels of 32
-        columns, group by group, [ceil(n / 32)][k / 32][codes, 32 scales (, 32 mins)], the last panel
-        padded with zero columns. int8 codes are stored plus 128; an int8 weight's one scale per
-        row is repeated per group (so it runs as q8)."""
+        columns, group by group, [ceil(n / 32)][k / 32][codes, 32 scales (, 32 mins)] (int8: its
+        32 scales after the groups), the last panel padded with zero columns; int8 codes stored
+        plus 128."""
         if not self.int_packs():
             raise ValueError("pack_quant needs AVX512-VNNI with the linears on 16 lanes: run the weight "
                              "through linear_quant instead")  # fmt: skip
         if w.fmt not in FORMATS or w.k % GROUP:
             raise ValueError(f"pack_quant takes a {'/'.join(FORMATS)} weight with k a multiple of {GROUP}, "
                              f"got {w.fmt} with k = {w.k}")  # fmt: skip
-        return QuantPacked(_pack_quant(w), w.fmt == "q4", w.n, w.k)
+        return QuantPacked(_pack_quant(w), w.fmt, w.n, w.k)
 
     def linear_qpacked(self, x: torch.Tensor, w: QuantPacked, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [m, k] float32 @ W^T (+ bias) over a packed quantized weight (pack_quant), as float32:
@@ -307,7 +307,7 @@ class CpuKernels:
         if m == 0:
             return y
         code = self._lib.kvharbor_linear_qpacked(
-            int(w.q4), x.data_ptr(), x.stride(0), w.data.data_ptr(), _ptr(bias), y.data_ptr(), w.n, m, k, w.n
+            QUANT_FORMATS[w.fmt], x.data_ptr(), x.stride(0), w.data.data_ptr(), _ptr(bias), y.data_ptr(), w.n, m, k, w.n
         )
         if code == -2:
             raise MemoryError(f"no memory for the int8 codes of {m} rows")
@@ -588,34 +588,66 @@ class PackedWeight:
 
 
 QUANT_PANEL = 32  # columns per panel of a packed quantized weight (csrc/packed_int.c)
+QUANT_FORMATS = {"q8": 0, "q4": 1, "int8": 2}  # csrc/packed_int.h's QPACKED_*
 
 
-def quant_group_bytes(q4: bool) -> int:
-    """The bytes of one panel's group of 32 k (csrc/packed_int.c qpacked_group_bytes)."""
-    return (512 + 2 * QUANT_PANEL * 4) if q4 else (1024 + QUANT_PANEL * 4)
+def quant_group_bytes(fmt: str) -> int:
+    """The bytes of one panel's group of 32 k (csrc/packed_int.c group_bytes): its codes, then q8's
+    32 scales, or q4's 32 scales and 32 mins; int8 keeps its 32 scales after the last group."""
+    return {"q4": 512 + 2 * QUANT_PANEL * 4, "q8": 1024 + QUANT_PANEL * 4, "int8": 1024}[fmt]
+
+
+def quant_panel_bytes(fmt: str, k: int) -> int:
+    """The bytes of one 32-column panel (csrc/packed_int.c qpacked_panel_bytes)."""
+    return k // GROUP * quant_group_bytes(fmt) + (QUANT_PANEL * 4 if fmt == "int8" else 0)
 
 
 @dataclass(frozen=True)
 class QuantPacked:
-    """A quantized weight as CpuKernels.pack_quant lays it out: `data` uint8 [panels, k / 32,
-    group bytes], `q4` (4-bit codes with mins; else int8 codes), `n` real columns."""
+    """A quantized weight as CpuKernels.pack_quant lays it out: `data` uint8 [panels, panel bytes]
+    (csrc/packed_int.c), `fmt` the weight's (q4: 4-bit codes with mins; q8 and int8: int8 codes),
+    `n` real columns."""
 
     data: torch.Tensor
-    q4: bool
+    fmt: str
     n: int
     k: int
 
     def __post_init__(self) -> None:
         # Checked once here: the kernel reads data through its raw pointer, as this layout.
-        laid_out = (-(-self.n // QUANT_PANEL), self.k // GROUP, quant_group_bytes(self.q4))
-        if self.data.dtype != torch.uint8 or not self.data.is_contiguous() or tuple(self.data.shape) != laid_out \
-                or self.k < GROUP:  # fmt: skip
+        known = self.fmt in QUANT_FORMATS and self.k >= GROUP and self.k % GROUP == 0
+        laid_out = (-(-self.n // QUANT_PANEL), quant_panel_bytes(self.fmt, self.k) if known else -1)
+        if not known or self.data.dtype != torch.uint8 or not self.data.is_contiguous() \
+                or tuple(self.data.shape) != laid_out:  # fmt: skip
             raise ValueError(f"a packed quantized weight is laid out as pack_quant lays it out, {laid_out} uint8, "
-                             f"got {self.data.dtype} {tuple(self.data.shape)}")  # fmt: skip
+                             f"got {self.fmt} {self.data.dtype} {tuple(self.data.shape)}")  # fmt: skip
 
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` dequantized, float32 [len(ids), k], the same bits as the weight's own
+        dequantize: a tied embedding's lookups read the LM head's packed copy, so no other is kept."""
+        panels, groups, count = self.data.shape[0], self.k // GROUP, len(ids)
+        panel, col = ids // QUANT_PANEL, ids % QUANT_PANEL
+        half, column = col // (QUANT_PANEL // 2), col % (QUANT_PANEL // 2)
+        size, q4 = (512 if self.fmt == "q4" else 1024), self.fmt == "q4"  # a group's codes' bytes
+        grouped = self.data[:, : groups * quant_group_bytes(self.fmt)].view(panels, groups, -1)
+        codes = grouped[..., :size].view(panels, groups, -1, 2, QUANT_PANEL // 2, 4)[panel, :, :, half, column]
+        if self.fmt == "int8":  # [ids, groups, 8 quads, 4], stored plus 128; the scales after the groups
+            scale = self.data[:, groups * 1024 :].view(torch.float32)[panel, col].contiguous()
+            data = (codes.to(torch.int16) - 128).to(torch.int8).reshape(count, self.k)
+            return QuantWeight("int8", data, scale, None, self.k).dequantize()
+        floats = grouped[..., size:].view(torch.float32)  # [panels, groups, 32 scales (+ 32 mins)]
+        scale = floats[panel, :, col].contiguous()
+        if not q4:
+            data = (codes.to(torch.int16) - 128).to(torch.int8).reshape(count, self.k)
+            return QuantWeight("q8", data, scale, None, self.k).dequantize()
+        quads = torch.stack([codes & 15, codes >> 4], dim=3).reshape(count, groups, GROUP)  # element order
+        nibbles = quads[..., : GROUP // 2] | (quads[..., GROUP // 2 :] << 4)  # GGUF's: j low, j + 16 high
+        mins = floats[panel, :, QUANT_PANEL + col].contiguous()
+        return QuantWeight("q4", nibbles.reshape(count, -1), scale, mins, self.k).dequantize()
 
 
 def _pack_quant(w: QuantWeight) -> torch.Tensor:
@@ -628,18 +660,19 @@ def _pack_quant(w: QuantWeight) -> torch.Tensor:
         codes = torch.cat([half & 15, half >> 4], dim=-1)  # [n, groups, 32] in element order
     else:
         codes = (w.data.view(n, groups, GROUP).to(torch.int16) + 128).to(torch.uint8)
-    scale = w.scale.view(n, -1).expand(n, groups) if w.fmt == "int8" else w.scale.view(n, groups)
-    floats = [scale] + ([w.mins.view(n, groups)] if w.mins is not None else [])
     codes = F.pad(codes, (0, 0, 0, 0, 0, pad))
-    floats = [F.pad(f, (0, 0, 0, pad)) for f in floats]
     # [panels, 2 halves, 16 columns, groups, quads, 4 k] -> [panels, groups, quads, halves, columns, 4 k]
     quads = codes.view(panels, 2, nr // 2, groups, GROUP // 4, 4).permute(0, 3, 4, 1, 2, 5)
     if w.fmt == "q4":  # a pair of quads in one byte each: the first low, the second high
         quads = quads[:, :, 0::2] | (quads[:, :, 1::2] << 4)
     laid = [quads.reshape(panels, groups, -1)]
-    for f in floats:  # [panels, 32 columns, groups] -> [panels, groups, 32] as bytes
+    if w.fmt == "int8":  # one scale per column, after the groups: [panels, 32] as bytes
+        scales = F.pad(w.scale, (0, pad)).view(panels, nr).contiguous().view(torch.uint8)
+        return torch.cat([laid[0].reshape(panels, -1), scales], dim=-1).contiguous()
+    for f in [w.scale] + ([w.mins] if w.mins is not None else []):  # [n, groups] -> [panels, groups, 32]
+        f = F.pad(f.view(n, groups), (0, 0, 0, pad))
         laid.append(f.reshape(panels, nr, groups).transpose(1, 2).contiguous().view(torch.uint8))
-    return torch.cat(laid, dim=-1).contiguous()
+    return torch.cat(laid, dim=-1).reshape(panels, -1).contiguous()
 
 
 @dataclass(frozen=True)

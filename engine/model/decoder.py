@@ -202,7 +202,7 @@ class LlamaModel(nn.Module):
             for name in layer.fast:
                 weight = getattr(layer, name)
                 qw = (layer.blocks.pop(name, None) or quantize(weight.data.float(), mode)).to(self.embed.device)
-                layer.fast[name] = fast = QuantLinear(gemm, qw, QUANT_MAX_ROWS, invariant, pack=True)
+                layer.fast[name] = fast = QuantLinear(gemm, qw, QUANT_MAX_ROWS, invariant)
                 _release(weight)  # only the quantized copy stays
                 total += fast.nbytes
         return total + self._quantize_head(gemm, mode, invariant)
@@ -221,11 +221,18 @@ class LlamaModel(nn.Module):
             self.head_blocks = self.embed_blocks if tied else self.head_blocks.to(device)
         total = 0
         if self.head_blocks is not None:
-            self.lm_head_fast = QuantLinear(gemm, self.head_blocks, QUANT_MAX_ROWS_WIDE, invariant)
+            self.lm_head_fast = head = QuantLinear(gemm, self.head_blocks, QUANT_MAX_ROWS_WIDE, invariant)
             _release(self.lm_head)
-            total += self.head_blocks.nbytes if self.embed_blocks is not self.head_blocks else 0
-        if self.embed_blocks is not None:
+            if head.int_packed is not None:  # its packed copy alone is kept; a tied embedding reads it
+                self.embed_packed = head.int_packed if tied else None
+                self.embed_blocks = None if tied else self.embed_blocks
+                self.head_blocks = None
+                total += head.nbytes
+            elif self.embed_blocks is not self.head_blocks:
+                total += self.head_blocks.nbytes
+        if self.embed_blocks is not None or self.embed_packed is not None:
             _release(self.embed)
+        if self.embed_blocks is not None:
             total += self.embed_blocks.nbytes
         return total
 
@@ -257,8 +264,8 @@ class LlamaModel(nn.Module):
         return packed.unpack() if self.lm_head.numel() == 0 and hasattr(packed, "unpack") else self.lm_head
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_packed is not None:
-            return self.embed_packed.rows(input_ids)
+        if self.embed_packed is not None:  # the LM head's packed copy (float or quantized)
+            return self.embed_packed.rows(input_ids).to(self.embed.dtype)
         if self.embed_blocks is None:
             return F.embedding(input_ids, self.embed)
         return self.embed_blocks.dequantize(input_ids).to(self.embed.dtype)  # only the rows asked for

@@ -431,11 +431,14 @@ static void run_columns(int q, int64_t n0, int64_t n1) {
 // 12-32, and 1.4x at 1-2 rows (the batch-1 step, gguf). So every row count the kernel takes for a
 // quantized weight (up to engine/model.py's QUANT_MAX_ROWS) goes through here.
 #define INT_ROWS 32
+#define WIDE_CODES 32512  // fill_xwide's largest code: 127 * 256, so the high byte stays within -127..127
 
 static int8_t *xcodes;      // [m, k] int8 codes of x
 static float *xscales;      // [m, k / 32] their scales
 static int32_t *xcomp;      // [m, k / 32] -128 times their sums (packed_int.c's int8 weights)
-static int64_t xcodes_len, xscales_len, xcomp_len;
+static int8_t *xcodes_lo;   // [m, k] the low bytes of x's 16-bit codes (fill_xwide; xcodes the high)
+static int32_t *xcomp_lo;   // [m, k / 32] -128 times their sums
+static int64_t xcodes_len, xscales_len, xcomp_len, xcodes_lo_len, xcomp_lo_len;
 
 typedef struct {
     const float *x;
@@ -482,9 +485,8 @@ static void xcodes_rows(const void *args, int64_t r0, int64_t r1) {
 
 static void rows_shared(void (*fn)(const void *, int64_t, int64_t), const void *args, int64_t rows);
 
-// x's codes, their scales and their groups' sums (xsums) for this call (under call_lock), a
-// prefill chunk's rows shared over the threads. Returns -1 when out of memory.
-static int fill_xcodes(const float *x, int64_t ldx, int64_t m, int64_t k) {
+// The buffers fill_xcodes and fill_xwide write, grown for m rows of k (under call_lock).
+static int fill_xcodes_buffers(int64_t m, int64_t k) {
     const int64_t groups = k / GROUP;
     int8_t *codes = grown(xcodes, &xcodes_len, m * k, 1);
     if (!codes) return -1;
@@ -498,8 +500,79 @@ static int fill_xcodes(const float *x, int64_t ldx, int64_t m, int64_t k) {
     int32_t *comp = grown(xcomp, &xcomp_len, m * groups, sizeof(int32_t));
     if (!comp) return -1;
     xcomp = comp;
+    return 0;
+}
+
+// x's codes, their scales and their groups' sums (xsums) for this call (under call_lock), a
+// prefill chunk's rows shared over the threads. Returns -1 when out of memory.
+static int fill_xcodes(const float *x, int64_t ldx, int64_t m, int64_t k) {
+    if (fill_xcodes_buffers(m, k) != 0) return -1;
     const xcodes_args_t args = {x, ldx, k};
     rows_shared(xcodes_rows, &args, m);
+    return 0;
+}
+
+// 32 int32 codes of one group (|q| <= 32,512) as two int8 vectors in element order: the high bytes
+// hi = (q + 128) >> 8 (-127..127) and the low lo = q - 256 hi (-128..127), so q = 256 hi + lo exactly.
+static inline void split_codes(const __m256i q[4], int8_t *hi_out, int8_t *lo_out, __m256i *hi_sum, __m256i *lo_sum) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), half = _mm256_set1_epi32(128);
+    __m256i hi[4], lo[4];
+    for (int s = 0; s < 4; s++) {
+        hi[s] = _mm256_srai_epi32(_mm256_add_epi32(q[s], half), 8);
+        lo[s] = _mm256_sub_epi32(q[s], _mm256_slli_epi32(hi[s], 8));
+    }
+    const __m256i h = _mm256_packs_epi16(_mm256_packs_epi32(hi[0], hi[1]), _mm256_packs_epi32(hi[2], hi[3]));
+    const __m256i l = _mm256_packs_epi16(_mm256_packs_epi32(lo[0], lo[1]), _mm256_packs_epi32(lo[2], lo[3]));
+    _mm256_storeu_si256((__m256i *)hi_out, _mm256_permutevar8x32_epi32(h, order));
+    _mm256_storeu_si256((__m256i *)lo_out, _mm256_permutevar8x32_epi32(l, order));
+    *hi_sum = _mm256_add_epi32(_mm256_add_epi32(hi[0], hi[1]), _mm256_add_epi32(hi[2], hi[3]));
+    *lo_sum = _mm256_add_epi32(_mm256_add_epi32(lo[0], lo[1]), _mm256_add_epi32(lo[2], lo[3]));
+}
+
+// Rows [r0, r1) of x as 16-bit codes per group of 32 (fill_xwide; each row's are its own).
+static void xwide_rows(const void *args, int64_t r0, int64_t r1) {
+    const xcodes_args_t *a = args;
+    const int64_t ldx = a->ldx, k = a->k, groups = k / GROUP;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *p = a->x + r * ldx + g * GROUP;
+            __m256 v[4], top = _mm256_setzero_ps();
+            for (int s = 0; s < 4; s++) {
+                v[s] = _mm256_loadu_ps(p + 8 * s);
+                top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[s]));
+            }
+            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+            t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+            const float amax = _mm_cvtss_f32(t), d = amax > 0 ? amax / (float)WIDE_CODES : 1.0f;
+            const __m256 inv = _mm256_set1_ps(amax > 0 ? (float)WIDE_CODES / amax : 0.0f);
+            __m256i q[4], hi_sum, lo_sum;
+            for (int s = 0; s < 4; s++) q[s] = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], inv));  // round to nearest
+            split_codes(q, xcodes + r * k + g * GROUP, xcodes_lo + r * k + g * GROUP, &hi_sum, &lo_sum);
+            xscales[r * groups + g] = d;
+            const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            xsums[r * groups + g] = d * hsum(_mm256_cvtepi32_ps(total));  // exact sum: |.| <= 32 * 32,512
+            xcomp[r * groups + g] = -128 * (int32_t)hsum(_mm256_cvtepi32_ps(hi_sum));
+            xcomp_lo[r * groups + g] = -128 * (int32_t)hsum(_mm256_cvtepi32_ps(lo_sum));
+        }
+}
+
+// x as 16-bit codes per group of 32 for packed_int.c (under call_lock): a code q = round(x * 32,512 /
+// max|x_g|), so each element is within max|x_g| / 65,024 of x (int8 codes alone: / 254, which
+// cost a gguf engine's prefill 13x its KL against float32), held as its high bytes (xcodes) and
+// low bytes (xcodes_lo), with their sums (xcomp, xcomp_lo) and the group's scale and sum (xscales,
+// xsums). Returns -1 when out of memory.
+static int fill_xwide(const float *x, int64_t ldx, int64_t m, int64_t k) {
+    if (fill_xcodes_buffers(m, k) != 0) return -1;
+    int8_t *lo = grown(xcodes_lo, &xcodes_lo_len, m * k, 1);
+    if (!lo) return -1;
+    xcodes_lo = lo;
+    int32_t *comp = grown(xcomp_lo, &xcomp_lo_len, m * (k / GROUP), sizeof(int32_t));
+    if (!comp) return -1;
+    xcomp_lo = comp;
+    const xcodes_args_t args = {x, ldx, k};
+    rows_shared(xwide_rows, &args, m);
     return 0;
 }
 
@@ -959,22 +1032,22 @@ int kvharbor_linear_packed(int fmt, int nr, const float *x, int64_t ldx, const v
 // Whether kvharbor_linear_qpacked runs here: AVX512-VNNI, with the linears on 16 lanes.
 int kvharbor_qpacked_vnni(void) { return kvharbor_packed_width() == packed_width(1) && qpacked_has_vnni(); }
 
-// The bytes of one 32-column panel's group of 32 k in kvharbor_linear_qpacked's layout.
-int64_t kvharbor_qpacked_group_bytes(int q4) { return qpacked_group_bytes(q4); }
+// The bytes of one 32-column panel of kvharbor_linear_qpacked's format fmt (packed_int.h) at k.
+int64_t kvharbor_qpacked_panel_bytes(int fmt, int64_t k) { return qpacked_panel_bytes(fmt, k); }
 
-// y = x @ W^T + bias over a quantized W packed as packed_int.c lays it out (q4: 4-bit codes with
-// mins; else int8 codes plus 128), x made int8 per group of 32 as the integer tiles make it. Every
+// y = x @ W^T + bias over a quantized W packed in format fmt as packed_int.c lays it out (packed_int.h
+// QPACKED_*), x made 16-bit codes per group of 32 (fill_xwide). Every
 // row count takes the same arithmetic (packed_int.c). Returns -1 where this CPU has no microkernel
 // for it or k is not a multiple of 32, -2 when out of memory.
-int kvharbor_linear_qpacked(int q4, const float *x, int64_t ldx, const void *w, const float *bias, float *y,
+int kvharbor_linear_qpacked(int fmt, const float *x, int64_t ldx, const void *w, const float *bias, float *y,
                             int64_t ldy, int64_t m, int64_t k, int64_t n) {
-    if (!kvharbor_qpacked_vnni() || k % GROUP || k <= 0) return -1;
+    if (!kvharbor_qpacked_vnni() || k % GROUP || k <= 0 || fmt < QPACKED_Q8 || fmt > QPACKED_INT8) return -1;
     pthread_mutex_lock(&call_lock);
-    if (fill_xcodes(x, ldx, m, k) != 0) {
+    if (fill_xwide(x, ldx, m, k) != 0) {
         pthread_mutex_unlock(&call_lock);
         return -2;
     }
-    qjob = (qpacked_job_t){w, xcodes, xscales, xsums, xcomp, bias, y, m, k, n, ldy, q4 != 0};
+    qjob = (qpacked_job_t){w, xcodes, xcodes_lo, xscales, xsums, xcomp, xcomp_lo, bias, y, m, k, n, ldy, fmt};
     run_job(9);
     pthread_mutex_unlock(&call_lock);
     return 0;
