@@ -103,8 +103,8 @@ def quality_rows(args: argparse.Namespace, modes: list[str]) -> tuple[dict[str, 
     """Each mode's quality columns, and where they come from: this run, or --quality-json's file
     (its time and machine, and whether that machine's CPU is this one's: the report says so)."""
     path = args.quality_json
-    if path is None:
-        path = RESULTS / "quality.json"
+    if path is None:  # beside --out: a run with its own --out leaves results/quality.json alone
+        path = quality_path(args.out)
         lossy = ",".join(modes)
         cmd = [sys.executable, str(Path(__file__).with_name("quality.py")), "--modes", lossy, "--out", str(path)]
         print("quality ledger (benchmarks/quality.py) ...", file=sys.stderr)
@@ -114,6 +114,12 @@ def quality_rows(args: argparse.Namespace, modes: list[str]) -> tuple[dict[str, 
     source = {"path": str(path), "ran_here": args.quality_json is None, "when": report.get("when"),
               "machine": machine, "same_cpu": same_cpu(machine, machine_record())}  # fmt: skip
     return {r["mode"]: {k: r[k] for k in QUALITY_KEYS} for r in report["rows"]}, source
+
+
+def quality_path(out: Path) -> Path:
+    """Where a run writes the quality ledger it measures: quality.json beside the default report,
+    else <out's stem>_quality.json."""
+    return out.with_name("quality.json" if out.name == "quant_ledger.json" else f"{out.stem}_quality.json")
 
 
 def same_cpu(a: dict, b: dict) -> bool:

@@ -86,3 +86,13 @@ def test_quality_read_from_a_file_says_when_and_where_it_was_measured(tmp_path):
         note = quant_ledger.quality_note(source)
         assert str(path) in note and "2026-12-01T19:55:12" in note
         assert ("NOT this machine's CPU" in note) is not same
+
+
+def test_a_run_with_its_own_out_writes_its_quality_ledger_beside_it(tmp_path):
+    """Only the default report writes results/quality.json: another --out's run left the shared file
+    overwritten with its own modes alone."""
+    results = quant_ledger.RESULTS
+    assert quant_ledger.quality_path(results / "quant_ledger.json") == results / "quality.json"
+    assert quant_ledger.quality_path(tmp_path / "quant_ledger_gguf_llama.json") == (
+        tmp_path / "quant_ledger_gguf_llama_quality.json"
+    )
