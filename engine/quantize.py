@@ -1,8 +1,8 @@
 """Weight-only quantization of the linear layers (`--quantization int8|int4|gguf`): the formats,
 how float weights become them, and the linear that runs them.
 
-Three formats, one kernel family (engine/cpu/csrc/cpu_kernels.c, AVX2; activations rounded to int8 per
-group of 32 in decode-sized products, below):
+Three formats, one kernel family (engine/cpu/csrc/packed_int.c with AVX512-VNNI, else cpu_kernels.c's
+AVX2 tiles; which runs where, and how x is rounded for it, below):
 - `int8`: symmetric, one scale per output channel, round-to-nearest of w / (max|w_row| / 127),
   so every weight is off by at most half a step. No zero points: one multiply per output.
 - `q4`: 4 bits in groups of 32 along the input, a float scale and min per group,
@@ -27,22 +27,33 @@ keep GGUF's in-group order (element j low, j + 16 high) so a repack is a byte co
 mins are float32 arrays beside them (6% of a q4 weight) so the kernel reads them without f16
 conversions.
 
-Which kernel runs: decode-sized inputs (up to `max_rows`) go through the AVX2 kernel straight
-from the quantized bytes, with x made int8 per group of 32 (INT_ROWS below, up to 32 rows)
-so each group is an integer dot product (maddubs, as llama.cpp's Q8 activations): the float path
-was bound by widening 4-bit codes to floats, and this made SmolLM2's batch-1 linears 1.4x faster
-(12.5-14.6 -> 9.0-9.8 ms a step, gguf) and 4-32-row ones 1.1-1.5x (cpu_kernels.c has the
+Which kernel runs. Where the CPU has AVX512-VNNI (Zen 4 and later, Intel Ice Lake and later), every
+projection and the LM head are packed once at load into the packed integer GEMM's layout
+(engine/cpu/csrc/packed_int.c; the row-major codes are released, a tied embedding reads its rows
+from the packed head) and every row count runs there, with the mode on or off: x is made 16-bit
+codes per group of 32 (within max|x_g| / 65,024 of x), held as a high and a low byte, and each
+group is two exact integer dot products (vpdpbusd, 64 a instruction). Measured on the 2-core
+family-26 EPYC (SmolLM2 q4, 30 layers): 35 ms at 128 rows against 63 for dequantizing into the
+packed float GEMM and 115-148 for the integer tiles below; teacher-forced logits within 0.004 of
+float32 on the same weights, so a gguf engine follows float32 on the file's dequantized weights
+(benchmarks/README.md: 46 of 48 greedy tokens, llama.cpp 17.7).
+
+Elsewhere (Zen 3, AVX2 only): decode-sized inputs (up to `max_rows`) go through the AVX2 kernel
+straight from the quantized bytes, with x made int8 per group of 32 (INT_ROWS below, up to 32
+rows) so each group is an integer dot product (maddubs, as llama.cpp's Q8 activations): the float
+path was bound by widening 4-bit codes to floats, and this made SmolLM2's batch-1 linears 1.4x
+faster (12.5-14.6 -> 9.0-9.8 ms a step, gguf) and 4-32-row ones 1.1-1.5x (cpu_kernels.c has the
 figures); the cost is x's rounding, at most half of max|x_g| / 127 per element, which
 benchmarks/quality.py's decode positions measure. Rows are quantized one by one, so a row's result
-does not depend on the batch it runs in. Prefill-sized
-inputs are dequantized, a slice at a time, straight into the packed GEMM's layout in one reused
-scratch buffer and multiplied there (engine/cpu/csrc/packed_gemm.c: 1.4-1.6x MKL on the same
-dequantized slices, QuantLinear._product), which blocks large products far better than a row-tiled kernel (the int8
-kernel alone ran at 0.8x MKL at 128 rows; llama.cpp dequantizes for BLAS in the same case). torch's own
+does not depend on the batch it runs in. Prefill-sized inputs are dequantized, a slice at a time,
+straight into the packed GEMM's layout in one reused scratch buffer and multiplied there
+(engine/cpu/csrc/packed_gemm.c: 1.4-1.6x MKL on the same dequantized slices, QuantLinear._product),
+which blocks large products far better than a row-tiled kernel (the int8 kernel alone ran at 0.8x
+MKL at 128 rows; llama.cpp dequantizes for BLAS in the same case). torch's own
 `aten::_weight_int8pack_mm` was measured at 5.8 ms on an 8x576 by 576x1536 product on this
-machine kind, 7x float32 MKL, so it is not used. Where the kernels do not
-run (CUDA, bfloat16, `--no-cpu-kernels`, no AVX2), torch ops dequantize the same slices: the
-quantized memory without the speed (no Triton kernel for it yet).
+machine kind, 7x float32 MKL, so it is not used. Where the kernels do not run (CUDA, bfloat16,
+`--no-cpu-kernels`, no AVX2), torch ops dequantize the same slices: the quantized memory without
+the speed (no Triton kernel for it yet).
 """
 
 from __future__ import annotations
