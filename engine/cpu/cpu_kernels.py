@@ -1,8 +1,8 @@
 """kvharbor's float32 CPU kernels (engine/cpu/csrc/cpu_kernels.c, AVX2 + FMA): the linears of
 decode-sized inputs (float32 and quantized weights, engine/quantize.py), dequantization, paged
 attention read in place from the KV cache (decode rows, and prompt rows in tiles), the layers'
-pointwise ops; and the batch-invariant GEMM over packed weights (csrc/packed_gemm.c: pack,
-linear_packed).
+pointwise ops; and the batch-invariant GEMMs over packed weights (csrc/packed_gemm.c: pack,
+linear_packed; csrc/packed_int.c, quantized weights on AVX512-VNNI: pack_quant, linear_qpacked).
 
 The C file is compiled once, with the system's C compiler, into a cache directory
 ($KVHARBOR_CACHE_DIR, else ~/.cache/kvharbor) under a name that hashes the source and the flags,
