@@ -129,7 +129,8 @@ class RuntimeConfig:
         "auto",
         "a request's logits do not depend on the batch it shares a step with, how its prompt was chunked or "
         "where its prefix KV came from (greedy output equals the request run alone): on, off, or auto (on where "
-        "it runs: CPU kernels, no LoRA, no fp8 KV, unquantized weights; engine/README.md has its cost)",
+        "it runs: CPU kernels, no LoRA, no fp8 KV, and quantized weights only where they run on the packed "
+        "integer GEMM, AVX512-VNNI; engine/README.md has its cost)",
     )
 
     def __post_init__(self) -> None:

@@ -260,7 +260,8 @@ class CoreParts:
 
     def _batch_invariant(self, threads: int) -> bool:
         """Whether this engine runs batch-invariant (--batch-invariant): `on` where it cannot
-        raises ValueError saying why; `auto` is on wherever it can run, but for quantized weights."""
+        raises ValueError saying why; `auto` is on wherever it can run, but for quantized weights
+        that do not all run on the packed integer GEMM (_packs_quantized)."""
         mode = self.config.runtime.batch_invariant
         if mode == "off":
             return False
@@ -270,7 +271,8 @@ class CoreParts:
             # (benchmarks/README.md), int8's top-1 fell from 97.4% to 96.4% and gguf's mean KL rose
             # 12x. With it, both modes run the packed integer GEMM's 16-bit activations (engine/
             # quantize.py), so the mode costs nothing there. `on` still runs it.
-            log.info("batch-invariant mode off: quantized weights without AVX512-VNNI (--batch-invariant on forces it)")
+            log.info("batch-invariant mode off: quantized weights off the packed integer GEMM (no AVX512-VNNI, or a "
+                     "width that is not a multiple of 32; --batch-invariant on forces it)")
             return False
         blocker = self._invariance_blocker(threads)
         if blocker is not None and mode == "on":
@@ -280,8 +282,15 @@ class CoreParts:
         return blocker is None
 
     def _packs_quantized(self, threads: int) -> bool:
-        """Whether quantized projections run on the packed integer GEMM here (QuantLinear)."""
+        """Whether every quantized projection runs on the packed integer GEMM here (QuantLinear):
+        AVX512-VNNI, and every projection's input width a whole number of groups (int8 weights
+        may have others; those stay on the integer tiles, 4x slower in 32-row slices)."""
+        from kvharbor.engine.quantize import GROUP
+
         if self.device.type != "cpu" or not self.config.runtime.cpu_kernels:
+            return False
+        a = self.arch
+        if any(k % GROUP for k in (a.hidden_size, a.num_heads * a.head_dim, a.intermediate_size)):
             return False
         from kvharbor.engine.cpu import cpu_kernels
 

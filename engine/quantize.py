@@ -27,16 +27,17 @@ keep GGUF's in-group order (element j low, j + 16 high) so a repack is a byte co
 mins are float32 arrays beside them (6% of a q4 weight) so the kernel reads them without f16
 conversions.
 
-Which kernel runs. Where the CPU has AVX512-VNNI (Zen 4 and later, Intel Ice Lake and later), every
-projection and the LM head are packed once at load into the packed integer GEMM's layout
-(engine/cpu/csrc/packed_int.c; the row-major codes are released, a tied embedding reads its rows
-from the packed head) and every row count runs there, with the mode on or off: x is made 16-bit
-codes per group of 32 (within max|x_g| / 65,024 of x), held as a high and a low byte, and each
-group is two exact integer dot products (vpdpbusd, 64 a instruction). Measured on the 2-core
-family-26 EPYC (SmolLM2 q4, 30 layers): 35 ms at 128 rows against 63 for dequantizing into the
-packed float GEMM and 115-148 for the integer tiles below; teacher-forced logits within 0.004 of
-float32 on the same weights, so a gguf engine follows float32 on the file's dequantized weights
-(benchmarks/README.md: 46 of 48 greedy tokens, llama.cpp 17.7).
+Which kernel runs. Where the CPU has AVX512-VNNI (Zen 4 and later, Intel Ice Lake and later) and
+the linears run on 16 lanes (not KVHARBOR_KERNEL_LANES=8), every projection and the LM head whose
+input width is a multiple of 32 (int8 weights may have others) are packed once at load into the
+packed integer GEMM's layout (engine/cpu/csrc/packed_int.c; the row-major codes are released, a
+tied embedding reads its rows from the packed head) and every row count runs there, with the mode
+on or off: x is made 16-bit codes per group of 32 (within max|x_g| / 65,024 of x), held as a high
+and a low byte, and each group is two exact integer dot products (vpdpbusd, 64 a instruction).
+Measured on the 2-core family-26 EPYC (SmolLM2 q4, 30 layers): 35 ms at 128 rows against 63 for
+dequantizing into the packed float GEMM and 115-148 for the integer tiles below; teacher-forced
+logits within 0.004 of float32 on the same weights, so a gguf engine follows float32 on the file's
+dequantized weights (benchmarks/README.md: 46 of 48 greedy tokens, llama.cpp 17.7).
 
 Elsewhere (Zen 3, AVX2 only): decode-sized inputs (up to `max_rows`) go through the AVX2 kernel
 straight from the quantized bytes, with x made int8 per group of 32 (INT_ROWS below, up to 32
@@ -197,11 +198,12 @@ def quantize(weight: torch.Tensor, mode: str) -> QuantWeight:
 
 
 class QuantLinear:
-    """One projection's quantized weight. With the CPU kernels (`gemm`): decode-sized inputs
-    through the kernel on the quantized bytes, larger ones through the packed GEMM on dequantized
-    slices (the module docstring says why); bfloat16 rows are widened to float32 for them and the
-    result rounded back once. Without them (CUDA, no AVX2): every input through slices dequantized
-    by torch ops into x's dtype: the memory of the quantized weights at the cost of a
+    """One projection's quantized weight. With the CPU kernels (`gemm`): where they have AVX512-VNNI
+    and k is a whole number of groups, every input through the packed integer GEMM; else
+    decode-sized inputs through the integer tiles on the quantized bytes, larger ones through the
+    packed GEMM on dequantized slices (the module docstring says why); bfloat16 rows are widened
+    to float32 for them and the result rounded back once. Without them (CUDA, no AVX2): every
+    input through slices dequantized by torch ops into x's dtype: the memory of the quantized weights at the cost of a
     dequantization per step (no fused kernel for that path yet)."""
 
     def __init__(self, gemm, weight: QuantWeight, max_rows: int, invariant: bool = False) -> None:

@@ -19,7 +19,9 @@ from kvharbor.engine.quantize import GROUP, QuantLinear, quantize, quantize_int4
 KERNELS = cpu_kernels.load(2)
 pytestmark = pytest.mark.skipif(KERNELS is None, reason="the AVX2 kernels cannot run or build here")
 FORMATS = {"int8": lambda w: quantize(w, "int8"), "q4": quantize_int4, "q8": quantize_q8}
-needs_vnni = pytest.mark.skipif(KERNELS is None or not KERNELS.int_packs(), reason="no AVX512-VNNI on this CPU")
+needs_vnni = pytest.mark.skipif(
+    KERNELS is None or not KERNELS.int_packs(), reason="no AVX512-VNNI here (or the linears on 8 lanes)"
+)
 
 
 WIDE_CODES = 32512  # cpu_kernels.c: x's largest 16-bit code
@@ -92,7 +94,8 @@ def test_sixteen_bit_codes_keep_x_near_float32(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(fmt):
     """Alone, among 7 and 127 others, in chunks of every size from 1 to 25 (every tile height and
-    its tails), past one block of rows (170 at k = 1,536), and on one thread against two."""
+    its tails), past one block of rows (84 at k = 1,536: two bytes of codes per k), and on one
+    thread against two."""
     gen = torch.Generator().manual_seed(11)
     w = FORMATS[fmt](torch.randn(200, 1536, generator=gen))
     packed, bias = KERNELS.pack_quant(w), torch.randn(200, generator=gen)
@@ -160,26 +163,80 @@ def test_where_the_microkernel_cannot_run_packing_is_refused_and_the_tiles_serve
 @pytest.mark.parametrize("case", ["tiny_llama", "tiny_qwen2"])  # an LM head of its own, a tied one
 def test_a_quantized_model_keeps_only_the_packed_copies(mode, case, make_llm, request):
     """Every projection and the LM head run on their packed copies alone (the row-major codes
-    released), with the mode on or off; a tied embedding reads its rows from the packed head, the
-    same values as the q8 head before packing."""
+    released: the engine holds the bytes an 8-lane engine holds, no more), with the mode on or
+    off; a tied embedding reads its rows from the packed head, the q8 head's values."""
     model_case = request.getfixturevalue(case)
     llm = make_llm(model_case.loaded, quantization=mode)
     assert llm.engine.core.batch_invariant  # auto: on, since the mode costs nothing here
     model = llm.engine.core.model
     fasts = [f for layer in model.layers for f in layer.fast.values()] + [model.lm_head_fast]
-    assert all(f.int_packed is not None and f.weight is None for f in fasts)
-    assert model.head_blocks is None and model.weight_bytes() == sum(f.nbytes for f in fasts) + sum(
-        p.numel() * p.element_size() for p in model.parameters()
-    ) + (model.embed_blocks.nbytes if model.embed_blocks is not None else 0)
-    layer = model.layers[0]
-    x = torch.randn(9, layer.fast["down"].int_packed.k)
-    assert torch.equal(layer.fast["down"](x, None), KERNELS.linear_qpacked(x, layer.fast["down"].int_packed))
+    assert all(f.int_packed is not None and f.weight is None for f in fasts) and model.head_blocks is None
+    before = KERNELS.lanes()
+    try:
+        KERNELS.lanes(8)  # the row-major quantized weights, as a CPU without the packed GEMM keeps them
+        rowmajor = make_llm(model_case.loaded, quantization=mode).engine.core.model
+    finally:
+        KERNELS.lanes(before)
+    assert rowmajor.lm_head_fast.int_packed is None and model.weight_bytes() == rowmajor.weight_bytes()
     ids = torch.tensor(model_case.prompts[0])
     if model.arch.tie_word_embeddings:
         head = quantize_q8(model_case.hf.get_input_embeddings().weight.detach().float())
         assert model.embed_blocks is None and torch.equal(model._embed(ids), head.dequantize(ids))
     off = make_llm(model_case.loaded, quantization=mode, batch_invariant="off").engine.core.model
     assert all(f.int_packed is not None for layer in off.layers for f in layer.fast.values())
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_packed_weights_rows_are_its_dequantized_rows(fmt):
+    """QuantPacked.rows (a tied embedding's lookups) gives QuantWeight.dequantize's bits, the last
+    partial panel included; an id outside the weight is refused, as F.embedding refuses it."""
+    w = FORMATS[fmt](torch.randn(70, 96, generator=torch.Generator().manual_seed(8)))
+    packed = KERNELS.pack_quant(w)
+    ids = torch.tensor([0, 69, 31, 32, 33, 64, 5, 5])
+    assert torch.equal(packed.rows(ids), w.dequantize(ids))
+    assert torch.equal(packed.rows(torch.arange(70)), w.dequantize())
+    for bad in (70, -1):
+        with pytest.raises(IndexError, match=r"\[0, 70\)"):
+            packed.rows(torch.tensor([3, bad]))
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_non_finite_x_gives_non_finite_outputs_and_tiny_groups_count_as_zero(fmt):
+    """A NaN in a row makes its outputs NaN and an inf makes them inf or NaN (as float products
+    would, not finite garbage), and the other rows are left alone; a group whose values are all below ~1e-34
+    contributes nothing (its scale would be infinite)."""
+    w = FORMATS[fmt](torch.randn(40, 96, generator=torch.Generator().manual_seed(9)))
+    packed = KERNELS.pack_quant(w)
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(10))
+    clean = KERNELS.linear_qpacked(x, packed)
+    x[1, 5], x[2, 40] = float("nan"), float("inf")
+    got = KERNELS.linear_qpacked(x, packed)
+    assert got[1].isnan().all() and not got[2].isfinite().any()
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[3], clean[3])
+    tiny = x[3].clone()
+    tiny[:32] = 1e-36
+    want = KERNELS.linear_qpacked(torch.cat([torch.zeros(32), tiny[32:]])[None], packed)
+    assert torch.equal(KERNELS.linear_qpacked(tiny[None], packed), want)
+
+
+@needs_vnni
+def test_auto_leaves_the_mode_off_where_a_projection_cannot_pack(tmp_path, make_llm):
+    """int8 weights may have an input width that is not a multiple of 32 (here the MLP's 112): that
+    projection stays on the integer tiles, which run invariant in 32-row slices at 4x the time, so
+    `auto` keeps the mode off; `on` still runs it."""
+    from tiny_models import TINY, hf_model
+
+    from kvharbor.engine.model.loader import load_model
+
+    hf_model("llama", 11, **{**TINY, "intermediate_size": 112}, tie_word_embeddings=False).save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path))
+    model = make_llm(loaded, quantization="int8")
+    assert not model.engine.core.batch_invariant
+    layer = model.engine.core.model.layers[0]
+    assert layer.fast["gate_up"].int_packed is not None and layer.fast["down"].int_packed is None
+    assert make_llm(loaded, quantization="int8", batch_invariant="on").engine.core.batch_invariant
 
 
 @needs_vnni

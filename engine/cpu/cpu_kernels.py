@@ -292,13 +292,16 @@ class CpuKernels:
 
     def linear_qpacked(self, x: torch.Tensor, w: QuantPacked, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [m, k] float32 @ W^T (+ bias) over a packed quantized weight (pack_quant), as float32:
-        x made int8 per row and group of 32, each group an exact integer dot product, and each
-        output's groups summed in order, whatever m: a row's result does not depend on the others."""
+        x made 16-bit codes per row and group of 32 (two bytes), each group two exact integer dot
+        products, and each output's groups summed in order, whatever m: a row's result does not
+        depend on the others. A NaN or inf in a row of x gives that row non-finite outputs, as float
+        products would."""
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
-        if x.dtype != torch.float32 or k != w.k:
-            raise ValueError(f"linear_qpacked takes float32 x [m, {w.k}], got {x.dtype} {tuple(x.shape)}")
+        if x.dtype != torch.float32 or k != w.k or x.device.type != "cpu":
+            raise ValueError(f"linear_qpacked takes float32 x [m, {w.k}] on the CPU, got {x.dtype} {tuple(x.shape)} "
+                             f"on {x.device}")  # fmt: skip
         if bias is not None:
             bias = bias.float().contiguous()
             if bias.shape != (w.n,) or bias.device.type != "cpu":
@@ -310,7 +313,7 @@ class CpuKernels:
             QUANT_FORMATS[w.fmt], x.data_ptr(), x.stride(0), w.data.data_ptr(), _ptr(bias), y.data_ptr(), w.n, m, k, w.n
         )
         if code == -2:
-            raise MemoryError(f"no memory for the int8 codes of {m} rows")
+            raise MemoryError(f"no memory for the 16-bit codes of {m} rows")
         if code != 0:
             raise ValueError("this CPU has no integer microkernel for packed quantized weights (packed on "
                              "another CPU?): run the weight through linear_quant")
@@ -618,7 +621,7 @@ class QuantPacked:
         known = self.fmt in QUANT_FORMATS and self.k >= GROUP and self.k % GROUP == 0
         laid_out = (-(-self.n // QUANT_PANEL), quant_panel_bytes(self.fmt, self.k) if known else -1)
         if not known or self.data.dtype != torch.uint8 or not self.data.is_contiguous() \
-                or tuple(self.data.shape) != laid_out:  # fmt: skip
+                or tuple(self.data.shape) != laid_out or self.data.device.type != "cpu":  # fmt: skip
             raise ValueError(f"a packed quantized weight is laid out as pack_quant lays it out, {laid_out} uint8, "
                              f"got {self.fmt} {self.data.dtype} {tuple(self.data.shape)}")  # fmt: skip
 
@@ -630,6 +633,8 @@ class QuantPacked:
         """Rows `ids` dequantized, float32 [len(ids), k], the same bits as the weight's own
         dequantize: a tied embedding's lookups read the LM head's packed copy, so no other is kept."""
         panels, groups, count = self.data.shape[0], self.k // GROUP, len(ids)
+        if count and (int(ids.min()) < 0 or int(ids.max()) >= self.n):
+            raise IndexError(f"rows must be in [0, {self.n}), got {int(ids.min())}..{int(ids.max())}")
         panel, col = ids // QUANT_PANEL, ids % QUANT_PANEL
         half, column = col // (QUANT_PANEL // 2), col % (QUANT_PANEL // 2)
         size, q4 = (512 if self.fmt == "q4" else 1024), self.fmt == "q4"  # a group's codes' bytes

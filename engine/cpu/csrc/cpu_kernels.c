@@ -23,6 +23,7 @@
 // THREADS: the caller is thread 0; idle workers spin briefly, then sleep on a futex, so they
 // neither hold a core between steps nor pay a wake-up per call when calls come back to back.
 
+#include <float.h>
 #include <immintrin.h>
 #include <linux/futex.h>
 #include <math.h>
@@ -435,7 +436,7 @@ static void run_columns(int q, int64_t n0, int64_t n1) {
 
 static int8_t *xcodes;      // [m, k] int8 codes of x
 static float *xscales;      // [m, k / 32] their scales
-static int32_t *xcomp;      // [m, k / 32] -128 times their sums (packed_int.c's int8 weights)
+static int32_t *xcomp;      // [m, k / 32] -128 times the high bytes' sums (fill_xwide; packed_int.c's int8 codes)
 static int8_t *xcodes_lo;   // [m, k] the low bytes of x's 16-bit codes (fill_xwide; xcodes the high)
 static int32_t *xcomp_lo;   // [m, k / 32] -128 times their sums
 static int64_t xcodes_len, xscales_len, xcomp_len, xcodes_lo_len, xcomp_lo_len;
@@ -477,9 +478,7 @@ static void xcodes_rows(const void *args, int64_t r0, int64_t r1) {
             // sum for the same reason). On the tiny test models it cut the largest logit move (against
             // float32 on the same weights) from 1.6-4.4 to 0.3-1.0 under int4, Q4_0 and Q4_1.
             const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            const float codes_sum = hsum(_mm256_cvtepi32_ps(total));  // exact: |sum| <= 32 * 127
-            xsums[r * groups + g] = d * codes_sum;
-            xcomp[r * groups + g] = -128 * (int32_t)codes_sum;
+            xsums[r * groups + g] = d * hsum(_mm256_cvtepi32_ps(total));
         }
 }
 
@@ -497,9 +496,6 @@ static int fill_xcodes_buffers(int64_t m, int64_t k) {
     float *sums = grown(xsums, &xsums_len, m * groups, sizeof(float));
     if (!sums) return -1;
     xsums = sums;
-    int32_t *comp = grown(xcomp, &xcomp_len, m * groups, sizeof(int32_t));
-    if (!comp) return -1;
-    xcomp = comp;
     return 0;
 }
 
@@ -537,18 +533,29 @@ static void xwide_rows(const void *args, int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; r++)
         for (int64_t g = 0; g < groups; g++) {
             const float *p = a->x + r * ldx + g * GROUP;
-            __m256 v[4], top = _mm256_setzero_ps();
+            __m256 v[4], top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
             for (int s = 0; s < 4; s++) {
                 v[s] = _mm256_loadu_ps(p + 8 * s);
                 top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[s]));
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[s], v[s], _CMP_UNORD_Q));  // max_ps drops NaNs
             }
             __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
             t = _mm_max_ps(t, _mm_movehl_ps(t, t));
             t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
-            const float amax = _mm_cvtss_f32(t), d = amax > 0 ? amax / (float)WIDE_CODES : 1.0f;
-            const __m256 inv = _mm256_set1_ps(amax > 0 ? (float)WIDE_CODES / amax : 0.0f);
+            // A group whose largest |x| is below WIDE_CODES / FLT_MAX (~1e-34) would scale by inf:
+            // it counts as zero (its products are below 1e-34 |w|). An inf x gives the group scale
+            // inf (its sums inf or NaN), a NaN x scale NaN: non-finite x stays non-finite in y,
+            // as in float products, instead of turning into finite garbage.
+            const float amax = _mm_cvtss_f32(t), inv1 = amax > 0 ? (float)WIDE_CODES / amax : 0.0f;
+            const int tiny = inv1 > FLT_MAX;
+            const float d = _mm256_movemask_ps(nan) ? NAN : amax > 0 && !tiny ? amax / (float)WIDE_CODES : 1.0f;
+            const __m256 inv = _mm256_set1_ps(tiny || amax == INFINITY ? 0.0f : inv1);
+            const __m256i top_code = _mm256_set1_epi32(WIDE_CODES), bottom_code = _mm256_set1_epi32(-WIDE_CODES);
             __m256i q[4], hi_sum, lo_sum;
-            for (int s = 0; s < 4; s++) q[s] = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], inv));  // round to nearest
+            for (int s = 0; s < 4; s++) {  // round to nearest; NaN's INT_MIN clamped to the codes' range
+                q[s] = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], inv));
+                q[s] = _mm256_min_epi32(_mm256_max_epi32(q[s], bottom_code), top_code);
+            }
             split_codes(q, xcodes + r * k + g * GROUP, xcodes_lo + r * k + g * GROUP, &hi_sum, &lo_sum);
             xscales[r * groups + g] = d;
             const __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
@@ -568,7 +575,10 @@ static int fill_xwide(const float *x, int64_t ldx, int64_t m, int64_t k) {
     int8_t *lo = grown(xcodes_lo, &xcodes_lo_len, m * k, 1);
     if (!lo) return -1;
     xcodes_lo = lo;
-    int32_t *comp = grown(xcomp_lo, &xcomp_lo_len, m * (k / GROUP), sizeof(int32_t));
+    int32_t *comp = grown(xcomp, &xcomp_len, m * (k / GROUP), sizeof(int32_t));
+    if (!comp) return -1;
+    xcomp = comp;
+    comp = grown(xcomp_lo, &xcomp_lo_len, m * (k / GROUP), sizeof(int32_t));
     if (!comp) return -1;
     xcomp_lo = comp;
     const xcodes_args_t args = {x, ldx, k};
@@ -1042,6 +1052,7 @@ int64_t kvharbor_qpacked_panel_bytes(int fmt, int64_t k) { return qpacked_panel_
 int kvharbor_linear_qpacked(int fmt, const float *x, int64_t ldx, const void *w, const float *bias, float *y,
                             int64_t ldy, int64_t m, int64_t k, int64_t n) {
     if (!kvharbor_qpacked_vnni() || k % GROUP || k <= 0 || fmt < QPACKED_Q8 || fmt > QPACKED_INT8) return -1;
+    if (m <= 0) return 0;
     pthread_mutex_lock(&call_lock);
     if (fill_xwide(x, ldx, m, k) != 0) {
         pthread_mutex_unlock(&call_lock);

@@ -134,20 +134,20 @@ AI VNNI void qtile(const int F, const int R, const qpacked_job_t *j, int64_t r0,
             }
         }
     }
-    if (F == QPACKED_INT8) {  // one scale per column, after the panel's groups
-        const float *dw = (const float *)(panel + groups * gbytes);
-        const __m512 d0 = _mm512_loadu_ps(dw), d1 = _mm512_loadu_ps(dw + 16);
-        for (int r = 0; r < R; r++) acc[r][0] = _mm512_mul_ps(acc[r][0], d0), acc[r][1] = _mm512_mul_ps(acc[r][1], d1);
-    }
     const __mmask16 k0 = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
     const __mmask16 k1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : (__mmask16)((1u << (cols - 16)) - 1);
     const float *bias = j->bias ? j->bias + c0 : 0;
     const __m512 b0 = bias ? _mm512_maskz_loadu_ps(k0, bias) : _mm512_setzero_ps();
     const __m512 b1 = bias ? _mm512_maskz_loadu_ps(k1, bias + 16) : _mm512_setzero_ps();
+    // int8: y = acc * its column's scale (after the panel's groups) + bias, one explicit FMA, so no
+    // tile shape's code can round it differently (acc * 1 + 0 = acc for the others: the same bits).
+    const float *dw = (const float *)(panel + groups * gbytes);
+    const __m512 d0 = F == QPACKED_INT8 ? _mm512_maskz_loadu_ps(k0, dw) : _mm512_set1_ps(1.0f);
+    const __m512 d1 = F == QPACKED_INT8 ? _mm512_maskz_loadu_ps(k1, dw + 16) : _mm512_set1_ps(1.0f);
     for (int r = 0; r < R; r++) {
         float *y = j->y + (r0 + r) * j->ldy + c0;
-        _mm512_mask_storeu_ps(y, k0, bias ? _mm512_add_ps(acc[r][0], b0) : acc[r][0]);
-        _mm512_mask_storeu_ps(y + 16, k1, bias ? _mm512_add_ps(acc[r][1], b1) : acc[r][1]);
+        _mm512_mask_storeu_ps(y, k0, _mm512_fmadd_ps(acc[r][0], d0, b0));
+        _mm512_mask_storeu_ps(y + 16, k1, _mm512_fmadd_ps(acc[r][1], d1, b1));
     }
 }
 

@@ -1,8 +1,7 @@
 // The batch-invariant integer GEMM over quantized weights packed at load (packed_int.c), run on
 // cpu_kernels.c's threads: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x made 16-bit codes per row and
 // group of 32, held as two int8 halves (cpu_kernels.c fill_xwide), W 4-bit codes with a scale and a
-// min per group (q4), or int8 codes with a scale per group (q8; int8 weights' one scale per row is
-// repeated per group).
+// min per group (q4), or int8 codes with a scale per group (q8) or per column (int8).
 #pragma once
 #include <stdint.h>
 
