@@ -1,12 +1,14 @@
 """How close the engine's kernels come to this machine's limits (issue 50's roofline).
 
-Two probes first (benchmarks/csrc/roofline_probe.c, compiled here): the cores' peak floating-point
-rate (AVX2 FMA, AVX-512 FMA and AVX512-BF16 dots where the CPU has them) and the memory read
+Two probes first (benchmarks/csrc/roofline_probe.c, compiled here): the cores' peak rates (AVX2 FMA,
+AVX-512 FMA, AVX512-BF16 dots and AVX512-VNNI int8 dots where the CPU has them) and the memory read
 bandwidth. Then, on every thread the engine uses:
 
 - the linears at M = 1, 8, 128 and 2,048 rows on SmolLM2-135M's shapes: kvharbor's batch-invariant
   packed GEMM (float32 weights, and bfloat16 weights widened to float32; the LM head's shape on the
-  dot-product kernel that serves it) and torch's (MKL / oneDNN) float32 and bfloat16 matmuls;
+  dot-product kernel that serves it), the packed integer GEMM on q4 weights where the CPU has
+  AVX512-VNNI (against half the VNNI dot's rate: x's two bytes take two products each), and torch's
+  (MKL / oneDNN) float32 and bfloat16 matmuls;
 - the paged attention kernel: a 2,048-row prompt in tiles (against the float32 peak) and 8
   decode rows over 2,000 positions each, K/V from memory (against the bandwidth);
 - a whole decode step of SmolLM2-135M at 8 running requests, float32, batch-invariant.
@@ -42,14 +44,16 @@ import torch
 
 from kvharbor.common.machine import cpu_info, machine_record, machine_title
 from kvharbor.engine.cpu import cpu_kernels
+from kvharbor.engine.quantize import quantize_int4
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 PROBE_SOURCE = HERE / "csrc" / "roofline_probe.c"
 # SmolLM2-135M's linears, [out, in]: q/o, k/v, gate/up, down, and the LM head.
 SHAPES = {"qo": (576, 576), "kv": (192, 576), "gate_up": (1536, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-PROBES = {"avx2_fma": 0, "avx512_fma": 1, "avx512_bf16_dot": 2}
-PROBE_FLAGS = {"avx2_fma": {"avx2", "fma"}, "avx512_fma": {"avx512f"}, "avx512_bf16_dot": {"avx512f", "avx512_bf16"}}
+PROBES = {"avx2_fma": 0, "avx512_fma": 1, "avx512_bf16_dot": 2, "avx512_vnni_dot": 4}
+PROBE_FLAGS = {"avx2_fma": {"avx2", "fma"}, "avx512_fma": {"avx512f"}, "avx512_bf16_dot": {"avx512f", "avx512_bf16"},
+               "avx512_vnni_dot": {"avx512f", "avx512_vnni"}}  # fmt: skip
 FMA_ROUNDS = 2_000_000  # ~3 ms per probe here
 READ_BYTES = 512 << 20  # far past any cache here
 # The FMA peak is one core's best times the threads: a peak probed on all threads at once is
@@ -114,8 +118,11 @@ def measure_limits(lib: ctypes.CDLL, threads: int, rounds: int) -> dict:
     buf = np.ones(READ_BYTES // 4, dtype=np.float32)
     bandwidth = max(lib.kvh_probe(3, threads, buf.nbytes, buf.ctypes.data) for _ in range(max(rounds, READ_PROBES)))
     f32 = max(v for k, v in peaks.items() if k.endswith("_fma"))
+    # The packed integer GEMM takes two int8 products per product (x's high and low bytes), so its
+    # useful rate is at most half the VNNI dot's; "int16x" is that limit.
+    int16x = peaks["avx512_vnni_dot"] / 2 if "avx512_vnni_dot" in peaks else None
     return {"peaks_flops": peaks, "float32_peak_flops": f32, "bfloat16_peak_flops": peaks.get("avx512_bf16_dot", f32),
-            "read_bytes_per_s": bandwidth}  # fmt: skip
+            "int16x_peak_flops": int16x, "read_bytes_per_s": bandwidth}  # fmt: skip
 
 
 # -- the linears ----------------------------------------------------------------------------------
@@ -150,19 +157,24 @@ def linear_impls(kernels: cpu_kernels.CpuKernels | None, shape: str) -> dict[str
     else:
         impls["kvharbor packed float32"] = ("float32", torch.float32, kernels.pack, kernels.linear_packed)
         impls["kvharbor packed bf16 weights"] = ("float32", torch.bfloat16, kernels.pack, kernels.linear_packed)
+        if kernels.int_packs():  # q4 weights (int4, gguf's Q4_1), x as 16-bit codes: engine/quantize.py
+            impls["kvharbor packed int q4"] = ("int16x", torch.float32, lambda w: kernels.pack_quant(quantize_int4(w)),
+                                               kernels.linear_qpacked)  # fmt: skip
     return impls
 
 
-# Float32 weight bytes a few-row figure cycles through: twice the largest L3 seen here (32 MiB)
-# even as bfloat16, so every call reads its weight from memory as a decode step does.
+# Weight bytes a few-row figure cycles through: four times the largest L3 seen here (32 MiB), so
+# every call reads its weight from memory as a decode step does.
 STREAM_BYTES = 128 << 20
 
 
-def copies_for(m: int, n: int, k: int) -> int:
-    """Weights a figure cycles through: at few rows, STREAM_BYTES' worth. A fixed 30 (SmolLM2's
-    layers) let the small k/v weight (442 KB) sit in the L3, and the packed GEMM then read 185% of
-    the bandwidth bound. At many rows the work binds, and 2 suffice."""
-    return max(2, -(-STREAM_BYTES // (n * k * 4))) if m <= 32 else 2
+def copies_for(m: int, weight_bytes: int) -> int:
+    """Weights a figure cycles through: at few rows, STREAM_BYTES' worth, counted in the bytes the
+    kernel reads. A fixed 30 (SmolLM2's layers) let the small k/v weight (442 KB) sit in the L3,
+    and the packed GEMM then read 185% of the bandwidth bound; counted in float32 bytes, q4 copies
+    (0.75 bytes a weight) fit the L3 too and read 106-119%. At many rows the work binds, and 2
+    suffice."""
+    return max(2, -(-STREAM_BYTES // weight_bytes)) if m <= 32 else 2
 
 
 def measure_linears(args: argparse.Namespace, limits: dict, kernels) -> list[dict]:
@@ -173,20 +185,20 @@ def measure_linears(args: argparse.Namespace, limits: dict, kernels) -> list[dic
         for m in args.rows:
             x = torch.randn(m, k, generator=gen)
             base = torch.randn(n, k, generator=gen) / k**0.5
-            dense = [base.clone() for _ in range(copies_for(m, n, k))]  # the values do not change the time
             for name, (dtype, form, prepare, call) in linear_impls(kernels, shape).items():
-                ws = [prepare(w.to(form)) for w in dense]
+                first = prepare(base.clone().to(form))  # clones: the values do not change the time
+                ws = [first] + [prepare(base.clone().to(form)) for _ in range(copies_for(m, first.nbytes) - 1)]
                 seconds = best_seconds(lambda x=x, ws=ws, call=call: [call(x, w) for w in ws], args.rounds) / len(ws)
-                out.append(figure(shape, n, k, m, name, dtype, form, seconds, limits))
+                out.append(figure(shape, n, k, m, name, dtype, first.nbytes, seconds, limits))
     return out
 
 
-def figure(shape: str, n: int, k: int, m: int, name: str, dtype: str, form: torch.dtype, seconds: float,
+def figure(shape: str, n: int, k: int, m: int, name: str, dtype: str, weight_bytes: int, seconds: float,
            limits: dict) -> dict:  # fmt: skip
-    """One timed linear against its roofline."""
+    """One timed linear against its roofline (`weight_bytes`: the weight as the kernel reads it)."""
     flops = 2.0 * m * n * k
     act = 2 if dtype == "bfloat16" else 4
-    nbytes = n * k * form.itemsize + act * m * (k + n)  # the weight once, x in, y out
+    nbytes = weight_bytes + act * m * (k + n)  # the weight once, x in, y out
     peak, bandwidth = limits[f"{dtype}_peak_flops"], limits["read_bytes_per_s"]
     bound = "compute" if flops / peak >= nbytes / bandwidth else "memory"
     return {"shape": shape, "n": n, "k": k, "rows": m, "kernel": name, "seconds": seconds,
@@ -299,8 +311,10 @@ def plot(limits: dict, linears: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 5.5))
     bw = limits["read_bytes_per_s"]
     xs = np.logspace(-1, 3, 200)
-    for label, peak, style in (("float32 peak", limits["float32_peak_flops"], "-"),
-                               ("bfloat16 peak", limits["bfloat16_peak_flops"], "--")):  # fmt: skip
+    lines = [("float32 peak", limits["float32_peak_flops"], "-"),
+             ("bfloat16 peak", limits["bfloat16_peak_flops"], "--"),
+             ("16-bit x int8 dots peak", limits["int16x_peak_flops"], ":")]  # fmt: skip
+    for label, peak, style in (line for line in lines if line[1]):
         ax.plot(xs, np.minimum(peak, xs * bw) / 1e9, style, color="gray", label=f"{label} ({peak / 1e9:.0f} GFLOP/s)")
     for kernel in dict.fromkeys(r["kernel"] for r in linears):
         pts = [r for r in linears if r["kernel"] == kernel]

@@ -29,9 +29,12 @@ def test_the_report_sets_each_kernel_against_its_binding_limit(tmp_path, capsys)
     assert limits["float32_peak_flops"] == max(v for k, v in limits["peaks_flops"].items() if k.endswith("_fma"))
     kernels = {r["kernel"] for r in record["linears"]}
     assert {"torch float32", "torch bfloat16", "kvharbor packed float32"} <= kernels
+    packs = cpu_kernels.load(2) is not None and cpu_kernels.load(2).int_packs()
+    assert ("kvharbor packed int q4" in kernels) == packs == (limits["int16x_peak_flops"] is not None)
     assert [(r["rows"]) for r in record["linears"]] == [1] * len(kernels) + [128] * len(kernels)
+    binding = {"torch bfloat16": "bfloat16", "kvharbor packed int q4": "int16x"}  # the rest: float32
     for r in record["linears"]:
-        peak = limits[f"{'bfloat16' if r['kernel'] == 'torch bfloat16' else 'float32'}_peak_flops"]
+        peak = limits[f"{binding.get(r['kernel'], 'float32')}_peak_flops"]
         flops = 2 * r["rows"] * r["n"] * r["k"]
         memory_s, compute_s = flops / r["intensity"] / limits["read_bytes_per_s"], flops / peak
         assert r["bound"] == ("compute" if compute_s >= memory_s else "memory")

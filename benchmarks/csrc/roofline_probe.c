@@ -6,7 +6,8 @@
 // so at least 8 independent chains are needed to keep both pipes busy; 12 leave room for a core
 // whose latency is longer (the AVX-512 forms on Zen 4 split each 512-bit op in two halves).
 // Counted as 2 operations per lane (a multiply and an add). vdpbf16ps counts 4 per float lane:
-// two bfloat16 products and their two additions.
+// two bfloat16 products and their two additions; vpdpbusd 8 per int32 lane: four u8 x s8 products
+// and their four additions (integer operations, the packed integer GEMM's).
 //
 // READ BANDWIDTH: each thread sums its own slice of a buffer far larger than the caches, with
 // 8 independent 256-bit accumulators and software prefetch 2 KiB ahead, as the linears read their
@@ -84,6 +85,18 @@ __attribute__((target("avx512f,avx512bf16"))) static double dot_bf16(int64_t rou
     return _mm512_reduce_add_ps(s);
 }
 
+__attribute__((target("avx512f,avx512vnni"))) static double dot_u8s8(int64_t rounds) {
+    __m512i acc[CHAINS];
+    const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+    for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_set1_epi32(c);
+    for (int64_t r = 0; r < rounds; r++)
+#pragma GCC unroll 16
+        for (int c = 0; c < CHAINS; c++) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
+    __m512i s = acc[0];
+    for (int c = 1; c < CHAINS; c++) s = _mm512_add_epi32(s, acc[c]);
+    return (double)_mm512_reduce_add_epi32(s);
+}
+
 static double read_sum(const float *p, int64_t bytes) {
     __m256 acc[8];
     for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
@@ -111,16 +124,18 @@ static void *run(void *arg) {
         case 1: p->sink = fma_avx512(p->rounds); break;
         case 2: p->sink = dot_bf16(p->rounds); break;
         case 3: p->sink = read_sum(p->buf, p->rounds); break;
+        case 4: p->sink = dot_u8s8(p->rounds); break;
     }
     p->end = now();
     return NULL;
 }
 
-// kind 0: AVX2 FMA, 1: AVX-512 FMA, 2: AVX512-BF16 dot (float operations per second); 3: read
+// kind 0: AVX2 FMA, 1: AVX-512 FMA, 2: AVX512-BF16 dot (float operations per second), 4: AVX512-VNNI
+// dot (integer operations per second); 3: read
 // bandwidth over `buf` of `bytes` (bytes per second). `work`: FMA rounds per thread, or the
 // buffer's bytes (split across threads). Returns the rate, or -1 for a bad argument.
 double kvh_probe(int kind, int threads, int64_t work, const float *buf) {
-    if (threads < 1 || threads > MAX_THREADS || kind < 0 || kind > 3 || work <= 0) return -1;
+    if (threads < 1 || threads > MAX_THREADS || kind < 0 || kind > 4 || work <= 0) return -1;
     probe_t probes[MAX_THREADS];
     pthread_t ids[MAX_THREADS];
     const int64_t slice = (work / threads) & ~(int64_t)255;  // whole 256-byte steps per thread
@@ -138,7 +153,7 @@ double kvh_probe(int kind, int threads, int64_t work, const float *buf) {
     }
     const double seconds = last - first;
     pthread_barrier_destroy(&barrier);
-    static const double per_round[3] = {CHAINS * 8 * 2, CHAINS * 16 * 2, CHAINS * 16 * 4};
+    static const double per_round[5] = {CHAINS * 8 * 2, CHAINS * 16 * 2, CHAINS * 16 * 4, 0, CHAINS * 16 * 8};
     const double done = kind == 3 ? (double)slice * threads : per_round[kind] * (double)work * threads;
     return done / seconds;
 }
