@@ -40,7 +40,9 @@
 // TILE: QMR = 3 rows x 32 columns: 4 x 3 int32 sums (high and low, two halves) and 2 x 3 float32
 // sums in registers, 2 weight vectors a quad (4 a pair of quads in q4), x's 4 bytes as a broadcast.
 // Measured at 128 / 512 rows (SmolLM2 q4, 30 layers): 2 rows 36.8 / 146 ms, 3 rows 35.3 / 139,
-// 4 rows 35.8 / 165, 5 rows 47.4 / 189 (the 4 x 5 int sums spill).
+// 4 rows 35.8 / 165, 5 rows 47.4 / 189 (the 4 x 5 int sums spill). At 8 rows 4-row tiles (4 + 4)
+// ran 20% faster with the weights in cache, but 15-20% slower streaming them from memory, as a
+// decode step does (roofline.py: gate/up 383-402 against 463-486 GOP/s), so 3 rows serve all.
 #include "packed_int.h"
 
 #include <immintrin.h>
