@@ -1444,7 +1444,9 @@ static inline __attribute__((always_inline)) void attention_tile(const int KV, c
                 __m256 p1 = exp256(_mm256_sub_ps(s1, mv));
                 _mm256_store_ps(s, p0);
                 _mm256_store_ps(s + 8, p1);
-                corr[h % 3] = *m_h == -INFINITY ? 0.0f : expf(*m_h - top);
+                // expf(0) is exactly 1: where the running max stands (most blocks after a prompt's
+                // first few), the libm call is skipped with the same bits.
+                corr[h % 3] = *m_h == -INFINITY ? 0.0f : *m_h == top ? 1.0f : expf(*m_h - top);
                 *l_h = *l_h * corr[h % 3] + hsum(_mm256_add_ps(p0, p1));
                 *m_h = top;
                 a_g[h % 3] = acc[r * G + h];
