@@ -446,31 +446,43 @@ typedef struct {
     int64_t ldx, k;
 } xcodes_args_t;
 
+// One group of 32 of x into v, and its largest |x| (a NaN is dropped by max_ps: `nan`, where given,
+// gets whether the group holds one).
+static inline float group_amax(const float *p, __m256 v[4], int *nan) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 top = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+    for (int s = 0; s < 4; s++) {
+        v[s] = _mm256_loadu_ps(p + 8 * s);
+        top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[s]));
+        if (nan) unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[s], v[s], _CMP_UNORD_Q));
+    }
+    __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+    t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+    if (nan) *nan = _mm256_movemask_ps(unordered) != 0;
+    return _mm_cvtss_f32(t);
+}
+
+// 32 int32 codes (within -128..127) as 32 int8 in element order: the packs interleave 128-bit
+// lanes; the permute undoes it.
+static inline __m256i int8_codes(const __m256i q[4]) {
+    const __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    return _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 // Rows [r0, r1) of x as codes, scales and sums (fill_xcodes; each row's are its own).
 static void xcodes_rows(const void *args, int64_t r0, int64_t r1) {
     const xcodes_args_t *a = args;
     const float *x = a->x;
     const int64_t ldx = a->ldx, k = a->k, groups = k / GROUP;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for (int64_t r = r0; r < r1; r++)
         for (int64_t g = 0; g < groups; g++) {
-            const float *p = x + r * ldx + g * GROUP;
-            __m256 v[4], top = _mm256_setzero_ps();
-            for (int s = 0; s < 4; s++) {
-                v[s] = _mm256_loadu_ps(p + 8 * s);
-                top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[s]));
-            }
-            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-            t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
-            const float amax = _mm_cvtss_f32(t), d = amax > 0 ? amax / 127.0f : 1.0f;
+            __m256 v[4];
+            const float amax = group_amax(x + r * ldx + g * GROUP, v, NULL), d = amax > 0 ? amax / 127.0f : 1.0f;
             const __m256 inv = _mm256_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
             __m256i q[4];
             for (int s = 0; s < 4; s++) q[s] = _mm256_cvtps_epi32(_mm256_mul_ps(v[s], inv));  // round to nearest
-            // int32 x 32 -> int8 x 32: the packs interleave 128-bit lanes; the permute undoes it.
-            __m256i b = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-            _mm256_storeu_si256((__m256i *)(xcodes + r * k + g * GROUP), _mm256_permutevar8x32_epi32(b, order));
+            _mm256_storeu_si256((__m256i *)(xcodes + r * k + g * GROUP), int8_codes(q));
             xscales[r * groups + g] = d;
             // The group's sum for format 2's mins, of the rounded x as the codes hold it: the mins'
             // term then rounds as the codes' term does, and their errors cancel where w = q * s + min
@@ -511,16 +523,14 @@ static int fill_xcodes(const float *x, int64_t ldx, int64_t m, int64_t k) {
 // 32 int32 codes of one group (|q| <= 32,512) as two int8 vectors in element order: the high bytes
 // hi = (q + 128) >> 8 (-127..127) and the low lo = q - 256 hi (-128..127), so q = 256 hi + lo exactly.
 static inline void split_codes(const __m256i q[4], int8_t *hi_out, int8_t *lo_out, __m256i *hi_sum, __m256i *lo_sum) {
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7), half = _mm256_set1_epi32(128);
+    const __m256i half = _mm256_set1_epi32(128);
     __m256i hi[4], lo[4];
     for (int s = 0; s < 4; s++) {
         hi[s] = _mm256_srai_epi32(_mm256_add_epi32(q[s], half), 8);
         lo[s] = _mm256_sub_epi32(q[s], _mm256_slli_epi32(hi[s], 8));
     }
-    const __m256i h = _mm256_packs_epi16(_mm256_packs_epi32(hi[0], hi[1]), _mm256_packs_epi32(hi[2], hi[3]));
-    const __m256i l = _mm256_packs_epi16(_mm256_packs_epi32(lo[0], lo[1]), _mm256_packs_epi32(lo[2], lo[3]));
-    _mm256_storeu_si256((__m256i *)hi_out, _mm256_permutevar8x32_epi32(h, order));
-    _mm256_storeu_si256((__m256i *)lo_out, _mm256_permutevar8x32_epi32(l, order));
+    _mm256_storeu_si256((__m256i *)hi_out, int8_codes(hi));
+    _mm256_storeu_si256((__m256i *)lo_out, int8_codes(lo));
     *hi_sum = _mm256_add_epi32(_mm256_add_epi32(hi[0], hi[1]), _mm256_add_epi32(hi[2], hi[3]));
     *lo_sum = _mm256_add_epi32(_mm256_add_epi32(lo[0], lo[1]), _mm256_add_epi32(lo[2], lo[3]));
 }
@@ -529,26 +539,18 @@ static inline void split_codes(const __m256i q[4], int8_t *hi_out, int8_t *lo_ou
 static void xwide_rows(const void *args, int64_t r0, int64_t r1) {
     const xcodes_args_t *a = args;
     const int64_t ldx = a->ldx, k = a->k, groups = k / GROUP;
-    const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t r = r0; r < r1; r++)
         for (int64_t g = 0; g < groups; g++) {
-            const float *p = a->x + r * ldx + g * GROUP;
-            __m256 v[4], top = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-            for (int s = 0; s < 4; s++) {
-                v[s] = _mm256_loadu_ps(p + 8 * s);
-                top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[s]));
-                nan = _mm256_or_ps(nan, _mm256_cmp_ps(v[s], v[s], _CMP_UNORD_Q));  // max_ps drops NaNs
-            }
-            __m128 t = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
-            t = _mm_max_ps(t, _mm_movehl_ps(t, t));
-            t = _mm_max_ss(t, _mm_shuffle_ps(t, t, 1));
+            __m256 v[4];
+            int nan;
+            const float amax = group_amax(a->x + r * ldx + g * GROUP, v, &nan);
             // A group whose largest |x| is below WIDE_CODES / FLT_MAX (~1e-34) would scale by inf:
             // it counts as zero (its products are below 1e-34 |w|). An inf x gives the group scale
             // inf (its sums inf or NaN), a NaN x scale NaN: non-finite x stays non-finite in y,
             // as in float products, instead of turning into finite garbage.
-            const float amax = _mm_cvtss_f32(t), inv1 = amax > 0 ? (float)WIDE_CODES / amax : 0.0f;
+            const float inv1 = amax > 0 ? (float)WIDE_CODES / amax : 0.0f;
             const int tiny = inv1 > FLT_MAX;
-            const float d = _mm256_movemask_ps(nan) ? NAN : amax > 0 && !tiny ? amax / (float)WIDE_CODES : 1.0f;
+            const float d = nan ? NAN : amax > 0 && !tiny ? amax / (float)WIDE_CODES : 1.0f;
             const __m256 inv = _mm256_set1_ps(tiny || amax == INFINITY ? 0.0f : inv1);
             const __m256i top_code = _mm256_set1_epi32(WIDE_CODES), bottom_code = _mm256_set1_epi32(-WIDE_CODES);
             __m256i q[4], hi_sum, lo_sum;
