@@ -249,16 +249,8 @@ class CpuKernels:
         """x [m, k] float32 @ W^T (+ bias float32) over a packed weight (pack), as float32: each output
         one float32 sum over k in order, whatever m, so a row's result does not depend on the others.
         A `dot` weight takes x rounded to bfloat16 (each element by itself), products in k-pairs."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
+        x, bias, y = _packed_call("linear_packed", x, weight.k, weight.n, bias)
         m, k = x.shape
-        if x.dtype != torch.float32 or k != weight.k:
-            raise ValueError(f"linear_packed takes float32 x [m, {weight.k}], got {x.dtype} {tuple(x.shape)}")
-        if bias is not None:
-            bias = bias.float().contiguous()
-            if bias.shape != (weight.n,) or bias.device.type != "cpu":
-                raise ValueError(f"linear_packed takes a bias of [{weight.n}], got {tuple(bias.shape)}")
-        y = torch.empty(m, weight.n, dtype=torch.float32)
         if m == 0:
             return y
         fmt = 2 if weight.dot else int(weight.data.dtype == torch.bfloat16)
@@ -296,17 +288,8 @@ class CpuKernels:
         products, and each output's groups summed in order, whatever m: a row's result does not
         depend on the others. A NaN or inf in a row of x gives that row non-finite outputs, as float
         products would."""
-        if x.stride(-1) != 1:
-            x = x.contiguous()
+        x, bias, y = _packed_call("linear_qpacked", x, w.k, w.n, bias)
         m, k = x.shape
-        if x.dtype != torch.float32 or k != w.k or x.device.type != "cpu":
-            raise ValueError(f"linear_qpacked takes float32 x [m, {w.k}] on the CPU, got {x.dtype} {tuple(x.shape)} "
-                             f"on {x.device}")  # fmt: skip
-        if bias is not None:
-            bias = bias.float().contiguous()
-            if bias.shape != (w.n,) or bias.device.type != "cpu":
-                raise ValueError(f"linear_qpacked takes a bias of [{w.n}], got {tuple(bias.shape)}")
-        y = torch.empty(m, w.n, dtype=torch.float32)
         if m == 0:
             return y
         code = self._lib.kvharbor_linear_qpacked(
@@ -691,6 +674,20 @@ class LoRAPlan:
     outs: ctypes.Array
     offsets: ctypes.Array
     width: int  # the output columns the plan writes up to
+
+
+def _packed_call(name: str, x: torch.Tensor, k: int, n: int, bias: torch.Tensor | None):
+    """A packed GEMM's inputs as its kernel reads them, checked: x float32 [m, k] on the CPU with
+    contiguous elements (rows may be strided), bias float32 [n] or None; and its output y [m, n]."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != k or x.device.type != "cpu":
+        raise ValueError(f"{name} takes float32 x [m, {k}] on the CPU, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if bias is not None:
+        bias = bias.float().contiguous()
+        if bias.shape != (n,) or bias.device.type != "cpu":
+            raise ValueError(f"{name} takes a bias of [{n}], got {tuple(bias.shape)}")
+    return x, bias, torch.empty(x.shape[0], n, dtype=torch.float32)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
