@@ -294,6 +294,25 @@ def assert_near_reference(reference: torch.nn.Module, prompt: list[int], tokens:
         assert gap < 2 * max_move, f"position {i}: token {got} is {gap:.2f} below the reference's {top}"
 
 
+def assert_rows_alone(kernels, linear, x: torch.Tensor) -> None:
+    """A batch-invariant linear's contract: each row of `linear(x)` is the same bits alone, first
+    among 7 others, first of up to 128, in chunks of every size from 1 to 25 (every tile height and
+    its tails), and on one of `kernels`' threads against all of them."""
+    whole = linear(x)
+    for row in sorted({0, 5, 77, 127, len(x) - 1} & set(range(len(x)))):
+        assert torch.equal(linear(x[row : row + 1])[0], whole[row])
+        assert torch.equal(linear(torch.cat([x[row : row + 1], x[:7]]))[0], whole[row])
+        assert torch.equal(linear(x[row : row + 128])[0], whole[row])
+    for size in range(1, 26):
+        assert torch.equal(torch.cat([linear(part) for part in x.split(size)]), whole), size
+    threads = kernels.threads
+    try:
+        kernels._lib.kvharbor_set_threads(1)
+        assert torch.equal(linear(x), whole)
+    finally:
+        kernels._lib.kvharbor_set_threads(threads)
+
+
 REPO = Path(__file__).resolve().parent.parent
 
 

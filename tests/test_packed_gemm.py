@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_rows_alone
 
 from kvharbor.common.machine import cpu_info
 from kvharbor.engine.cpu import cpu_kernels
@@ -75,21 +76,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(kernels, form):
     w = torch.randn(n, k, generator=gen).to(dtype)
     packed, bias = kernels.pack(w, dot=dot), torch.randn(n, generator=gen)
     x = torch.randn(128, k, generator=gen)
-    whole = kernels.linear_packed(x, packed, bias)
-    for row in (0, 5, 77, 127):
-        assert torch.equal(kernels.linear_packed(x[row : row + 1], packed, bias)[0], whole[row])
-        eight = torch.cat([x[row : row + 1], x[:7]]) if row >= 7 else x[:8]
-        at = 0 if row >= 7 else row
-        assert torch.equal(kernels.linear_packed(eight, packed, bias)[at], whole[row])
-    for size in range(1, 26):
-        chunks = [kernels.linear_packed(part, packed, bias) for part in x.split(size)]
-        assert torch.equal(torch.cat(chunks), whole), size
-    threads = kernels.threads
-    try:
-        kernels._lib.kvharbor_set_threads(1)
-        assert torch.equal(kernels.linear_packed(x, packed, bias), whole)
-    finally:
-        kernels._lib.kvharbor_set_threads(threads)
+    assert_rows_alone(kernels, lambda rows: kernels.linear_packed(rows, packed, bias), x)
 
 
 def test_bad_inputs_are_refused_with_what_was_given():

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, assert_rows_alone
 
 from kvharbor.engine.cpu import cpu_kernels
 from kvharbor.engine.quantize import GROUP, QuantLinear, quantize, quantize_int4, quantize_q8
@@ -100,21 +100,7 @@ def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(fmt):
     w = FORMATS[fmt](torch.randn(200, 1536, generator=gen))
     packed, bias = KERNELS.pack_quant(w), torch.randn(200, generator=gen)
     x = torch.randn(200, 1536, generator=gen)
-    whole = KERNELS.linear_qpacked(x, packed, bias)
-    for row in (0, 5, 77, 127, 199):
-        assert torch.equal(KERNELS.linear_qpacked(x[row : row + 1], packed, bias)[0], whole[row])
-        eight = torch.cat([x[row : row + 1], x[:7]])
-        assert torch.equal(KERNELS.linear_qpacked(eight, packed, bias)[0], whole[row])
-        assert torch.equal(KERNELS.linear_qpacked(x[row : row + 128], packed, bias)[0], whole[row])
-    for size in range(1, 26):
-        chunks = [KERNELS.linear_qpacked(part, packed, bias) for part in x.split(size)]
-        assert torch.equal(torch.cat(chunks), whole), size
-    threads = KERNELS.threads
-    try:
-        KERNELS._lib.kvharbor_set_threads(1)
-        assert torch.equal(KERNELS.linear_qpacked(x, packed, bias), whole)
-    finally:
-        KERNELS._lib.kvharbor_set_threads(threads)
+    assert_rows_alone(KERNELS, lambda rows: KERNELS.linear_qpacked(rows, packed, bias), x)
 
 
 @needs_vnni
