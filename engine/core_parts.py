@@ -282,20 +282,16 @@ class CoreParts:
         return blocker is None
 
     def _packs_quantized(self, threads: int) -> bool:
-        """Whether every quantized projection runs on the packed integer GEMM here (QuantLinear):
-        AVX512-VNNI, and every projection's input width a whole number of groups (int8 weights
-        may have others; those stay on the integer tiles, 4x slower in 32-row slices)."""
-        from kvharbor.engine.quantize import GROUP
-
+        """Whether every quantized projection runs on the packed integer GEMM here (quantize.packs:
+        AVX512-VNNI, and an input width of whole groups; int8 weights may have others, which stay
+        on the integer tiles, 4x slower in 32-row slices)."""
         if self.device.type != "cpu" or not self.config.runtime.cpu_kernels:
             return False
-        a = self.arch
-        if any(k % GROUP for k in (a.hidden_size, a.num_heads * a.head_dim, a.intermediate_size)):
-            return False
         from kvharbor.engine.cpu import cpu_kernels
+        from kvharbor.engine.quantize import packs
 
-        kernels = cpu_kernels.load(threads)
-        return kernels is not None and kernels.int_packs()
+        kernels, a = cpu_kernels.load(threads), self.arch
+        return all(packs(kernels, k) for k in (a.hidden_size, a.num_heads * a.head_dim, a.intermediate_size))
 
     def _config_blocker(self) -> str | None:
         """What in the configuration alone keeps batch-invariant mode from running (known before

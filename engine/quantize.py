@@ -197,13 +197,19 @@ def quantize(weight: torch.Tensor, mode: str) -> QuantWeight:
     raise ValueError(f"cannot quantize float weights to {mode!r} (choose int8 or int4)")
 
 
+def packs(gemm, k: int) -> bool:
+    """Whether a weight of k inputs runs on the packed integer GEMM (csrc/packed_int.c) through
+    `gemm`: its kernels have AVX512-VNNI with the linears on 16 lanes, and k is whole groups."""
+    return gemm is not None and gemm.int_packs() and k % GROUP == 0
+
+
 class QuantLinear:
-    """One projection's quantized weight. With the CPU kernels (`gemm`): where they have AVX512-VNNI
-    and k is a whole number of groups, every input through the packed integer GEMM; else
-    decode-sized inputs through the integer tiles on the quantized bytes, larger ones through the
-    packed GEMM on dequantized slices (the module docstring says why); bfloat16 rows are widened
-    to float32 for them and the result rounded back once. Without them (CUDA, no AVX2): every
-    input through slices dequantized by torch ops into x's dtype: the memory of the quantized weights at the cost of a
+    """One projection's quantized weight. With the CPU kernels (`gemm`): where the weight packs
+    (`packs`), every input through the packed integer GEMM; else decode-sized inputs through the
+    integer tiles on the quantized bytes, larger ones through the packed GEMM on dequantized
+    slices (the module docstring says why); bfloat16 rows are widened to float32 for them and the
+    result rounded back once. Without them (CUDA, no AVX2): every input through slices dequantized
+    by torch ops into x's dtype: the memory of the quantized weights at the cost of a
     dequantization per step (no fused kernel for that path yet)."""
 
     def __init__(self, gemm, weight: QuantWeight, max_rows: int, invariant: bool = False) -> None:
@@ -218,7 +224,7 @@ class QuantLinear:
         self.max_rows = max_rows if gemm is not None else -1
         self.invariant = invariant
         self.int_packed = None
-        if gemm is not None and gemm.int_packs() and weight.k % GROUP == 0:
+        if packs(gemm, weight.k):
             self.int_packed = gemm.pack_quant(weight)
         self.weight: QuantWeight | None = None if self.int_packed is not None else weight
 
